@@ -1,0 +1,5 @@
+import sys
+
+from onegpu.cli import main
+
+sys.exit(main())

@@ -1,0 +1,144 @@
+"""The one build path: config -> model -> techniques -> optimizer, and data.
+
+Every command (train, and later plan/tune/bench/profile) calls `build`. The model is constructed
+on the meta device (no memory), techniques are applied in a fixed order, then it is materialised
+on the target device and initialised; on device "meta" it stays unallocated, which is how the
+memory planner sees the very same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from onegpu.config import Config, ConfigError
+from onegpu.data.tokens import TokenSplits, prepare_tokens
+from onegpu.models.gpt import GPT, count_params
+from onegpu.optim import build_optimizer
+from onegpu.perf.flops import flops_per_token
+from onegpu.techniques.loss import LossFn, token_loss_sum
+from onegpu.techniques.precision import PrecisionPolicy, apply_precision, resolve_precision
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            "train.device", f"{name!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device", "CUDA was asked for but no CUDA GPU is visible; use --train.device cpu"
+        )
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and device.index >= torch.cuda.device_count()
+    ):
+        raise ConfigError(
+            "train.device", f"{name}: only {torch.cuda.device_count()} CUDA device(s) visible"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            "train.device", "mps was asked for but is not available; use --train.device cpu"
+        )
+    if device.type not in ("cpu", "cuda", "mps", "meta"):
+        raise ConfigError("train.device", f"unsupported device type {device.type!r}")
+    return device
+
+
+def apply_techniques(model: GPT, cfg: Config) -> GPT:
+    """Techniques in their documented order: precision policy -> approximate-gradient layers ->
+    activation checkpointing / offload -> chunked loss -> compile. (Precision needs no model
+    change under autocast; the others arrive with the memory and speed issues.)"""
+    return model
+
+
+@dataclass(slots=True)
+class Built:
+    cfg: Config
+    device: torch.device
+    model: GPT
+    policy: PrecisionPolicy
+    optimizer: torch.optim.Optimizer | None
+    loss_fn: LossFn
+    data: TokenSplits | None
+    n_params: int
+    flops_per_token: int
+
+
+def build_model(cfg: Config, device: torch.device) -> GPT:
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    model = apply_techniques(model, cfg)
+    if device.type != "meta":
+        torch.manual_seed(cfg.train.seed)
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+def build(
+    cfg: Config,
+    device: torch.device | None = None,
+    *,
+    with_data: bool = True,
+    with_optimizer: bool = True,
+) -> Built:
+    """Resolve device and precision, prepare data, build model and optimizer.
+
+    Raises ConfigError (before anything is written) for anything this device or data cannot do.
+    """
+    device = device or resolve_device(cfg.train.device)
+    policy = resolve_precision(cfg.train.precision, device)
+    cfg.train.precision = policy.name  # the resolved config says what actually ran
+    data = prepare_tokens(cfg.data, cfg.model.vocab_size) if with_data else None
+    if data is not None:
+        _check_data_sizes(cfg, data)
+    apply_precision(policy, device)
+    model = build_model(cfg, device)
+    optimizer = (
+        build_optimizer(model, cfg.optim, device)
+        if with_optimizer and device.type != "meta"
+        else None
+    )
+    return Built(
+        cfg=cfg,
+        device=device,
+        model=model,
+        policy=policy,
+        optimizer=optimizer,
+        loss_fn=token_loss_sum,
+        data=data,
+        n_params=count_params(model),
+        flops_per_token=flops_per_token(model, cfg.train_seq_len),
+    )
+
+
+def _check_data_sizes(cfg: Config, data: TokenSplits) -> None:
+    T = cfg.train_seq_len
+    need = cfg.train.batch_size * T + 1
+    if len(data.train) < need:
+        raise ConfigError(
+            "data.source",
+            f"the training split has {len(data.train)} tokens, fewer than one batch "
+            f"(train.batch_size * seq_len + 1 = {need}); use more data or a smaller batch/seq_len",
+        )
+    if cfg.train.eval_every and len(data.val) < T + 1:
+        raise ConfigError(
+            "data.val_fraction",
+            f"the validation split has {len(data.val)} tokens, fewer than one sequence ({T + 1}); "
+            "raise data.val_fraction or turn evaluation off with --train.eval_every 0",
+        )
+
+
+def parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+__all__ = ["Built", "build", "build_model", "resolve_device"]

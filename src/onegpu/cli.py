@@ -1,0 +1,114 @@
+"""The `onegpu` command: subcommands map to library functions; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from collections.abc import Sequence
+
+from onegpu.config import ConfigError, all_fields, all_keys, load_config, preset_names, type_name
+
+EPILOG = """Every option is --section.field VALUE (booleans: true/false). Precedence:
+--preset < --config FILE < command line. The resolved config is written to the run folder."""
+
+
+def _add_config_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset", help=f"named starting point: {', '.join(preset_names())} (default: small)"
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with [section] tables of options")
+    p.add_argument("--out", metavar="DIR", help="run folder (same as --out.dir)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, name, typ, default, doc in all_fields():
+        g = groups.setdefault(section, p.add_argument_group(f"[{section}]"))
+        g.add_argument(
+            f"--{section}.{name}",
+            dest=f"{section}.{name}",
+            metavar=type_name(typ).upper() if "{" not in type_name(typ) else type_name(typ),
+            default=argparse.SUPPRESS,
+            help=f"{doc} (default: {default!r})".replace("%", "%%"),
+        )
+
+
+def _overrides(ns: argparse.Namespace, unknown: list[str]) -> dict[str, str]:
+    if unknown:
+        bad = unknown[0].split("=")[0]
+        key = bad.lstrip("-")
+        hint = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+        fix = f"did you mean --{hint[0]}?" if hint else "see --help for the options"
+        raise ConfigError(key, f"unknown option {bad}; {fix}")
+    values = {k: v for k, v in vars(ns).items() if "." in k}
+    if ns.out:
+        values.setdefault("out.dir", ns.out)
+    return values
+
+
+def _config_from(ns: argparse.Namespace, unknown: list[str]):
+    return load_config(ns.preset, ns.config, _overrides(ns, unknown))
+
+
+def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from onegpu.train.trainer import train
+
+    summary = train(_config_from(ns, unknown))
+    keys = (
+        "params",
+        "tokens",
+        "tokens_per_s",
+        "mfu",
+        "peak_mem_bytes",
+        "loss",
+        "val_loss",
+        "train_time_s",
+    )
+    print(json.dumps({k: summary[k] for k in keys}, indent=1))
+    return 0
+
+
+def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
+    if unknown:
+        raise ConfigError(unknown[0], "unknown option for `onegpu info`")
+    from onegpu.perf.info import device_info, format_info
+
+    info = device_info(measure=not ns.no_measure)
+    print(json.dumps(info, indent=1) if ns.json else format_info(info))
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onegpu",
+        description="Train transformer language models efficiently on one GPU or a CPU.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "train",
+        help="train a model (defaults: a small GPT on the Python standard library)",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_options(p)
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser(
+        "info", help="device, torch version, supported dtypes, measured matmul peaks"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-measure", action="store_true", help="skip the matmul peak measurement")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    try:
+        return ns.func(ns, unknown)
+    except ConfigError as e:
+        print(f"onegpu: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

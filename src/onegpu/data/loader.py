@@ -1,0 +1,130 @@
+"""Packed sequences, a deterministic shuffled loader, and a device prefetcher.
+
+The token stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs and shifted
+targets). Each optimizer step takes one host batch of `train.batch_size` windows; the trainer
+splits it into micro-batches on the device. Token ids are tiny next to activations, so copying
+the whole step's batch at once, one step ahead, costs no memory that matters and overlaps the
+host-to-device copy with compute completely (seed 003's asynchronous I/O).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+IGNORE_INDEX = -100
+"""Target value excluded from the loss (padding); torch's cross_entropy default."""
+
+
+class PackedSequences(Dataset):
+    """Window i = tokens[i*T : i*T + T + 1], returned as (inputs, targets) int64 tensors."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.n = max(0, (len(tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """Endless indices: a fresh permutation per epoch, fixed by (seed, epoch).
+
+    The position is (epoch, offset), so a resumed run can continue exactly where it stopped.
+    """
+
+    def __init__(self, n: int, seed: int, start: int = 0):
+        self.n, self.seed, self.start = n, seed, start
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, offset = divmod(self.start, self.n)
+        while True:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            perm = torch.randperm(self.n, generator=g).tolist()
+            yield from perm[offset:]
+            epoch, offset = epoch + 1, 0
+
+    def __len__(self) -> int:  # pragma: no cover - endless; DataLoader asks only for len()
+        return 2**62
+
+
+def make_train_loader(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
+    data = PackedSequences(tokens, seq_len)
+    return DataLoader(
+        data,
+        batch_size=batch_size,
+        sampler=EpochShuffleSampler(len(data), seed),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        drop_last=True,
+    )
+
+
+def make_eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int) -> list:
+    """The first n_batches batches of the validation split: the same every evaluation."""
+    data = PackedSequences(tokens, seq_len)
+    n = min(len(data), batch_size * n_batches)
+    return [
+        tuple(torch.stack(t) for t in zip(*(data[i] for i in range(s, min(s + batch_size, n)))))
+        for s in range(0, n, batch_size)
+    ]
+
+
+def count_targets(targets: torch.Tensor) -> int:
+    """Tokens that count in the loss (host tensor: no device sync)."""
+    return int((targets != IGNORE_INDEX).sum())
+
+
+class DevicePrefetcher:
+    """Yields batches on the device while the next one is already being copied.
+
+    On CUDA the copy runs on a side stream from pinned memory (`non_blocking=True`), and the
+    compute stream waits for it only when the batch is used. On the CPU the copy is a no-op.
+    """
+
+    def __init__(self, batches: Iterator, device: torch.device):
+        self.batches = iter(batches)
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._next = self._copy(next(self.batches))
+
+    def _copy(self, batch):
+        def to_device(t):
+            return t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+        if self.stream is None:
+            return tuple(map(to_device, batch))
+        with torch.cuda.stream(self.stream):
+            return tuple(map(to_device, batch))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self._next
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)
+            for t in batch:  # the caching allocator must not reuse this memory early
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(current)
+        self._next = self._copy(next(self.batches))
+        return batch

@@ -1,0 +1,92 @@
+"""Tokenizers that need no download: UTF-8 bytes, or a byte-level BPE trained here.
+
+Documents are separated by an end-of-text token: byte 0 for the byte tokenizer (NUL never
+occurs in text), `<|endoftext|>` (id 0) for BPE, as GPT-2 does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int] | np.ndarray: ...
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    name = "byte"
+    vocab_size = 256
+    eot_id = 0
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if i != self.eot_id).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """A `tokenizers` byte-level BPE (GPT-2's pre-tokenizer and byte alphabet)."""
+
+    eot_token = "<|endoftext|>"
+
+    def __init__(self, tok, vocab_size: int):
+        self._tok = tok
+        self.vocab_size = vocab_size
+        self.name = f"bpe{vocab_size}"
+        self.eot_id = tok.token_to_id(self.eot_token)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, path: Path) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[cls.eot_token],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tok.save(str(tmp))
+        os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+        return cls(tok, vocab_size)
+
+    @classmethod
+    def load(cls, path: Path, vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_file(str(path)), vocab_size)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    @property
+    def trained_vocab_size(self) -> int:
+        """What training reached (a small corpus may yield fewer merges than asked for)."""
+        return self._tok.get_vocab_size()

@@ -1,0 +1,161 @@
+"""Token files: tokenize a corpus once into cached nanoGPT-format `.bin` files, read by memory map.
+
+A `.bin` file is a flat array of token ids (uint16, or uint32 for vocabularies over 65,536), no
+header: nanoGPT's format, so files prepared by nanoGPT's scripts load as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onegpu.config import ConfigError, DataConfig
+from onegpu.data.corpus import Corpus, open_corpus
+from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+
+FORMAT_VERSION = 1
+
+
+@dataclass(slots=True)
+class TokenSplits:
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer | None  # None for pre-tokenized .bin input
+    description: str
+
+
+def cache_root(data: DataConfig) -> Path:
+    root = data.cache_dir or os.environ.get("ONEGPU_CACHE") or Path.home() / ".cache" / "onegpu"
+    return Path(root).expanduser()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def write_bin(path: Path, tokens: np.ndarray, dtype: np.dtype | str) -> None:
+    np.asarray(tokens).astype(dtype).tofile(path)
+
+
+def read_bin(path: Path, dtype: np.dtype | str) -> np.ndarray:
+    """Memory-map a token file; a size that is not a whole number of tokens means corruption."""
+    dtype = np.dtype(dtype)
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ConfigError(
+            "data.source",
+            f"{path} is {size} bytes, not a whole number of {dtype.name} tokens; "
+            "the file is truncated or data.bin_dtype is wrong",
+        )
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
+    hi = 0
+    for start in range(0, len(tokens), 1 << 26):
+        hi = max(hi, int(tokens[start : start + (1 << 26)].max(initial=0)))
+    if hi >= vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            f"{path} holds token id {hi}, but model.vocab_size is {vocab_size}; set it to at least {hi + 1}",
+        )
+
+
+def _load_pretokenized(path: Path, data: DataConfig, vocab_size: int) -> TokenSplits:
+    if path.is_dir():
+        train_path, val_path = path / "train.bin", path / "val.bin"
+        train = read_bin(train_path, data.bin_dtype)
+        val = read_bin(val_path, data.bin_dtype) if val_path.exists() else None
+    else:
+        train_path = path
+        train, val = read_bin(path, data.bin_dtype), None
+    if val is None:  # hold out the tail
+        cut = len(train) - int(len(train) * data.val_fraction)
+        train, val = train[:cut], train[cut:]
+    _check_ids(train, vocab_size, train_path)
+    _check_ids(val, vocab_size, train_path)
+    return TokenSplits(train, val, None, f"{path} ({data.bin_dtype} tokens)")
+
+
+def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokenizer:
+    if data.tokenizer == "byte":
+        return ByteTokenizer()
+    vocab = data.tokenizer_vocab or model_vocab
+    path = cache_root(data) / "tokenizers" / f"{corpus.key}-v{corpus.val_fraction}-bpe{vocab}.json"
+    if path.exists():
+        return BPETokenizer.load(path, vocab)
+    print(f"onegpu: training a {vocab}-token byte-level BPE on {corpus.path} (cached at {path})")
+    return BPETokenizer.train(corpus.documents("train"), vocab, path)
+
+
+def _tokenize_split(corpus: Corpus, split: str, tok: Tokenizer, out: Path, dtype: np.dtype) -> int:
+    n = 0
+    with open(out, "wb") as fh:
+        batch: list[str] = []
+
+        def flush() -> None:
+            nonlocal n
+            for ids in tok.encode_batch(batch):
+                arr = np.empty(len(ids) + 1, dtype=dtype)
+                arr[0] = tok.eot_id  # separates documents, as GPT-2's <|endoftext|>
+                arr[1:] = ids
+                arr.tofile(fh)
+                n += len(arr)
+            batch.clear()
+
+        for doc in corpus.documents(split):
+            batch.append(doc)
+            if len(batch) == 256:
+                flush()
+        flush()
+    return n
+
+
+def prepare_tokens(data: DataConfig, model_vocab: int) -> TokenSplits:
+    """Token arrays for the train and validation splits of `data.source`, cached on disk."""
+    source_path = Path(data.source).expanduser()
+    if data.source != "stdlib" and (
+        source_path.suffix == ".bin"
+        or (source_path.is_dir() and (source_path / "train.bin").exists())
+    ):
+        if not source_path.exists():
+            raise ConfigError("data.source", f"{data.source!r} does not exist")
+        return _load_pretokenized(source_path, data, model_vocab)
+
+    corpus = open_corpus(data.source, val_fraction=data.val_fraction, text_field=data.text_field)
+    tok = _tokenizer_for(corpus, data, model_vocab)
+    dtype = token_dtype(tok.vocab_size)
+    folder = (
+        cache_root(data)
+        / "tokens"
+        / f"{corpus.key}-v{corpus.val_fraction}-{tok.name}-f{FORMAT_VERSION}"
+    )
+    if not (folder / "meta.json").exists():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        counts = {
+            s: _tokenize_split(corpus, s, tok, tmp / f"{s}.bin", dtype) for s in ("train", "val")
+        }
+        meta = {
+            "source": str(corpus.path),
+            "kind": corpus.kind,
+            "tokenizer": tok.name,
+            "dtype": dtype.name,
+            **counts,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first: use its files
+            shutil.rmtree(tmp, ignore_errors=True)
+    train = read_bin(folder / "train.bin", dtype)
+    val = read_bin(folder / "val.bin", dtype)
+    return TokenSplits(train, val, tok, f"{corpus.kind}:{corpus.path} ({tok.name})")

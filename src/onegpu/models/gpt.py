@@ -1,0 +1,164 @@
+"""A GPT-2-style decoder: architecture only, no training infrastructure.
+
+Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, F MLP hidden, V vocab.
+
+Blocks are pre-norm and split into two residual branches, `attn` and `mlp`, each holding its own
+LayerNorm, so that techniques can wrap either branch (seed 000 remats exactly these two).
+Build under `torch.device("meta")`, move with `to_empty(device=...)`, then `init_weights()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onegpu.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def plain_attention(
+    q_BHTK: torch.Tensor,
+    k_BHTK: torch.Tensor,
+    v_BHTK: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    softmax_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Causal attention with scores and softmax in `softmax_dtype` (seed 000's safe softmax).
+
+    Autocast is switched off around the score matmul, else it would cast the fp32 operands
+    straight back to bf16/fp16 and defeat the point.
+    """
+    T, K = q_BHTK.shape[-2], q_BHTK.shape[-1]
+    with torch.autocast(q_BHTK.device.type, enabled=False):
+        q = q_BHTK.to(softmax_dtype) * K**-0.5
+        scores_BHTT = q @ k_BHTK.to(softmax_dtype).transpose(-2, -1)
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores_BHTT = scores_BHTT.masked_fill(~causal_TT, float("-inf"))
+        weights_BHTT = scores_BHTT.softmax(dim=-1)
+    weights_BHTT = F.dropout(weights_BHTT.to(v_BHTK.dtype), p=dropout_p, training=dropout_p > 0)
+    return weights_BHTT @ v_BHTK
+
+
+class Attention(nn.Module):
+    """Residual branch: LayerNorm -> causal self-attention -> projection -> dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.impl = cfg.attention
+        self.softmax_dtype = _DTYPES[cfg.softmax_dtype]
+        self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        H, K = self.n_head, D // self.n_head
+        qkv_BT3D = self.qkv(self.norm(x_BTD))
+        q_BHTK, k_BHTK, v_BHTK = (
+            t.view(B, T, H, K).transpose(1, 2) for t in qkv_BT3D.split(D, dim=2)
+        )
+        p = self.dropout if self.training else 0.0
+        if self.impl == "sdpa":
+            y_BHTK = F.scaled_dot_product_attention(
+                q_BHTK, k_BHTK, v_BHTK, dropout_p=p, is_causal=True
+            )
+        else:
+            y_BHTK = plain_attention(
+                q_BHTK, k_BHTK, v_BHTK, dropout_p=p, softmax_dtype=self.softmax_dtype
+            )
+        y_BTD = y_BHTK.transpose(1, 2).reshape(B, T, D)
+        return self.resid_dropout(self.proj(y_BTD))
+
+
+class MLP(nn.Module):
+    """Residual branch: LayerNorm -> Linear -> GELU (tanh, as GPT-2) -> Linear -> dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        F_ = cfg.mlp_ratio * cfg.d_model
+        self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.d_model, F_, bias=cfg.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(F_, cfg.d_model, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.resid_dropout(self.proj(self.act(self.fc(self.norm(x_BTD)))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn(x_BTD)
+        return x_BTD + self.mlp(x_BTD)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        # GPT-2's output layer has no bias; seed 000's untied one does.
+        self.lm_head = nn.Linear(
+            cfg.d_model, cfg.vocab_size, bias=cfg.bias and not cfg.tie_embeddings
+        )
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share wte and lm_head (again after to_empty(), which may replace parameters)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, std) for weights, residual projections scaled by
+        1/sqrt(2 * n_layer), zero biases, unit LayerNorm gains."""
+        self.tie_weights()
+        std = self.cfg.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual_out = name.endswith("attn.proj") or name.endswith("mlp.proj")
+                s = std / math.sqrt(2 * self.cfg.n_layer) if is_residual_out else std
+                if not (module is self.lm_head and self.cfg.tie_embeddings):
+                    nn.init.normal_(module.weight, mean=0.0, std=s)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states; the loss applies the output layer (maybe in chunks)."""
+        T = idx_BT.shape[1]
+        pos_T = torch.arange(T, device=idx_BT.device)
+        x_BTD = self.drop(self.wte(idx_BT) + self.wpe(pos_T))
+        for block in self.blocks:
+            x_BTD = block(x_BTD)
+        return self.norm_f(x_BTD)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden(idx_BT))
+
+
+def count_params(model: nn.Module) -> int:
+    """Unique parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in model.parameters())

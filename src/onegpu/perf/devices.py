@@ -1,0 +1,142 @@
+"""Peak matmul rates: a table for common GPUs, a measurement for CPUs.
+
+GPU figures are vendor datasheet peaks for dense tensor-core math (no sparsity), FLOP/s. A CPU's
+peak is measured: a large matmul in the dtype, median of several runs, cached per machine,
+thread count and torch version (measuring takes seconds, CPU-NOTES).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class GPUSpec:
+    name: str
+    memory_bytes: int
+    peak: dict[str, float]  # compute dtype name -> dense FLOP/s
+    match: tuple[str, ...]  # substrings of torch.cuda.get_device_name()
+
+
+def _spec(name, mem_gib, fp32, tf32, bf16, fp16, match):
+    peaks = {"fp32": fp32 * 1e12, "fp16": fp16 * 1e12}
+    if tf32:
+        peaks["tf32"] = tf32 * 1e12
+    if bf16:
+        peaks["bf16"] = bf16 * 1e12
+    return GPUSpec(name, int(mem_gib * GiB), peaks, match)
+
+
+GPUS: dict[str, GPUSpec] = {
+    s.name: s
+    for s in (
+        _spec("T4", 16, 8.1, None, None, 65, ("T4",)),
+        _spec("V100-16", 16, 15.7, None, None, 125, ("V100-SXM2-16", "V100-PCIE-16")),
+        _spec("V100-32", 32, 15.7, None, None, 125, ("V100",)),
+        _spec("A5000", 24, 27.8, 55.6, 111.1, 111.1, ("A5000",)),
+        _spec("RTX3090", 24, 35.6, 35.6, 71, 71, ("3090",)),
+        _spec("RTX4090", 24, 82.6, 82.6, 165.2, 165.2, ("4090",)),
+        _spec("A10G", 24, 31.2, 35, 70, 70, ("A10G",)),
+        _spec("L4", 24, 30.3, 60, 121, 121, ("L4",)),
+        _spec("A100-40", 40, 19.5, 156, 312, 312, ("A100-SXM4-40", "A100-PCIE-40", "A100 40")),
+        _spec("A100-80", 80, 19.5, 156, 312, 312, ("A100",)),
+        _spec("H100-80", 80, 66.9, 494.5, 989.4, 989.4, ("H100",)),
+        _spec("H200-141", 141, 66.9, 494.5, 989.4, 989.4, ("H200",)),
+    )
+}
+
+
+def gpu_spec_for(device_name: str) -> GPUSpec | None:
+    """The table entry whose pattern matches a CUDA device name (most specific first)."""
+    for spec in GPUS.values():  # "L4" must not match "L40S": no digit may follow a pattern
+        if any(re.search(re.escape(pat) + r"(?!\d)", device_name) for pat in spec.match):
+            return spec
+    return None
+
+
+def cache_file() -> Path:
+    root = os.environ.get("ONEGPU_CACHE") or Path.home() / ".cache" / "onegpu"
+    return Path(root).expanduser() / "peaks.json"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(
+    dtype: torch.dtype, device: torch.device, n: int = 4096, repeats: int = 5
+) -> float:
+    """Median FLOP/s of an n x n x n matmul in `dtype` on `device`."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)  # warm-up: kernel selection, page faults
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def cpu_peak_flops(dtype: torch.dtype, *, refresh: bool = False) -> float:
+    """Measured matmul peak of this CPU in `dtype`, cached per CPU, thread count and torch."""
+    key = f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+    path = cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if refresh or key not in cache:
+        cache[key] = measure_matmul_flops(dtype, torch.device("cpu"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    return float(cache[key])
+
+
+_DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True, slots=True)
+class Peak:
+    flops: float
+    source: str  # how the figure was obtained, for the run folder
+
+
+def peak_flops(device: torch.device, compute_dtype: torch.dtype, precision: str) -> Peak | None:
+    """The peak to divide achieved FLOP/s by for MFU; None when unknown (MFU is then omitted)."""
+    if device.type == "cpu":
+        flops = cpu_peak_flops(compute_dtype)
+        return Peak(
+            flops,
+            f"measured {_DTYPE_KEY[compute_dtype]} matmul on {cpu_name()}, {torch.get_num_threads()} threads",
+        )
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        spec = gpu_spec_for(name)
+        key = "tf32" if precision == "tf32" else _DTYPE_KEY[compute_dtype]
+        if spec and key in spec.peak:
+            return Peak(spec.peak[key], f"datasheet {key} dense peak of {spec.name}")
+    return None

@@ -1,0 +1,26 @@
+"""Model FLOPs per token, counted from the built model.
+
+Training costs 6 FLOPs per matmul weight per token (2 forward, 4 backward), plus attention's
+score and value matmuls, 12 * n_layer * seq_len * d_model per token (PaLM's convention: the full
+T x T product, although a causal kernel can skip half). Embedding lookups, norms and element-wise
+ops are not counted: MFU measures useful matmul work only.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Weights that take part in a matmul (a tied output layer counts: it is a matmul)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def attention_flops_per_token(n_layer: int, seq_len: int, d_model: int) -> int:
+    return 12 * n_layer * seq_len * d_model
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward)."""
+    cfg = model.cfg
+    return 6 * matmul_params(model) + attention_flops_per_token(cfg.n_layer, seq_len, cfg.d_model)

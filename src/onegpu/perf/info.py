@@ -1,0 +1,83 @@
+"""`onegpu info`: what this machine can run, and how fast its matmuls are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from onegpu.perf.devices import cpu_name, cpu_peak_flops, gpu_spec_for, measure_matmul_flops
+from onegpu.techniques.precision import bf16_native, tf32_capable
+
+
+def _precisions(device: torch.device) -> dict[str, str]:
+    bf16 = (
+        "native" if bf16_native(device) else ("emulated (slow)" if device.type == "cpu" else "no")
+    )
+    return {
+        "fp32": "yes",
+        "tf32": "yes" if tf32_capable(device) else "no (needs CUDA compute capability 8.0+)",
+        "bf16": bf16,
+        "fp16": "yes (autocast + loss scaling)" if device.type != "mps" else "no",
+    }
+
+
+def device_info(measure: bool = True) -> dict[str, Any]:
+    devices: list[dict[str, Any]] = []
+    cpu = torch.device("cpu")
+    entry: dict[str, Any] = {
+        "device": "cpu",
+        "name": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "precisions": _precisions(cpu),
+    }
+    if measure:
+        entry["matmul_peak_flops"] = {
+            "fp32": cpu_peak_flops(torch.float32, refresh=True),
+            "bf16": cpu_peak_flops(torch.bfloat16, refresh=True),
+        }
+    devices.append(entry)
+    for i in range(torch.cuda.device_count()):
+        dev = torch.device("cuda", i)
+        props = torch.cuda.get_device_properties(dev)
+        spec = gpu_spec_for(props.name)
+        entry = {
+            "device": str(dev),
+            "name": props.name,
+            "memory_bytes": props.total_memory,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "precisions": _precisions(dev),
+            "table_entry": spec.name if spec else None,
+            "datasheet_peak_flops": spec.peak if spec else None,
+        }
+        if measure:
+            entry["matmul_peak_flops"] = {
+                "fp32": measure_matmul_flops(torch.float32, dev, n=8192),
+                "bf16": measure_matmul_flops(torch.bfloat16, dev, n=8192)
+                if bf16_native(dev)
+                else None,
+            }
+        devices.append(entry)
+    return {
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "mps_available": torch.backends.mps.is_available(),
+        "devices": devices,
+    }
+
+
+def format_info(info: dict[str, Any]) -> str:
+    lines = [f"torch {info['torch']}  cuda={info['cuda_available']}  mps={info['mps_available']}"]
+    for d in info["devices"]:
+        lines.append(f"\n{d['device']}: {d['name']}")
+        for k in ("threads", "isa", "memory_bytes", "compute_capability", "table_entry"):
+            if d.get(k) is not None:
+                lines.append(f"  {k}: {d[k]}")
+        lines.append("  precisions: " + ", ".join(f"{k}={v}" for k, v in d["precisions"].items()))
+        for k, v in (d.get("matmul_peak_flops") or {}).items():
+            if v is not None:
+                lines.append(f"  measured {k} matmul peak: {v / 1e9:,.0f} GFLOP/s")
+        for k, v in (d.get("datasheet_peak_flops") or {}).items():
+            lines.append(f"  datasheet {k} peak: {v / 1e12:,.1f} TFLOP/s")
+    return "\n".join(lines)

@@ -1,0 +1,32 @@
+"""The training loss: summed next-token cross-entropy over the targets that count.
+
+The loss is a *sum*; the step divides by the number of target tokens in the whole optimizer
+batch, so that accumulated gradients equal the full-batch gradient exactly even when
+micro-batches hold different numbers of real tokens (HF Trainer's long-standing bug,
+transformers PR #34191). Logits are upcast to fp32 for the softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onegpu.data.loader import IGNORE_INDEX
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def token_loss_sum(
+    model: nn.Module, idx_BT: torch.Tensor, targets_BT: torch.Tensor
+) -> torch.Tensor:
+    """Sum of cross-entropy over targets != IGNORE_INDEX, in fp32."""
+    logits_BTV = model(idx_BT)
+    return F.cross_entropy(
+        logits_BTV.flatten(0, 1).float(),
+        targets_BT.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )

@@ -1,0 +1,91 @@
+"""Precision policies: which dtype the matmuls run in, and whether the loss is scaled.
+
+Weights, gradients and optimizer states stay fp32 (master weights) under every policy here;
+autocast runs the matmuls in bf16/fp16. fp16 needs loss scaling (its exponent range is narrow),
+bf16 does not (seed 001). Note for CPUs: autocast must be asked for on the CPU too; code that
+skips it there silently trains in fp32 (CPU-NOTES).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from onegpu.config import ConfigError
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionPolicy:
+    name: str
+    compute_dtype: torch.dtype  # dtype of the matmuls (peak FLOPs are looked up for it)
+    autocast_dtype: torch.dtype | None
+    loss_scaling: bool
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def grad_scaler(
+        self, device: torch.device, init_scale: float = 2.0**16
+    ) -> torch.amp.GradScaler:
+        """A GradScaler, enabled only for fp16 (a disabled one passes values through)."""
+        return torch.amp.GradScaler(device.type, init_scale=init_scale, enabled=self.loss_scaling)
+
+
+def bf16_native(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively (fast) here, not emulated."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return device.type == "mps"
+
+
+def tf32_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
+    """The policy for `train.precision` on this device; ConfigError if the device cannot run it."""
+    if name == "auto":
+        name = "bf16" if bf16_native(device) else "tf32" if tf32_capable(device) else "fp32"
+    if name == "fp32":
+        return PrecisionPolicy("fp32", torch.float32, None, False)
+    if name == "tf32":
+        if not tf32_capable(device):
+            raise ConfigError(
+                "train.precision",
+                f"tf32 needs a CUDA GPU of compute capability 8.0+ (Ampere or newer), not {device.type}; "
+                "use fp32, or bf16 for speed",
+            )
+        return PrecisionPolicy("tf32", torch.float32, None, False)
+    if name == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise ConfigError(
+                "train.precision",
+                "this GPU has no native bf16; use fp16 (with loss scaling) or fp32",
+            )
+        return PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16, False)
+    if name == "fp16":
+        if device.type == "mps":
+            raise ConfigError(
+                "train.precision",
+                "fp16 loss scaling is not supported on mps here; use bf16 or fp32",
+            )
+        return PrecisionPolicy("fp16", torch.float16, torch.float16, True)
+    raise ConfigError(
+        "train.precision", f"unknown precision {name!r}; choose from auto, {', '.join(PRECISIONS)}"
+    )
+
+
+def apply_precision(policy: PrecisionPolicy, device: torch.device) -> None:
+    """Process-wide matmul settings for the policy (TF32 tensor cores on or off)."""
+    if device.type == "cuda":
+        allow = policy.name in ("tf32", "bf16", "fp16")  # fp32 means fp32
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        torch.backends.cudnn.allow_tf32 = allow

@@ -1,0 +1,62 @@
+"""One optimizer step: micro-batches -> loss -> backward, then clip -> optimizer step.
+
+Reads top to bottom and never synchronises with the device: losses and norms stay device
+tensors until the trainer reads them once per log step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from onegpu.techniques.loss import LossFn
+from onegpu.techniques.precision import PrecisionPolicy
+
+
+def forward_backward(
+    model: nn.Module,
+    loss_fn: LossFn,
+    policy: PrecisionPolicy,
+    scaler: torch.amp.GradScaler,
+    inputs_BT: torch.Tensor,
+    targets_BT: torch.Tensor,
+    *,
+    n_micro: int,
+    n_tokens: int,
+) -> torch.Tensor:
+    """Accumulate gradients of the optimizer batch over n_micro micro-batches.
+
+    Each micro-batch's summed loss is divided by n_tokens, the number of target tokens in the
+    whole batch, so the accumulated gradient equals the full-batch mean-loss gradient.
+    Returns the batch's mean loss (a device tensor).
+    """
+    total = torch.zeros((), device=inputs_BT.device)
+    denom = max(n_tokens, 1)
+    for x_bT, y_bT in zip(inputs_BT.chunk(n_micro), targets_BT.chunk(n_micro), strict=True):
+        with policy.autocast(inputs_BT.device):
+            loss = loss_fn(model, x_bT, y_bT) / denom
+        scaler.scale(loss).backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    grad_clip: float,
+) -> torch.Tensor:
+    """Unscale, clip by global norm, step (skipped by the scaler on inf/nan), zero grads.
+
+    Returns the pre-clip global gradient norm (a device tensor).
+    """
+    scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
