@@ -85,6 +85,7 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "train",
+        allow_abbrev=False,
         help="train a model (defaults: a small GPT on the Python standard library)",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

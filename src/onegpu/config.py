@@ -227,9 +227,9 @@ def type_name(typ: Any) -> str:
 # ---------------------------------------------------------------------------- value coercion
 
 
-def _coerce(key: str, typ: Any, value: Any) -> Any:
-    """Turn a TOML value or a command-line string into the field's type, or raise ConfigError."""
-    from_cli = isinstance(value, str)
+def _coerce(key: str, typ: Any, value: Any, from_cli: bool) -> Any:
+    """Turn a TOML value, or a command-line string, into the field's type (or ConfigError)."""
+    from_cli = from_cli and isinstance(value, str)
     if get_origin(typ) is Literal:
         choices = get_args(typ)
         if value not in choices:
@@ -283,7 +283,11 @@ def all_keys() -> list[str]:
 
 
 def apply_values(cfg: Config, values: dict[str, Any], origin: str = "") -> Config:
-    """Set `section.field` keys on cfg (in place) with type checks; returns cfg."""
+    """Set `section.field` keys on cfg (in place) with type checks; returns cfg.
+
+    Without an origin (a file or preset) the values are command-line strings, converted to
+    the field's type; values from TOML must already have the right type.
+    """
     for key, value in values.items():
         section, _, name = key.partition(".")
         cls = SECTIONS.get(section)
@@ -293,7 +297,7 @@ def apply_values(cfg: Config, values: dict[str, Any], origin: str = "") -> Confi
             if origin:
                 err = ConfigError(key, f"{err.args[0].split(': ', 1)[1]} (in {origin})")
             raise err
-        setattr(getattr(cfg, section), name, _coerce(key, types[name], value))
+        setattr(getattr(cfg, section), name, _coerce(key, types[name], value, from_cli=not origin))
     return cfg
 
 

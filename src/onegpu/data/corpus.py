@@ -129,11 +129,7 @@ def open_corpus(source: str, *, val_fraction: float, text_field: str = "text") -
                 f"folder {source!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES - {''}))})",
             )
         return Corpus("folder", path.resolve(), f"folder-{_fingerprint(files, path)}", val_fraction)
-    kind = "jsonl" if path.suffix.lower() in (".jsonl", ".json") else "text"
-    return Corpus(
-        kind,
-        path.resolve(),
-        f"{kind}-{_fingerprint([path], path.parent)}",
-        val_fraction,
-        text_field,
-    )
+    if path.suffix.lower() in (".jsonl", ".json"):
+        key = f"jsonl-{_fingerprint([path], path.parent)}-{text_field}"
+        return Corpus("jsonl", path.resolve(), key, val_fraction, text_field)
+    return Corpus("text", path.resolve(), f"text-{_fingerprint([path], path.parent)}", val_fraction)

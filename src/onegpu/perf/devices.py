@@ -80,23 +80,36 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _time_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def measure_matmul_flops(
-    dtype: torch.dtype, device: torch.device, n: int = 4096, repeats: int = 5
+    dtype: torch.dtype, device: torch.device, n: int = 4096, repeats: int = 5, budget_s: float = 2.0
 ) -> float:
-    """Median FLOP/s of an n x n x n matmul in `dtype` on `device`."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.mm(a, b)  # warm-up: kernel selection, page faults
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
+    """Median FLOP/s of an n x n x n matmul in `dtype` on `device`.
+
+    The size shrinks (by powers of two, down to 512) until one matmul takes at most budget_s:
+    an emulated dtype (fp16 on most CPUs) runs ~100x slower than a native one, and a 4096^3
+    product would then take minutes.
+    """
+    size = 512
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        torch.mm(a, b)  # warm-up: kernel selection, page faults
+        t = _time_mm(a, b, device)
+        if size >= n or t * 8 > budget_s:
+            break
+        size *= 2
+    times = [_time_mm(a, b, device) for _ in range(repeats)]
+    return 2 * size**3 / statistics.median(times)
 
 
 def cpu_peak_flops(dtype: torch.dtype, *, refresh: bool = False) -> float:

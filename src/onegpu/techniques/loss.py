@@ -24,8 +24,10 @@ def token_loss_sum(
 ) -> torch.Tensor:
     """Sum of cross-entropy over targets != IGNORE_INDEX, in fp32."""
     logits_BTV = model(idx_BT)
+    if logits_BTV.dtype in (torch.float16, torch.bfloat16):
+        logits_BTV = logits_BTV.float()
     return F.cross_entropy(
-        logits_BTV.flatten(0, 1).float(),
+        logits_BTV.flatten(0, 1),
         targets_BT.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",

@@ -61,7 +61,7 @@ class RunFolder:
         for name in RUN_FILES:  # overwrite=true: start the files afresh
             (path / name).unlink(missing_ok=True)
         (path / "config.toml").write_text(to_toml(cfg))
-        self._metrics = open(path / "metrics.jsonl", "a", buffering=1)
+        self._metrics = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
 
     def log(self, row: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(row) + "\n")

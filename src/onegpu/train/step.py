@@ -30,13 +30,14 @@ def forward_backward(
     whole batch, so the accumulated gradient equals the full-batch mean-loss gradient.
     Returns the batch's mean loss (a device tensor).
     """
-    total = torch.zeros((), device=inputs_BT.device)
+    total: torch.Tensor | None = None
     denom = max(n_tokens, 1)
     for x_bT, y_bT in zip(inputs_BT.chunk(n_micro), targets_BT.chunk(n_micro), strict=True):
         with policy.autocast(inputs_BT.device):
             loss = loss_fn(model, x_bT, y_bT) / denom
         scaler.scale(loss).backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None
     return total
 
 

@@ -1,0 +1,63 @@
+import torch
+
+from onegpu.models.gpt import GPT
+
+
+def _pair(tiny_cfg):
+    tiny_cfg.model.attention = "sdpa"
+    sdpa = GPT(tiny_cfg.model)
+    sdpa.init_weights()
+    tiny_cfg.model.attention = "plain"
+    plain = GPT(tiny_cfg.model)
+    plain.load_state_dict(sdpa.state_dict())
+    return sdpa, plain
+
+
+def test_sdpa_equals_plain_fp32_softmax_attention(tiny_cfg):
+    sdpa, plain = _pair(tiny_cfg)
+    idx = torch.randint(0, 256, (3, tiny_cfg.model.seq_len))
+    out_s, out_p = sdpa(idx), plain(idx)
+    torch.testing.assert_close(out_s, out_p, rtol=1e-5, atol=1e-5)
+    out_s.square().mean().backward()
+    out_p.square().mean().backward()
+    for (name, a), b in zip(sdpa.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_plain_attention_keeps_fp32_softmax_under_autocast(tiny_cfg):
+    from onegpu.models import gpt
+
+    seen = []
+    orig = torch.Tensor.softmax
+
+    def spy(self, *a, **k):
+        seen.append(self.dtype)
+        return orig(self, *a, **k)
+
+    tiny_cfg.model.attention = "plain"
+    model = GPT(tiny_cfg.model)
+    model.init_weights()
+    idx = torch.randint(0, 256, (2, 16))
+    torch.Tensor.softmax = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx)
+    finally:
+        torch.Tensor.softmax = orig
+    assert seen and all(d == torch.float32 for d in seen)
+    assert gpt._DTYPES["float32"] is torch.float32
+
+
+def test_causal_no_information_from_the_future(tiny_cfg):
+    """The output at position t has zero gradient with respect to inputs after t (nanodo)."""
+    for impl in ("sdpa", "plain"):
+        tiny_cfg.model.attention = impl
+        model = GPT(tiny_cfg.model)
+        model.init_weights()
+        x = model.wte(torch.randint(0, 256, (1, 16))).detach().requires_grad_(True)
+        h = x + model.wpe(torch.arange(16))
+        for block in model.blocks:
+            h = block(h)
+        h[0, 7].sum().backward()
+        assert torch.all(x.grad[0, 8:] == 0), impl
+        assert torch.any(x.grad[0, :8] != 0), impl

@@ -1,0 +1,127 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from onegpu.config import ConfigError, DataConfig
+from onegpu.data.corpus import open_corpus
+from onegpu.data.loader import PackedSequences, make_train_loader
+from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer
+from onegpu.data.tokens import prepare_tokens, read_bin, write_bin
+
+
+def _first_batches(tokens, seed, n=3):
+    loader = make_train_loader(
+        tokens, seq_len=16, batch_size=4, seed=seed, num_workers=0, pin_memory=False
+    )
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def test_loader_order_is_deterministic_and_seeded():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    a, b, c = _first_batches(tokens, 1), _first_batches(tokens, 1), _first_batches(tokens, 2)
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c, strict=True))
+
+
+def test_packed_windows_are_shifted_targets_and_cover_each_epoch_once():
+    tokens = np.arange(1 + 16 * 10, dtype=np.uint16)
+    data = PackedSequences(tokens, 16)
+    x, y = data[3]
+    assert torch.equal(y[:-1], x[1:]) and x[0] == 48
+    loader = make_train_loader(
+        tokens, seq_len=16, batch_size=5, seed=0, num_workers=0, pin_memory=False
+    )
+    it = iter(loader)
+    starts = torch.cat([next(it)[0][:, 0] for _ in range(2)])  # one epoch = 10 windows
+    assert sorted(starts.tolist()) == [16 * i for i in range(10)]
+
+
+def test_stdlib_split_is_deterministic_and_disjoint():
+    corpus = open_corpus("stdlib", val_fraction=0.05)
+    names = [n for n, _ in corpus._named_documents()]
+    assert names == sorted(names) and len(names) > 100
+    assert not any("site-packages" in n for n in names)
+    from onegpu.data.corpus import _in_val
+
+    val = {n for n in names if _in_val(n, 0.05)}
+    assert 0 < len(val) < len(names) * 0.15
+    train_docs = set(corpus.documents("train"))
+    val_docs = list(corpus.documents("val"))
+    assert len(val_docs) == len(val)
+    assert not train_docs.intersection(val_docs)
+
+
+def test_bin_reader_round_trips(tmp_path):
+    for dtype, hi in (("uint16", 65_535), ("uint32", 100_000)):
+        tokens = np.array([0, 1, 2, hi, 7], dtype=dtype)
+        path = tmp_path / f"t-{dtype}.bin"
+        tokens.tofile(path)  # exactly what nanoGPT's prepare.py does
+        assert np.array_equal(read_bin(path, dtype), tokens)
+        write_bin(path, tokens.astype(np.int64), dtype)
+        assert np.array_equal(read_bin(path, dtype), tokens)
+
+
+def test_nanogpt_folder_and_truncated_file(tmp_path):
+    np.arange(5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(300, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    splits = prepare_tokens(DataConfig(source=str(tmp_path)), model_vocab=8192)
+    assert len(splits.train) == 5000 and len(splits.val) == 300
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        prepare_tokens(DataConfig(source=str(tmp_path)), model_vocab=1000)
+    (tmp_path / "bad.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ConfigError, match="not a whole number"):
+        prepare_tokens(DataConfig(source=str(tmp_path / "bad.bin")), model_vocab=8192)
+
+
+def test_text_jsonl_and_folder_sources(tmp_path):
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(2000))
+    (tmp_path / "a.txt").write_text(text)
+    cache = str(tmp_path / "cache")
+    s = prepare_tokens(
+        DataConfig(source=str(tmp_path / "a.txt"), cache_dir=cache, val_fraction=0.1), 256
+    )
+    assert abs(len(s.val) / (len(s.train) + len(s.val)) - 0.1) < 0.01
+    decoded = ByteTokenizer().decode(np.concatenate([s.train, s.val]))
+    assert decoded == text  # the split loses and duplicates nothing
+
+    with open(tmp_path / "d.jsonl", "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"body": f"document {i} " * 20}) + "\n")
+    s = prepare_tokens(
+        DataConfig(source=str(tmp_path / "d.jsonl"), text_field="body", cache_dir=cache), 256
+    )
+    assert len(s.train) > 0 and len(s.val) > 0
+    with pytest.raises(ConfigError, match="data.text_field"):
+        prepare_tokens(DataConfig(source=str(tmp_path / "d.jsonl"), cache_dir=cache), 256)
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(50):
+        (folder / f"{i:02d}.md").write_text(f"# doc {i}\n" * 30)
+    s = prepare_tokens(DataConfig(source=str(folder), cache_dir=cache, val_fraction=0.2), 256)
+    assert len(s.train) > len(s.val) > 0
+    with pytest.raises(ConfigError, match="data.source"):
+        prepare_tokens(DataConfig(source=str(tmp_path / "missing.txt"), cache_dir=cache), 256)
+
+
+def test_bpe_trains_locally_round_trips_and_caches(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(40):
+        (folder / f"{i}.txt").write_text(
+            f"def function_{i}(x):\n    return x * {i} + offset\n" * 20
+        )
+    data = DataConfig(
+        source=str(folder), tokenizer="bpe", tokenizer_vocab=300, cache_dir=str(tmp_path / "c")
+    )
+    s = prepare_tokens(data, model_vocab=320)
+    assert isinstance(s.tokenizer, BPETokenizer)
+    assert int(s.train.max()) < 300
+    text = "def function_3(x):\n    return x * 3 + offset\n"
+    assert s.tokenizer.decode(s.tokenizer.encode(text)) == text
+    assert len(s.tokenizer.encode(text)) < len(text.encode()) / 2  # merges were learned
+    assert len(list((tmp_path / "c" / "tokenizers").iterdir())) == 1

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from onegpu.config import load_config
+from onegpu.models.gpt import GPT, count_params
+
+KNOWN = {
+    # GPT-2 with tied embeddings, as HF's GPT2LMHeadModel counts them.
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    # Seed 000: "Number of parameters: 155_877_376".
+    "lippe-150m": 155_877_376,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(KNOWN))
+def test_preset_parameter_counts(preset):
+    with torch.device("meta"):  # no memory: even gpt2-xl is counted instantly
+        model = GPT(load_config(preset).model)
+    assert count_params(model) == KNOWN[preset]
+
+
+def test_meta_build_then_init_keeps_tying_and_gpt2_init(tiny_cfg):
+    from onegpu.build import build_model
+
+    tiny_cfg.model.n_layer = 8
+    model = build_model(tiny_cfg, torch.device("cpu"))
+    assert model.lm_head.weight is model.wte.weight
+    assert not any(p.is_meta for p in model.parameters())
+    std = tiny_cfg.model.init_std
+    fc = model.blocks[0].mlp.fc.weight.std().item()
+    proj = model.blocks[0].mlp.proj.weight.std().item()
+    assert fc == pytest.approx(std, rel=0.1)
+    assert proj == pytest.approx(std / (2 * 8) ** 0.5, rel=0.1)  # scaled residual projection
+    assert torch.all(model.blocks[0].attn.qkv.bias == 0)
