@@ -48,13 +48,13 @@ def test_schedules():
     assert all(math.isfinite(lr_at(s, OptimConfig(warmup_steps=0), 5)) for s in range(5))
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor"])
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "sgd", "adafactor"])
 def test_each_optimizer_lowers_the_loss(name, tiny_cfg):
     from onegpu.techniques.loss import token_loss_sum
 
     model = GPT(tiny_cfg.model)
     model.init_weights()
-    lr = {"adamw": 3e-3, "sgd": 0.3, "adafactor": 1e-2}[name]
+    lr = {"adamw": 3e-3, "adamw8bit": 3e-3, "sgd": 0.3, "adafactor": 1e-2}[name]
     opt = build_optimizer(model, OptimConfig(name=name, lr=lr), torch.device("cpu"))
     x = torch.randint(0, 256, (4, 64))
     losses = []
@@ -65,3 +65,22 @@ def test_each_optimizer_lowers_the_loss(name, tiny_cfg):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_state_bytes_of_lean_optimizers(tiny_cfg):
+    """AdamW keeps 8 bytes per parameter; 8-bit AdamW ~2 (+ fp32 states of tensors too small
+    to quantize), Adafactor a row and a column per matrix, SGD with momentum 4."""
+    from onegpu.optim.state_bytes import optimizer_state_bytes
+
+    per_param = {}
+    for name in ("adamw", "adamw8bit", "adafactor", "sgd"):
+        model = GPT(tiny_cfg.model)
+        model.init_weights()
+        opt = build_optimizer(model, OptimConfig(name=name), torch.device("cpu"))
+        model(torch.randint(0, 256, (2, 16))).square().mean().backward()
+        opt.step()
+        per_param[name] = optimizer_state_bytes(opt) / sum(p.numel() for p in model.parameters())
+    assert per_param["adamw"] == pytest.approx(8.0, abs=0.01)
+    assert per_param["sgd"] == pytest.approx(4.0, abs=0.01)
+    assert 2.0 <= per_param["adamw8bit"] < 8.0 / 3  # >3x less than AdamW
+    assert per_param["adafactor"] < 8.0 / 20

@@ -18,7 +18,10 @@ from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.models.gpt import GPT, count_params
 from onegpu.optim import build_optimizer
 from onegpu.perf.flops import flops_per_token
+from onegpu.techniques.checkpointing import apply_checkpointing
+from onegpu.techniques.chunked_loss import chunked_token_loss_sum
 from onegpu.techniques.loss import LossFn, token_loss_sum
+from onegpu.techniques.offload import with_offload
 from onegpu.techniques.precision import PrecisionPolicy, apply_precision, resolve_precision
 
 
@@ -53,10 +56,21 @@ def resolve_device(name: str) -> torch.device:
 
 
 def apply_techniques(model: GPT, cfg: Config) -> GPT:
-    """Techniques in their documented order: precision policy -> approximate-gradient layers ->
-    activation checkpointing / offload -> chunked loss -> compile. (Precision needs no model
-    change under autocast; the others arrive with the memory and speed issues.)"""
-    return model
+    """Model-changing techniques in their documented order: precision policy (autocast: no
+    model change) -> approximate-gradient layers -> activation checkpointing -> compile.
+    Checkpointing wraps whole sub-modules, so it comes after layers are swapped inside them."""
+    return apply_checkpointing(model, cfg.memory.checkpointing)
+
+
+def build_loss(cfg: Config, device: torch.device) -> LossFn:
+    """The step's loss: chunked output layer if asked for, saved tensors offloaded if asked for
+    (outermost, so it also sees the tensors the chunked loss saves)."""
+    loss_fn = (
+        chunked_token_loss_sum(cfg.memory.loss_chunk) if cfg.memory.loss_chunk else token_loss_sum
+    )
+    if cfg.memory.offload_activations:
+        loss_fn = with_offload(loss_fn, device)
+    return loss_fn
 
 
 @dataclass(slots=True)
@@ -113,7 +127,7 @@ def build(
         model=model,
         policy=policy,
         optimizer=optimizer,
-        loss_fn=token_loss_sum,
+        loss_fn=build_loss(cfg, device),
         data=data,
         n_params=count_params(model),
         flops_per_token=flops_per_token(model, cfg.train_seq_len),

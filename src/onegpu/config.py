@@ -108,12 +108,17 @@ class TrainConfig:
     """Seed of weight init, data order and dropout."""
     device: str = "auto"
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'."""
+    measure_memory: bool = True
+    """Profile the second step's allocations to split peak memory into parameters, gradients,
+    optimizer states, activations and the rest (summary.json 'memory'); costs one slow step."""
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    name: Literal["adamw", "sgd", "adafactor"] = "adamw"
-    """Optimizer: 'adamw' (fused where available), 'sgd' (momentum 0.9), 'adafactor'."""
+    name: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
+    """Optimizer: 'adamw' (fused where available; 8 bytes of state per parameter), 'adamw8bit'
+    (torchao's block-wise 8-bit moments, ~2 bytes), 'adafactor' (factored second moment, no
+    first moment), 'sgd' (momentum optim.beta1; 4 bytes)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warmup."""
     weight_decay: float = 0.1
@@ -139,7 +144,14 @@ class OptimConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MemoryConfig:
-    """Memory techniques (activation checkpointing, offloading, chunked loss, ...) live here."""
+    checkpointing: str = "none"
+    """Activation checkpointing: none, attn, mlp, attn+mlp, block, every:K, or selective (save
+    matmul outputs, recompute element-wise ops). Gradients are unchanged, dropout included."""
+    offload_activations: bool = False
+    """Keep saved activations (including checkpoints) in host memory until backward needs them."""
+    loss_chunk: int = 0
+    """Compute output layer + cross-entropy in chunks of this many tokens so the full
+    [tokens, vocab] logits never exist (0: off)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -448,6 +460,17 @@ def validate(cfg: Config) -> None:
     )
     _require(0 < o.decay_rate <= 1, "optim.decay_rate", f"must be in (0, 1], got {o.decay_rate}")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    _validate_memory(cfg)
+
+
+def _validate_memory(cfg: Config) -> None:
+    from onegpu.techniques.checkpointing import parse_mode
+
+    mem = cfg.memory
+    parse_mode(mem.checkpointing)
+    _require(
+        mem.loss_chunk >= 0, "memory.loss_chunk", f"must be >= 0 (0: off), got {mem.loss_chunk}"
+    )
 
 
 # ---------------------------------------------------------------------------- writing

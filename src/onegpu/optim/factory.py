@@ -7,7 +7,7 @@ import inspect
 import torch
 from torch import nn
 
-from onegpu.config import OptimConfig
+from onegpu.config import ConfigError, OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -34,6 +34,18 @@ def _fused_ok(device: torch.device, params: list[torch.Tensor]) -> bool:
     return device.type in ("cuda", "cpu", "mps") and all(p.is_floating_point() for p in params)
 
 
+def _adamw8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW with block-wise 8-bit moments (torchao: runs on CPU and CUDA alike)."""
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise ConfigError(
+            "optim.name",
+            f"adamw8bit needs torchao ({e}); pip install 'onegpu[lowbit]' or choose adamw/adafactor",
+        ) from None
+    return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device
 ) -> torch.optim.Optimizer:
@@ -51,6 +63,8 @@ def build_optimizer(
             fused=fused or None,
             foreach=None if fused else True,
         )
+    if cfg.name == "adamw8bit":
+        return _adamw8bit(groups, cfg)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
     if cfg.name == "adafactor":

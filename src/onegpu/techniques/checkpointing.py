@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (
 )
 
 from onegpu.config import ConfigError
+from onegpu.memory.saved import ACTIVE_COUNTERS
 
 MODES = ("none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective")
 
@@ -58,7 +59,9 @@ def parse_mode(mode: str) -> tuple[str, int]:
         except ValueError:
             k = 0
         if k < 1:
-            raise ConfigError("memory.checkpointing", f"{mode!r}: K must be a positive integer, e.g. every:2")
+            raise ConfigError(
+                "memory.checkpointing", f"{mode!r}: K must be a positive integer, e.g. every:2"
+            )
         return "every", k
     if mode not in MODES:
         raise ConfigError("memory.checkpointing", f"{mode!r} is not one of {', '.join(MODES)}")
@@ -70,7 +73,10 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _selective_context():
-    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_save_matmuls_policy)
+    for counter in ACTIVE_COUNTERS:  # its saved outputs bypass saved_tensors_hooks
+        counter.track_cache(getattr(forward_ctx, "storage", None))
+    return forward_ctx, recompute_ctx
 
 
 def checkpoint_module(module: nn.Module, *, context_fn: Callable | None = None) -> nn.Module:

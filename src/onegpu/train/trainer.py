@@ -13,7 +13,9 @@ from tqdm.auto import tqdm
 from onegpu.build import Built, build
 from onegpu.config import Config, to_dict
 from onegpu.data.loader import DevicePrefetcher, count_targets, make_eval_batches, make_train_loader
+from onegpu.memory.breakdown import profile_step_memory
 from onegpu.memory.measure import peak_bytes, peak_kind, reset_peak
+from onegpu.memory.saved import SavedTensorCounter
 from onegpu.optim import lr_at
 from onegpu.perf.devices import peak_flops
 from onegpu.train.run_folder import RunFolder, environment, resolve_out_dir
@@ -38,6 +40,22 @@ def evaluate(built: Built, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> 
         n += count_targets(y)
     model.train()
     return total.item() / max(n, 1)
+
+
+def measure_step(built: Built, one_step, n_micro: int) -> dict[str, Any]:
+    """Run one training step under the memory profiler and the saved-tensor counter."""
+    result = []
+    counter = SavedTensorCounter(built.model)
+
+    def step():
+        with counter:
+            result.append(one_step())
+
+    memory = profile_step_memory(step, built.device)
+    # micro-batches have equal shapes, so each saves the same bytes
+    memory["saved_activations_per_micro_batch"] = counter.bytes // n_micro
+    memory["_result"] = result[0]
+    return memory
 
 
 def _num_workers(cfg: Config, device: torch.device) -> int:
@@ -82,6 +100,7 @@ def train(cfg: Config) -> dict[str, Any]:
     torch.manual_seed(tcfg.seed)  # dropout stream
     model.train()
     reset_peak(device)
+    memory: dict[str, Any] = {}
     intervals: list[tuple[float, float | None]] = []  # (tokens/s, mfu) per log interval
     loss_acc = torch.zeros((), device=device)
     steps_in_interval, tokens_in_interval, skipped, tokens_total, steps_done = 0, 0, 0, 0, 0
@@ -95,11 +114,20 @@ def train(cfg: Config) -> dict[str, Any]:
             for group in opt.param_groups:
                 group["lr"] = lr
             x, y, n_tokens = next(batches)
-            loss = forward_backward(
-                model, built.loss_fn, policy, scaler, x, y, n_micro=n_micro, n_tokens=n_tokens
-            )
             scale_before = scaler.get_scale() if policy.loss_scaling else 0.0
-            grad_norm = optimizer_step(model, opt, scaler, cfg.optim.grad_clip)
+
+            def one_step(x=x, y=y, n_tokens=n_tokens):
+                loss = forward_backward(
+                    model, built.loss_fn, policy, scaler, x, y, n_micro=n_micro, n_tokens=n_tokens
+                )
+                return loss, optimizer_step(model, opt, scaler, cfg.optim.grad_clip)
+
+            if step == min(1, tcfg.max_steps - 1) and tcfg.measure_memory:
+                # the second step: optimizer states exist, as in every later step
+                memory = measure_step(built, one_step, n_micro)
+                loss, grad_norm = memory.pop("_result")
+            else:
+                loss, grad_norm = one_step()
             if policy.loss_scaling and scaler.get_scale() < scale_before:
                 skipped += 1  # the scaler found inf/nan gradients and skipped this step
             loss_acc += loss
@@ -164,6 +192,7 @@ def train(cfg: Config) -> dict[str, Any]:
         "mfu": statistics.median(m for _, m in steady) if steady and peak else None,
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),
+        "memory": memory or None,
         "loss": last_loss,
         "val_loss": val_loss if tcfg.eval_every else None,
         "steps": steps_done,

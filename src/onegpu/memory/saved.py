@@ -1,0 +1,84 @@
+"""Exact count of the bytes autograd keeps for backward (saved activations).
+
+Every tensor saved for backward passes through `saved_tensors_hooks`, including the inputs that
+non-reentrant checkpointing keeps. The one exception is selective checkpointing, whose saved op
+outputs sit in its own cache: it registers that cache here (`track_cache`) so it is counted too.
+Parameters are not activations and are left out; a storage saved twice is counted once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SavedTensorCounter:
+    """Context manager: `with SavedTensorCounter(model) as c: loss = ...`; then c.bytes."""
+
+    def __init__(self, model: nn.Module | None = None):
+        self._param_storages = (
+            {p.untyped_storage().data_ptr() for p in model.parameters()}
+            if model is not None
+            else set()
+        )
+        self._seen: set[tuple[int, int]] = set()
+        self._caches: list[dict] = []
+        self._bytes = 0
+        self._frozen: int | None = None
+        self.count = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":
+            key, nbytes = (id(t), 0), t.untyped_storage().nbytes()
+        else:
+            storage = t.untyped_storage()
+            key, nbytes = (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+        if key[0] in self._param_storages or key in self._seen:
+            return t
+        self._seen.add(key)
+        self._bytes += nbytes
+        self.count += 1
+        return t
+
+    def track_cache(self, cache: dict | None) -> None:
+        if cache is not None:
+            self._caches.append(cache)
+
+    @property
+    def bytes(self) -> int:
+        """Saved bytes: hooked tensors plus selective-checkpoint caches (frozen at exit, since
+        backward empties those caches)."""
+        if self._frozen is not None:
+            return self._frozen
+        total = self._bytes
+        for t in self._cached_tensors():
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key[0] not in self._param_storages and key not in self._seen:
+                total += storage.nbytes()
+        return total
+
+    def _cached_tensors(self):
+        seen: set[int] = set()
+        for cache in self._caches:
+            for outputs in cache.values():
+                for leaf in torch.utils._pytree.tree_leaves(outputs):
+                    t = getattr(leaf, "val", leaf)  # torch wraps cached outputs in _VersionWrapper
+                    if isinstance(t, torch.Tensor) and id(t) not in seen:
+                        seen.add(id(t))
+                        yield t
+
+    def __enter__(self) -> SavedTensorCounter:
+        ACTIVE_COUNTERS.append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        ACTIVE_COUNTERS.remove(self)
+        self._frozen = self.bytes
+
+
+ACTIVE_COUNTERS: list[SavedTensorCounter] = []
+"""Counters open now; selective checkpointing reports its caches to them."""

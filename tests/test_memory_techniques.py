@@ -1,0 +1,180 @@
+"""Checkpointing, offloading and chunked loss compute what the plain step computes, in less memory."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from onegpu.build import build
+from onegpu.config import ConfigError, load_config
+from onegpu.data.loader import IGNORE_INDEX
+from onegpu.memory.saved import SavedTensorCounter
+
+MODES = ["none", "attn", "mlp", "attn+mlp", "block", "every:2", "selective"]
+
+
+def _built(**over):
+    base = {
+        "train.device": "cpu",
+        "train.precision": "fp32",
+        "model.n_layer": "4",
+        "model.dropout": "0.1",
+    }
+    cfg = load_config("tiny", overrides=base | {k: str(v) for k, v in over.items()})
+    return build(cfg, torch.device("cpu"), with_data=False)
+
+
+def _step(built, x, y, seed=123):
+    """Forward (dropout on) + backward; returns loss, grads, saved-activation bytes."""
+    torch.manual_seed(seed)
+    with SavedTensorCounter(built.model) as counter, built.policy.autocast(built.device):
+        loss = built.loss_fn(built.model, x, y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in built.model.named_parameters()}
+    return loss.detach(), grads, counter.bytes
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (4, 64), generator=g)
+    y = torch.randint(0, 256, (4, 64), generator=g)
+    y[1, 40:] = IGNORE_INDEX
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def reference(batch):
+    return _step(_built(), *batch)
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_checkpointing_keeps_gradients_with_dropout(mode, batch, reference):
+    loss, grads, saved = _step(_built(**{"memory.checkpointing": mode}), *batch)
+    ref_loss, ref_grads, ref_saved = reference
+    assert torch.equal(loss, ref_loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert saved < ref_saved
+
+
+def test_checkpointing_saved_bytes_follow_the_expected_order(batch):
+    saved = {m: _step(_built(**{"memory.checkpointing": m}), *batch)[2] for m in MODES}
+    assert saved["block"] < saved["attn+mlp"] < saved["attn"] < saved["none"]
+    assert saved["attn+mlp"] < saved["mlp"] < saved["none"]
+    assert saved["block"] < saved["every:2"] < saved["none"]
+    assert saved["block"] < saved["selective"] < saved["none"]  # matmul outputs kept
+
+
+def test_checkpointing_changes_no_parameter_name():
+    plain, ckpt = _built(), _built(**{"memory.checkpointing": "attn+mlp"})
+    assert plain.model.state_dict().keys() == ckpt.model.state_dict().keys()
+
+
+def test_selective_recomputes_no_matmul(batch):
+    """Counted, not only observed: selective checkpointing adds no matmul FLOPs in backward,
+    whole-block checkpointing adds one forward's worth."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(mode):
+        built = _built(**{"memory.checkpointing": mode, "model.attention": "plain"})
+        with FlopCounterMode(display=False) as fc:
+            built.loss_fn(built.model, *batch).backward()
+        return fc.get_total_flops()
+
+    none, block, selective = flops("none"), flops("block"), flops("selective")
+    assert selective == none
+    assert block > none
+
+
+@pytest.mark.parametrize("mode", ["none", "block"])
+def test_offloading_gives_the_same_gradients(mode, batch, reference):
+    loss, grads, _ = _step(
+        _built(**{"memory.offload_activations": "true", "memory.checkpointing": mode}), *batch
+    )
+    assert torch.equal(loss, reference[0])
+    for name, g in grads.items():
+        torch.testing.assert_close(g, reference[1][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("tie", ["true", "false"])
+def test_chunked_loss_same_loss_and_gradients(tie):
+    common = {"model.dropout": "0.0", "model.vocab_size": "4096", "model.tie_embeddings": tie}
+    x = torch.randint(0, 4096, (4, 64))
+    y = torch.randint(0, 4096, (4, 64))
+    y[2, 5:] = IGNORE_INDEX
+    plain_loss, plain_grads, _ = _step(_built(**common), x, y)
+    chunked = _built(**common, **{"memory.loss_chunk": "48"})  # does not divide 256 tokens
+    loss, grads, _ = _step(chunked, x, y)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+    for name, g in grads.items():  # equal up to fp32 summation order
+        assert ((g - plain_grads[name]).norm() / plain_grads[name].norm()) < 1e-5, name
+
+    full_logits_bytes = x.numel() * 4096 * 4
+    plain = _built(**common)
+    with _LargestTensor() as spy:
+        plain.loss_fn(plain.model, x, y).backward()
+    assert spy.largest == full_logits_bytes  # the spy sees the full logits when they exist
+    with _LargestTensor() as spy:
+        chunked.loss_fn(chunked.model, x, y).backward()
+    # now the largest tensor is the [vocab, d_model] weight gradient, a quarter of the logits
+    assert spy.largest < full_logits_bytes / 2
+
+
+def test_chunked_loss_under_bf16_tracks_the_plain_path():
+    common = {"model.dropout": "0.0", "train.precision": "bf16"}
+    x = torch.randint(0, 256, (4, 64))
+    plain_loss, plain_grads, _ = _step(_built(**common), x, x)
+    loss, grads, _ = _step(_built(**common, **{"memory.loss_chunk": "64"}), x, x)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=0)
+    for name, g in grads.items():
+        assert ((g - plain_grads[name]).norm() / plain_grads[name].norm()) < 1e-2, name
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("memory.checkpointing", "blocks"),
+        ("memory.checkpointing", "every:0"),
+        ("memory.loss_chunk", "-1"),
+    ],
+)
+def test_bad_memory_options_are_refused(key, value):
+    with pytest.raises(ConfigError, match=key):
+        load_config("tiny", overrides={key: value})
+
+
+def test_train_reports_the_memory_breakdown(tmp_path):
+    from onegpu.train.trainer import train
+
+    over = {
+        "train.device": "cpu",
+        "train.precision": "fp32",
+        "train.max_steps": "3",
+        "train.eval_every": "0",
+        "out.progress": "false",
+        "out.dir": str(tmp_path / "r"),
+        "memory.checkpointing": "block",
+    }
+    s = train(load_config("tiny", overrides=over))
+    mem = s["memory"]
+    n = s["params"]
+    assert mem["params"] == 4 * n  # fp32 parameters, exactly
+    assert mem["grads"] == 4 * n
+    assert 8 * n <= mem["optimizer"] <= 8 * n + 1024  # AdamW: two fp32 moments (+ step counters)
+    assert mem["activations"] > 0 and mem["saved_activations_per_micro_batch"] > 0
+    assert mem["peak"] == sum(
+        mem[k] for k in ("params", "grads", "optimizer", "activations", "other")
+    )
