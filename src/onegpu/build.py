@@ -18,6 +18,7 @@ from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.models.gpt import GPT, count_params
 from onegpu.optim import build_optimizer
 from onegpu.perf.flops import flops_per_token
+from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum
 from onegpu.techniques.loss import LossFn, token_loss_sum
@@ -59,7 +60,11 @@ def apply_techniques(model: GPT, cfg: Config) -> GPT:
     """Model-changing techniques in their documented order: precision policy (autocast: no
     model change) -> approximate-gradient layers -> activation checkpointing -> compile.
     Checkpointing wraps whole sub-modules, so it comes after layers are swapped inside them."""
-    return apply_checkpointing(model, cfg.memory.checkpointing)
+    mem = cfg.memory
+    model = apply_approx_grads(
+        model, gelu_bits=mem.gelu_bits, randomized_linear=mem.randomized_linear
+    )
+    return apply_checkpointing(model, mem.checkpointing)
 
 
 def build_loss(cfg: Config, device: torch.device) -> LossFn:

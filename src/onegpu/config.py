@@ -152,6 +152,12 @@ class MemoryConfig:
     loss_chunk: int = 0
     """Compute output layer + cross-entropy in chunks of this many tokens so the full
     [tokens, vocab] logits never exist (0: off)."""
+    gelu_bits: int = 0
+    """Few-bit GELU backward (seed 004): save a k-bit code of GELU's input instead of the input,
+    k in 1..4 (0: exact GELU)."""
+    randomized_linear: float = 0.0
+    """Randomized backward of block linear layers (seed 004): save a random projection keeping
+    this fraction of the rows of the input; unbiased weight gradients (0: off)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -470,6 +476,14 @@ def _validate_memory(cfg: Config) -> None:
     parse_mode(mem.checkpointing)
     _require(
         mem.loss_chunk >= 0, "memory.loss_chunk", f"must be >= 0 (0: off), got {mem.loss_chunk}"
+    )
+    _require(
+        0 <= mem.gelu_bits <= 4, "memory.gelu_bits", f"must be 0 (off) or 1..4, got {mem.gelu_bits}"
+    )
+    _require(
+        0.0 <= mem.randomized_linear < 1.0,
+        "memory.randomized_linear",
+        f"must be 0 (off) or a kept fraction in (0, 1), got {mem.randomized_linear}",
     )
 
 
