@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from onegpu.config import Config, ConfigError
 from onegpu.data.tokens import TokenSplits, prepare_tokens
@@ -154,10 +153,6 @@ def _check_data_sizes(cfg: Config, data: TokenSplits) -> None:
             f"the validation split has {len(data.val)} tokens, fewer than one sequence ({T + 1}); "
             "raise data.val_fraction or turn evaluation off with --train.eval_every 0",
         )
-
-
-def parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 __all__ = ["Built", "build", "build_model", "resolve_device"]
