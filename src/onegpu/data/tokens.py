@@ -29,8 +29,13 @@ class TokenSplits:
     description: str
 
 
-def cache_root(data: DataConfig) -> Path:
-    root = data.cache_dir or os.environ.get("ONEGPU_CACHE") or Path.home() / ".cache" / "onegpu"
+def cache_root(data: DataConfig | None = None) -> Path:
+    """data.cache_dir, else $ONEGPU_CACHE, else ~/.cache/onegpu: one place for every cache."""
+    root = (
+        (data.cache_dir if data else "")
+        or os.environ.get("ONEGPU_CACHE")
+        or Path.home() / ".cache" / "onegpu"
+    )
     return Path(root).expanduser()
 
 

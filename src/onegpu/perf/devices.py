@@ -66,8 +66,9 @@ def gpu_spec_for(device_name: str) -> GPUSpec | None:
 
 
 def cache_file() -> Path:
-    root = os.environ.get("ONEGPU_CACHE") or Path.home() / ".cache" / "onegpu"
-    return Path(root).expanduser() / "peaks.json"
+    from onegpu.data.tokens import cache_root
+
+    return cache_root() / "peaks.json"
 
 
 def cpu_name() -> str:
