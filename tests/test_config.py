@@ -18,6 +18,18 @@ from onegpu.config import Config, ConfigError, load_config, preset_values, to_to
         (["--optim.name", "adamw9"], "optim.name"),
         (["--train.device", "cuda:7"], "train.device"),
         (["--data.source", "/nonexistent/corpus.txt"], "data.source"),
+        # refused combinations of techniques
+        (["--optim.in_backward", "true", "--optim.grad_clip", "0"], "optim.in_backward"),
+        (
+            ["--optim.in_backward", "true", "--train.micro_batch_size", "8"],
+            "optim.grad_clip",
+        ),
+        (
+            ["--optim.in_backward", "true", "--optim.grad_clip", "0"]
+            + ["--train.micro_batch_size", "8", "--train.precision", "fp16"],
+            "train.precision",
+        ),
+        (["--train.precision", "bf16-pure", "--optim.name", "adafactor"], "optim.name"),
     ],
 )
 def test_bad_input_exits_2_naming_the_field(args, field, tmp_path, capsys):

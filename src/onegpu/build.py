@@ -16,6 +16,7 @@ from onegpu.config import Config, ConfigError
 from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.models.gpt import GPT, count_params
 from onegpu.optim import build_optimizer
+from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
@@ -83,14 +84,16 @@ class Built:
     device: torch.device
     model: GPT
     policy: PrecisionPolicy
-    optimizer: torch.optim.Optimizer | None
+    optimizer: torch.optim.Optimizer | OptimizerInBackward | None
     loss_fn: LossFn
     data: TokenSplits | None
     n_params: int
     flops_per_token: int
 
 
-def build_model(cfg: Config, device: torch.device) -> GPT:
+def build_model(cfg: Config, device: torch.device, param_dtype: torch.dtype = torch.float32) -> GPT:
+    """Construct on meta, apply techniques, materialise and initialise (in fp32, so every
+    precision starts from the same weights), then store in param_dtype (bf16 for bf16-pure)."""
     with torch.device("meta"):
         model = GPT(cfg.model)
     model = apply_techniques(model, cfg)
@@ -98,7 +101,7 @@ def build_model(cfg: Config, device: torch.device) -> GPT:
         torch.manual_seed(cfg.train.seed)
         model.to_empty(device=device)
         model.init_weights()
-    return model
+    return model.to(param_dtype)
 
 
 def build(
@@ -119,7 +122,7 @@ def build(
     if data is not None:
         _check_data_sizes(cfg, data)
     apply_precision(policy, device)
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, policy.param_dtype)
     optimizer = (
         build_optimizer(model, cfg.optim, device)
         if with_optimizer and device.type != "meta"

@@ -31,7 +31,7 @@ class ConfigError(ValueError):
         self.field_name = field_name
 
 
-Precision = Literal["auto", "fp32", "tf32", "bf16", "fp16"]
+Precision = Literal["auto", "fp32", "tf32", "bf16", "bf16-pure", "fp16"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,7 +96,8 @@ class TrainConfig:
     max_steps: int = 200
     """Optimizer steps to run."""
     precision: Precision = "auto"
-    """'fp32', 'tf32' (CUDA Ampere+), 'bf16' (autocast, fp32 master weights), 'fp16' (autocast +
+    """'fp32', 'tf32' (CUDA Ampere+), 'bf16' (autocast, fp32 master weights), 'bf16-pure' (bf16
+    weights and gradients; fp32 optimizer moments, Kahan-compensated updates), 'fp16' (autocast +
     loss scaling), or 'auto': bf16 where the device runs it natively, else fp32."""
     log_every: int = 10
     """Read metrics from the device every this many steps (the only host syncs of the loop)."""
@@ -140,6 +141,9 @@ class OptimConfig:
     """Per-step multiplier of the exponential schedule."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm (0: off)."""
+    in_backward: bool = False
+    """Step each parameter inside backward as soon as its gradient is ready, then free the
+    gradient, so full gradients never coexist. Needs no accumulation and optim.grad_clip 0."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -467,6 +471,37 @@ def validate(cfg: Config) -> None:
     _require(0 < o.decay_rate <= 1, "optim.decay_rate", f"must be in (0, 1], got {o.decay_rate}")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
     _validate_memory(cfg)
+    _validate_combinations(cfg)
+
+
+def _validate_combinations(cfg: Config) -> None:
+    """Technique pairs that cannot work together, refused before anything runs."""
+    t, o = cfg.train, cfg.optim
+    if o.in_backward:
+        _require(
+            t.micro_batch_size >= t.batch_size,
+            "optim.in_backward",
+            "steps inside every backward, so it cannot accumulate micro-batches; set "
+            f"--train.micro_batch_size {t.batch_size} (= train.batch_size) or turn it off",
+        )
+        _require(
+            o.grad_clip == 0,
+            "optim.grad_clip",
+            "clipping by global norm needs every gradient at once, which optim.in_backward "
+            "never holds; set --optim.grad_clip 0 or turn optim.in_backward off",
+        )
+        _require(
+            t.precision != "fp16",
+            "train.precision",
+            "fp16 loss scaling must check all gradients for inf before any step, which "
+            "optim.in_backward cannot wait for; use bf16, bf16-pure or fp32",
+        )
+    _require(
+        not (t.precision == "bf16-pure" and o.name == "adafactor"),
+        "optim.name",
+        "adafactor has no bf16-weight variant (its updates would be rounded away in bf16); "
+        "with train.precision bf16-pure use adamw, adamw8bit or sgd",
+    )
 
 
 def _validate_memory(cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """Optimizers and learning-rate schedules."""
 
 from onegpu.optim.factory import build_optimizer, param_groups
-from onegpu.optim.schedules import lr_at
+from onegpu.optim.schedules import lr_at, set_lr
 
-__all__ = ["build_optimizer", "lr_at", "param_groups"]
+__all__ = ["build_optimizer", "lr_at", "param_groups", "set_lr"]

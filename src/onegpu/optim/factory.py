@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from onegpu.config import ConfigError, OptimConfig
+from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.optim.kahan import KahanAdamW, KahanSGD
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -34,8 +36,11 @@ def _fused_ok(device: torch.device, params: list[torch.Tensor]) -> bool:
     return device.type in ("cuda", "cpu", "mps") and all(p.is_floating_point() for p in params)
 
 
-def _adamw8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW with block-wise 8-bit moments (torchao: runs on CPU and CUDA alike)."""
+def _adamw8bit(
+    groups: list[dict], cfg: OptimConfig, *, stochastic_round: bool = False
+) -> torch.optim.Optimizer:
+    """AdamW with block-wise 8-bit moments (torchao: runs on CPU and CUDA alike). For bf16
+    weights the update is rounded stochastically (unbiased), torchao's counterpart of Kahan."""
     try:
         from torchao.optim import AdamW8bit
     except ImportError as e:
@@ -43,14 +48,29 @@ def _adamw8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
             "optim.name",
             f"adamw8bit needs torchao ({e}); pip install 'onegpu[lowbit]' or choose adamw/adafactor",
         ) from None
-    return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return AdamW8bit(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        bf16_stochastic_round=stochastic_round,
+    )
 
 
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | OptimizerInBackward:
+    """The configured optimizer; stepped inside backward (per parameter) if optim.in_backward."""
     groups = param_groups(model, cfg.weight_decay)
+    if cfg.in_backward:
+        return OptimizerInBackward(groups, lambda gs: _make(gs, cfg, device))
+    return _make(groups, cfg, device)
+
+
+def _make(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
+    if any(p.dtype == torch.bfloat16 for p in params):
+        return _make_for_bf16_weights(groups, cfg)
     if cfg.name == "adamw":
         # fused: one kernel for all parameters (CUDA and, since torch 2.4, CPU: a few percent
         # faster than foreach there, CPU-NOTES); foreach otherwise.
@@ -70,3 +90,15 @@ def build_optimizer(
     if cfg.name == "adafactor":
         return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
     raise ValueError(f"unknown optimizer {cfg.name!r}")  # config validation prevents this
+
+
+def _make_for_bf16_weights(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """bf16-pure: updates must not be rounded away in bf16 (Kahan or stochastic rounding)."""
+    if cfg.name == "adamw":
+        return KahanAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.name == "sgd":
+        return KahanSGD(groups, lr=cfg.lr, momentum=cfg.beta1)
+    if cfg.name == "adamw8bit":
+        return _adamw8bit(groups, cfg, stochastic_round=True)
+    # config validation refuses adafactor with bf16-pure
+    raise ValueError(f"{cfg.name} has no bf16-weight variant")

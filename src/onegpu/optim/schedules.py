@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from onegpu.config import OptimConfig
 
 
@@ -21,3 +23,13 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     progress = min(1.0, done / total)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set every group's learning rate; in place where the optimizer keeps it as a tensor
+    (torchao's low-bit optimizers do, so that a compiled step is not recompiled per value)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr

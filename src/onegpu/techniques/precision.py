@@ -1,9 +1,13 @@
 """Precision policies: which dtype the matmuls run in, and whether the loss is scaled.
 
-Weights, gradients and optimizer states stay fp32 (master weights) under every policy here;
-autocast runs the matmuls in bf16/fp16. fp16 needs loss scaling (its exponent range is narrow),
-bf16 does not (seed 001). Note for CPUs: autocast must be asked for on the CPU too; code that
-skips it there silently trains in fp32 (CPU-NOTES).
+Under fp32/tf32/bf16/fp16 the weights, gradients and optimizer states stay fp32 (master
+weights) and autocast runs the matmuls in bf16/fp16. fp16 needs loss scaling (its exponent range
+is narrow), bf16 does not (seed 001). `bf16-pure` also *stores* weights and gradients in bf16
+(2 + 2 bytes per parameter instead of 4 + 4, seed 001's "model weights" rows); the optimizer
+keeps fp32 moments and adds each update with Kahan compensation (optim/kahan.py) so that small
+updates are not rounded away. Autocast stays on under bf16-pure so that the ops autocast keeps
+in fp32 (softmax, norms, losses) still run in fp32. Note for CPUs: autocast must be asked for on
+the CPU too; code that skips it there silently trains in fp32 (CPU-NOTES).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 
 from onegpu.config import ConfigError
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +28,7 @@ class PrecisionPolicy:
     compute_dtype: torch.dtype  # dtype of the matmuls (peak FLOPs are looked up for it)
     autocast_dtype: torch.dtype | None
     loss_scaling: bool
+    param_dtype: torch.dtype = torch.float32  # dtype weights and gradients are stored in
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -71,6 +76,12 @@ def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
                 "this GPU has no native bf16; use fp16 (with loss scaling) or fp32",
             )
         return PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16, False)
+    if name == "bf16-pure":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise ConfigError("train.precision", "this GPU has no native bf16; use fp16 or fp32")
+        return PrecisionPolicy(
+            "bf16-pure", torch.bfloat16, torch.bfloat16, False, param_dtype=torch.bfloat16
+        )
     if name == "fp16":
         if device.type == "mps":
             raise ConfigError(

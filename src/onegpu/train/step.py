@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.techniques.loss import LossFn
 from onegpu.techniques.precision import PrecisionPolicy
 
@@ -43,14 +44,17 @@ def forward_backward(
 
 def optimizer_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OptimizerInBackward,
     scaler: torch.amp.GradScaler,
     grad_clip: float,
 ) -> torch.Tensor:
     """Unscale, clip by global norm, step (skipped by the scaler on inf/nan), zero grads.
 
-    Returns the pre-clip global gradient norm (a device tensor).
+    Returns the pre-clip global gradient norm (a device tensor). With the optimizer in
+    backward the step has already happened: only the norm is collected.
     """
+    if isinstance(optimizer, OptimizerInBackward):
+        return optimizer.pop_grad_norm()
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:

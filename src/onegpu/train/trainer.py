@@ -16,7 +16,7 @@ from onegpu.data.loader import DevicePrefetcher, count_targets, make_eval_batche
 from onegpu.memory.breakdown import profile_step_memory
 from onegpu.memory.measure import peak_bytes, peak_kind, reset_peak
 from onegpu.memory.saved import SavedTensorCounter
-from onegpu.optim import lr_at
+from onegpu.optim import lr_at, set_lr
 from onegpu.perf.devices import peak_flops
 from onegpu.train.run_folder import RunFolder, environment, resolve_out_dir
 from onegpu.train.step import forward_backward, optimizer_step
@@ -111,8 +111,7 @@ def train(cfg: Config) -> dict[str, Any]:
     try:
         for step in range(tcfg.max_steps):
             lr = lr_at(step, cfg.optim, tcfg.max_steps)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            set_lr(opt, lr)
             x, y, n_tokens = next(batches)
             scale_before = scaler.get_scale() if policy.loss_scaling else 0.0
 
