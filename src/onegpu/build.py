@@ -11,16 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from onegpu.config import Config, ConfigError
 from onegpu.data.tokens import TokenSplits, prepare_tokens
-from onegpu.models.gpt import GPT, count_params
+from onegpu.models.gpt import GPT, SDPA_BACKENDS, count_params
 from onegpu.optim import build_optimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum
+from onegpu.techniques.compile import apply_compile
 from onegpu.techniques.loss import LossFn, token_loss_sum
 from onegpu.techniques.offload import with_offload
 from onegpu.techniques.precision import PrecisionPolicy, apply_precision, resolve_precision
@@ -67,12 +70,15 @@ def apply_techniques(model: GPT, cfg: Config) -> GPT:
     return apply_checkpointing(model, mem.checkpointing)
 
 
-def build_loss(cfg: Config, device: torch.device) -> LossFn:
-    """The step's loss: chunked output layer if asked for, saved tensors offloaded if asked for
-    (outermost, so it also sees the tensors the chunked loss saves)."""
+def build_loss(cfg: Config, device: torch.device, model: GPT) -> LossFn:
+    """The step's loss: chunked output layer if asked for, then compiled (whole or regional)
+    if asked for, then saved tensors offloaded if asked for (outermost, so it also sees the
+    tensors the chunked loss saves)."""
     loss_fn = (
         chunked_token_loss_sum(cfg.memory.loss_chunk) if cfg.memory.loss_chunk else token_loss_sum
     )
+    if device.type != "meta":
+        loss_fn = apply_compile(model, loss_fn, cfg.train.compile)
     if cfg.memory.offload_activations:
         loss_fn = with_offload(loss_fn, device)
     return loss_fn
@@ -122,6 +128,8 @@ def build(
     if data is not None:
         _check_data_sizes(cfg, data)
     apply_precision(policy, device)
+    if device.type != "meta":
+        check_attention_backend(cfg.model.attention, device, policy.param_dtype)
     model = build_model(cfg, device, policy.param_dtype)
     optimizer = (
         build_optimizer(model, cfg.optim, device)
@@ -134,11 +142,27 @@ def build(
         model=model,
         policy=policy,
         optimizer=optimizer,
-        loss_fn=build_loss(cfg, device),
+        loss_fn=build_loss(cfg, device, model),
         data=data,
         n_params=count_params(model),
         flops_per_token=flops_per_token(model, cfg.train_seq_len),
     )
+
+
+def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Fail early, with a fix, if the SDPA kernel asked for does not exist on this device."""
+    if name not in SDPA_BACKENDS:
+        return
+    q = torch.zeros(1, 1, 8, 8, device=device, dtype=dtype, requires_grad=True)
+    try:
+        with sdpa_kernel(SDPA_BACKENDS[name]):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    except RuntimeError:
+        raise ConfigError(
+            "model.attention",
+            f"the SDPA {name!r} kernel is not available on {device.type} for {dtype}; "
+            "use 'sdpa' (the fastest available kernel) or 'math'",
+        ) from None
 
 
 def _check_data_sizes(cfg: Config, data: TokenSplits) -> None:

@@ -54,9 +54,10 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output layer (GPT-2 does)."""
-    attention: Literal["sdpa", "plain"] = "sdpa"
-    """'sdpa': torch scaled_dot_product_attention (fused kernels); 'plain': explicit softmax in
-    model.softmax_dtype, the numerical reference."""
+    attention: Literal["sdpa", "flash", "efficient", "math", "plain"] = "sdpa"
+    """'sdpa': torch scaled_dot_product_attention, which picks the fastest kernel available;
+    'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device has
+    none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference."""
     softmax_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the attention scores and softmax in 'plain' attention (seed 000 keeps it fp32)."""
     init_std: float = 0.02
@@ -109,6 +110,10 @@ class TrainConfig:
     """Seed of weight init, data order and dropout."""
     device: str = "auto"
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'."""
+    compile: Literal["none", "default", "max-autotune", "regional"] = "none"
+    """torch.compile: 'default' or 'max-autotune' compile the whole forward and loss;
+    'regional' compiles one transformer block and reuses it for every layer, so compile time
+    stays flat in depth (seed 000's scan over layers). Compile time is reported apart."""
     measure_memory: bool = True
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'); costs one slow step."""

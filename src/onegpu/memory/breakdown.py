@@ -31,6 +31,9 @@ _GROUPS = {
 }
 
 
+GROUPS = ("params", "grads", "optimizer", "activations", "other")
+
+
 def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     """Run `step()` once under the memory profiler; the split of bytes at its peak."""
     from torch.profiler import ProfilerActivity, profile
@@ -41,21 +44,30 @@ def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[s
     ) as prof:
         step()
     try:
-        from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
-
-        timeline = MemoryProfileTimeline(prof._memory_profile())
-        _, sizes = timeline._coalesce_timeline(str(device) if device.type == "cuda" else "cpu")
+        times, groups = memory_timeline(prof, device)
     except Exception as e:  # a private API: degrade to "not measured", never to a guess
         return {"error": f"memory profiler unavailable in torch {torch.__version__}: {e}"}
-    index_to_group = {
-        i + 1: _GROUPS.get(getattr(c, "name", None), "other") for c, i in _CATEGORY_TO_INDEX.items()
-    }
-    best = max(sizes, key=lambda row: sum(row[1:]), default=None)
-    out = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
-    if best is not None:
-        for i, nbytes in enumerate(best):
-            if i in index_to_group:
-                out[index_to_group[i]] += int(nbytes)
+    totals = [sum(col) for col in zip(*groups.values(), strict=True)]
+    at = max(range(len(totals)), key=totals.__getitem__, default=None)
+    out = {g: (int(v[at]) if at is not None else 0) for g, v in groups.items()}
     out["peak"] = sum(out.values())
     out["kind"] = "tensor allocations at the step's peak (torch.profiler memory timeline)"
     return out
+
+
+def memory_timeline(prof, device: torch.device) -> tuple[list[int], dict[str, list[int]]]:
+    """Timestamps (us) and bytes alive per group (GROUPS order) from a profile recorded with
+    record_shapes, profile_memory and with_stack."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
+
+    timeline = MemoryProfileTimeline(prof._memory_profile())
+    times, sizes = timeline._coalesce_timeline(str(device) if device.type == "cuda" else "cpu")
+    index_to_group = {
+        i + 1: _GROUPS.get(getattr(c, "name", None), "other") for c, i in _CATEGORY_TO_INDEX.items()
+    }
+    groups = {g: [0] * len(sizes) for g in GROUPS}
+    for t, row in enumerate(sizes):
+        for i, nbytes in enumerate(row):
+            if i in index_to_group:
+                groups[index_to_group[i]][t] += int(nbytes)
+    return list(times), groups

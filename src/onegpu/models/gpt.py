@@ -14,10 +14,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from onegpu.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 def plain_attention(
@@ -70,6 +76,11 @@ class Attention(nn.Module):
             y_BHTK = F.scaled_dot_product_attention(
                 q_BHTK, k_BHTK, v_BHTK, dropout_p=p, is_causal=True
             )
+        elif self.impl in SDPA_BACKENDS:
+            with sdpa_kernel(SDPA_BACKENDS[self.impl]):
+                y_BHTK = F.scaled_dot_product_attention(
+                    q_BHTK, k_BHTK, v_BHTK, dropout_p=p, is_causal=True
+                )
         else:
             y_BHTK = plain_attention(
                 q_BHTK, k_BHTK, v_BHTK, dropout_p=p, softmax_dtype=self.softmax_dtype

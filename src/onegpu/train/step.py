@@ -1,6 +1,7 @@
 """One optimizer step: micro-batches -> loss -> backward, then clip -> optimizer step.
 
-Reads top to bottom and never synchronises with the device: losses and norms stay device
+Reads top to bottom and never synchronises with the device (phases are annotated with
+`record_function` for `onegpu profile`): losses and norms stay device
 tensors until the trainer reads them once per log step.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.techniques.loss import LossFn
@@ -34,9 +36,10 @@ def forward_backward(
     total: torch.Tensor | None = None
     denom = max(n_tokens, 1)
     for x_bT, y_bT in zip(inputs_BT.chunk(n_micro), targets_BT.chunk(n_micro), strict=True):
-        with policy.autocast(inputs_BT.device):
+        with record_function("forward"), policy.autocast(inputs_BT.device):
             loss = loss_fn(model, x_bT, y_bT) / denom
-        scaler.scale(loss).backward()
+        with record_function("backward"):
+            scaler.scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     assert total is not None
     return total
@@ -55,6 +58,11 @@ def optimizer_step(
     """
     if isinstance(optimizer, OptimizerInBackward):
         return optimizer.pop_grad_norm()
+    with record_function("optimizer"):
+        return _clip_and_step(model, optimizer, scaler, grad_clip)
+
+
+def _clip_and_step(model, optimizer, scaler, grad_clip) -> torch.Tensor:
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip > 0:

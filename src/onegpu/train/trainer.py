@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from onegpu.build import Built, build
@@ -64,6 +65,19 @@ def _num_workers(cfg: Config, device: torch.device) -> int:
     return 2 if device.type == "cuda" else 0  # on CPU workers compete with compute for cores
 
 
+def training_batches(cfg: Config, built: Built) -> DevicePrefetcher:
+    """(inputs, targets, target count) batches, copied to the device one step ahead."""
+    loader = make_train_loader(
+        built.data.train,
+        seq_len=cfg.train_seq_len,
+        batch_size=cfg.train.batch_size,
+        seed=cfg.train.seed,
+        num_workers=_num_workers(cfg, built.device),
+        pin_memory=built.device.type == "cuda",
+    )
+    return DevicePrefetcher(((x, y, count_targets(y)) for x, y in loader), built.device)
+
+
 def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary also written to summary.json."""
     out_dir = resolve_out_dir(cfg.out)  # fail before any work if the folder holds a run
@@ -72,14 +86,6 @@ def train(cfg: Config) -> dict[str, Any]:
     T, tcfg = cfg.train_seq_len, cfg.train
     run = RunFolder(out_dir, cfg)
 
-    loader = make_train_loader(
-        built.data.train,
-        seq_len=T,
-        batch_size=tcfg.batch_size,
-        seed=tcfg.seed,
-        num_workers=_num_workers(cfg, device),
-        pin_memory=device.type == "cuda",
-    )
     eval_batches = (
         make_eval_batches(
             built.data.val, seq_len=T, batch_size=tcfg.micro_batch_size, n_batches=tcfg.eval_batches
@@ -89,7 +95,7 @@ def train(cfg: Config) -> dict[str, Any]:
     )
     peak = peak_flops(device, policy.compute_dtype, policy.name)
     scaler = policy.grad_scaler(device)
-    batches = DevicePrefetcher(((x, y, count_targets(y)) for x, y in loader), device)
+    batches = training_batches(cfg, built)
     n_micro = cfg.grad_accum_steps
 
     print(
@@ -108,11 +114,13 @@ def train(cfg: Config) -> dict[str, Any]:
     bar = tqdm(total=tcfg.max_steps, disable=not cfg.out.progress, dynamic_ncols=True, unit="step")
     t_start = t_last = time.perf_counter()
     interrupted = False
+    first_step_s = float("nan")
     try:
         for step in range(tcfg.max_steps):
             lr = lr_at(step, cfg.optim, tcfg.max_steps)
             set_lr(opt, lr)
-            x, y, n_tokens = next(batches)
+            with record_function("data"):
+                x, y, n_tokens = next(batches)
             scale_before = scaler.get_scale() if policy.loss_scaling else 0.0
 
             def one_step(x=x, y=y, n_tokens=n_tokens):
@@ -127,6 +135,9 @@ def train(cfg: Config) -> dict[str, Any]:
                 loss, grad_norm = memory.pop("_result")
             else:
                 loss, grad_norm = one_step()
+            if step == 0:
+                _sync(device)
+                first_step_s = time.perf_counter() - t_start  # includes any compilation
             if policy.loss_scaling and scaler.get_scale() < scale_before:
                 skipped += 1  # the scaler found inf/nan gradients and skipped this step
             loss_acc += loss
@@ -184,10 +195,20 @@ def train(cfg: Config) -> dict[str, Any]:
 
     # The first interval holds warm-up (allocator, kernel selection): leave it out of the median.
     steady = intervals[1:] if len(intervals) > 1 else intervals
+    median_tok_s = statistics.median(t for t, _ in steady) if steady else None
+    steady_step_s = tcfg.batch_size * T / median_tok_s if median_tok_s else None
     summary: dict[str, Any] = {
         "params": built.n_params,
         "tokens": tokens_total,
-        "tokens_per_s": statistics.median(t for t, _ in steady) if steady else None,
+        "tokens_per_s": median_tok_s,
+        "step_time_s": steady_step_s,
+        "first_step_s": first_step_s,
+        # the first step's excess over a steady step: compilation, warm-up, allocator growth
+        "compile_time_s": (
+            max(0.0, first_step_s - steady_step_s)
+            if steady_step_s and cfg.train.compile != "none"
+            else None
+        ),
         "mfu": statistics.median(m for _, m in steady) if steady and peak else None,
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),
