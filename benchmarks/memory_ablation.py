@@ -3,7 +3,7 @@
 Usage:
   python benchmarks/memory_ablation.py                       # seed-ref grid (about 30 min here)
   python benchmarks/memory_ablation.py --grid larger         # a 124M GPT-2 at seq 512
-  python benchmarks/memory_ablation.py --only none,bf16 --steps 4
+  python benchmarks/memory_ablation.py --only none,bf16 --steps 4   # re-measure rows in place
 
 Each configuration runs `onegpu train` in its own process (on CPU the process peak RSS is a
 lifetime maximum, so configurations must not share a process) and reads its run folder:
@@ -230,6 +230,12 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"memory-{args.grid}"
+    previous = out / f"{stem}.json"
+    if args.only and previous.exists():  # re-measured rows replace their old selves
+        fresh = {r["name"]: r for r in results}
+        old = json.loads(previous.read_text())["rows"]
+        results = [fresh.pop(r["name"], r) for r in old] + list(fresh.values())
+        command = json.loads(previous.read_text())["command"] + f"; re-measured: {command}"
     (out / f"{stem}.json").write_text(
         json.dumps({"command": command, "grid": grid, "rows": results}, indent=1) + "\n"
     )

@@ -61,3 +61,29 @@ def test_causal_no_information_from_the_future(tiny_cfg):
         h[0, 7].sum().backward()
         assert torch.all(x.grad[0, 8:] == 0), impl
         assert torch.any(x.grad[0, :8] != 0), impl
+
+
+def test_each_available_sdpa_backend_equals_the_plain_reference(tiny_cfg):
+    """flash and math run on a CPU and give the reference's outputs and gradients;
+    efficient has no CPU kernel and is refused before anything runs (exit 2 in the CLI)."""
+    import pytest
+
+    from onegpu.build import check_attention_backend
+    from onegpu.config import ConfigError
+
+    _, plain = _pair(tiny_cfg)
+    idx = torch.randint(0, 256, (2, tiny_cfg.model.seq_len))
+    ref = plain(idx)
+    ref.square().mean().backward()
+    for impl in ("flash", "math"):
+        check_attention_backend(impl, torch.device("cpu"), torch.float32)
+        tiny_cfg.model.attention = impl
+        model = GPT(tiny_cfg.model)
+        model.load_state_dict(plain.state_dict())
+        out = model(idx)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        out.square().mean().backward()
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="model.attention"):
+        check_attention_backend("efficient", torch.device("cpu"), torch.float32)

@@ -178,3 +178,24 @@ def test_train_reports_the_memory_breakdown(tmp_path):
     assert mem["peak"] == sum(
         mem[k] for k in ("params", "grads", "optimizer", "activations", "other")
     )
+
+
+def test_breakdown_counts_states_the_profiler_does_not_recognise(tmp_path):
+    """Adafactor's factored states are not labelled by the profiler: the exact count is used."""
+    from onegpu.config import load_config
+    from onegpu.train.trainer import train
+
+    over = {
+        "train.device": "cpu",
+        "train.max_steps": "3",
+        "train.eval_every": "0",
+        "out.progress": "false",
+        "out.dir": str(tmp_path / "r"),
+        "optim.name": "adafactor",
+    }
+    s = train(load_config("tiny", overrides=over))
+    mem, n = s["memory"], s["params"]
+    assert 0 < mem["optimizer"] < n  # factored second moments: well under a byte per parameter
+    assert mem["peak"] == sum(
+        mem[k] for k in ("params", "grads", "optimizer", "activations", "other")
+    )

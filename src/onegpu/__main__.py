@@ -1,5 +1,3 @@
-import sys
+from onegpu.cli import entry
 
-from onegpu.cli import main
-
-sys.exit(main())
+entry()

@@ -8,6 +8,7 @@ memory planner sees the very same model.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -155,7 +156,8 @@ def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype)
         return
     q = torch.zeros(1, 1, 8, 8, device=device, dtype=dtype, requires_grad=True)
     try:
-        with sdpa_kernel(SDPA_BACKENDS[name]):
+        with warnings.catch_warnings(), sdpa_kernel(SDPA_BACKENDS[name]):
+            warnings.simplefilter("ignore")  # torch explains why each kernel was not used
             F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
     except RuntimeError:
         raise ConfigError(

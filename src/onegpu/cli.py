@@ -67,6 +67,50 @@ def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
     return 0
 
 
+def cmd_profile(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from onegpu.perf.profile import profile
+
+    result = profile(_config_from(ns, unknown), steps=ns.steps, warmup=ns.warmup)
+    print(result["summary"].split("top operations")[0].rstrip())
+    out = result["out_dir"]
+    print(f"\nwrote {out}/trace.json, {out}/memory.html (+ .png), {out}/summary.txt")
+    return 0
+
+
+def cmd_bench(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from pathlib import Path
+
+    from onegpu.perf.bench import GRIDS, WARM_STEPS, bench, load_grid_file
+
+    overrides = _overrides(ns, unknown)
+    overrides.pop("out.dir", None)  # --out is where the bench files go, not a run folder
+    names = list(GRIDS) if ns.grid == "all" else ns.grid.split(",")
+    bad = [g for g in names if g not in GRIDS]
+    if bad:
+        raise ConfigError(
+            "--grid", f"unknown grid {bad[0]!r}; choose all or from {', '.join(GRIDS)}"
+        )
+    if ns.steps <= WARM_STEPS:
+        raise ConfigError(
+            "--steps",
+            f"needs more than {WARM_STEPS} (steps 1-{WARM_STEPS} warm up and are profiled), "
+            f"got {ns.steps}",
+        )
+    out = Path(ns.out or "bench")
+    bench(
+        grids=names,
+        grid_rows=load_grid_file(ns.grid_file) if ns.grid_file else None,
+        preset=ns.preset,
+        config_file=ns.config,
+        base_overrides=overrides,
+        steps=ns.steps,
+        out_dir=out,
+        repeats=ns.repeats,
+    )
+    print(f"wrote {out}/bench.md, {out}/bench.json, {out}/bench.png")
+    return 0
+
+
 def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
     if unknown:
         raise ConfigError(unknown[0], "unknown option for `onegpu info`")
@@ -93,6 +137,43 @@ def make_parser() -> argparse.ArgumentParser:
     _add_config_options(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser(
+        "profile",
+        allow_abbrev=False,
+        help="profile a few training steps: trace, memory timeline, summary of where time goes",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--steps", type=int, default=3, help="profiled steps (default: 3)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="steps run first, not recorded (default: 2)"
+    )
+    _add_config_options(p)
+    p.set_defaults(func=cmd_profile)
+    p = sub.add_parser(
+        "bench",
+        allow_abbrev=False,
+        help="ablation grids of the seeds on this device: bench.md, bench.json, bench.png",
+        epilog=EPILOG + " Options set the base configuration of every row.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--grid", default="all", help="all, or a comma-separated list of: hf, seed000, seed003"
+    )
+    p.add_argument(
+        "--grid-file",
+        metavar="FILE",
+        help="TOML with [[row]] tables (name, [row.overrides]) instead of the built-in grids",
+    )
+    p.add_argument("--steps", type=int, default=8, help="training steps per row (default: 8)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="interleaved rounds; rows report medians (default: 2)",
+    )
+    _add_config_options(p)
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser(
         "info", help="device, torch version, supported dtypes, measured matmul peaks"
     )
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -111,5 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":  # pragma: no cover
+def entry() -> None:
+    """The `onegpu` command: the process-level defaults for the device, then main()."""
+    from onegpu.perf.allocator import maybe_reexec_with_tcmalloc
+
+    if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile"):
+        maybe_reexec_with_tcmalloc(sys.argv[1:])
     sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    entry()

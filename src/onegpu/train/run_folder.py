@@ -14,6 +14,7 @@ import torch
 
 import onegpu
 from onegpu.config import Config, ConfigError, OutConfig, to_toml
+from onegpu.perf.allocator import active_allocator
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json")
 
@@ -50,6 +51,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "threads": torch.get_num_threads(),
+        "allocator": active_allocator(),
     }
 
 

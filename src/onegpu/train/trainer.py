@@ -18,6 +18,7 @@ from onegpu.memory.breakdown import profile_step_memory
 from onegpu.memory.measure import peak_bytes, peak_kind, reset_peak
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.optim import lr_at, set_lr
+from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.devices import peak_flops
 from onegpu.train.run_folder import RunFolder, environment, resolve_out_dir
 from onegpu.train.step import forward_backward, optimizer_step
@@ -53,6 +54,13 @@ def measure_step(built: Built, one_step, n_micro: int) -> dict[str, Any]:
             result.append(one_step())
 
     memory = profile_step_memory(step, built.device)
+    if "peak" in memory:
+        # The profiler recognises the states of torch's own optimizers only (not torchao's
+        # 8-bit tensors, nor Adafactor's factored ones); states live through the whole step,
+        # so the exact count replaces its figure, at the peak as everywhere.
+        exact = optimizer_state_bytes(built.optimizer)
+        memory["peak"] += exact - memory["optimizer"]
+        memory["optimizer"] = exact
     # micro-batches have equal shapes, so each saves the same bytes
     memory["saved_activations_per_micro_batch"] = counter.bytes // n_micro
     memory["_result"] = result[0]

@@ -1,0 +1,296 @@
+"""`onegpu bench`: ablation grids of the seeds, measured on this device, as table, JSON and plot.
+
+Every row is a real `onegpu train` run in a fresh process (the CPU's peak RSS is a lifetime
+maximum, and compile caches or allocator state must not leak between rows) on the same data,
+initialisation and global batch. A row reports:
+- step_time_s / tokens_per_s: median over the steps after the third (the first compiles and
+  warms up, the second is profiled for memory, the third pays for the profiler's teardown);
+- peak_mem_bytes: on CUDA the allocator's peak; on CPU the tensor bytes at the step's peak from
+  the profiler's memory timeline (peak_rss_bytes, the process view, is kept beside it);
+- loss: training loss of the last step; compile_time_s for compiled rows.
+
+Writes DIR/bench.md, DIR/bench.json (a list of rows) and DIR/bench.png (names are a contract).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from onegpu.config import ConfigError, load_toml
+
+Row = tuple[str, dict[str, str]]
+# Steps left out of the timing: 1 compiles/warms up, 2 is profiled for memory, 3 still pays
+# for the profiler's teardown (measured here: 338 ms against a steady 25 ms on `tiny`).
+WARM_STEPS = 3
+
+# Seed 001 (HF's single-GPU guide): each technique alone against vanilla, then everything.
+VANILLA = {"train.precision": "fp32"}
+GRIDS: dict[str, list[Row]] = {
+    "hf": [
+        ("vanilla (fp32)", {}),
+        ("+ grad accumulation x4", {"train.micro_batch_size": "/4"}),
+        ("+ checkpointing (block)", {"memory.checkpointing": "block"}),
+        ("+ mixed precision (bf16)", {"train.precision": "bf16"}),
+        ("+ adafactor", {"optim.name": "adafactor", "optim.lr": "1e-2"}),
+        ("+ 8-bit adamw", {"optim.name": "adamw8bit"}),
+        ("+ compile", {"train.compile": "default"}),
+        (
+            "everything",
+            {
+                "train.micro_batch_size": "/4",
+                "memory.checkpointing": "block",
+                "train.precision": "bf16",
+                "optim.name": "adamw8bit",
+                "train.compile": "default",
+            },
+        ),
+    ],
+    # Seed 000's comparisons (on top of bf16 where the seed's runs were bf16)
+    "seed000": [
+        ("fp32", {}),
+        ("bf16", {"train.precision": "bf16"}),
+        ("bf16 + compile whole", {"train.precision": "bf16", "train.compile": "default"}),
+        ("bf16 + compile regional", {"train.precision": "bf16", "train.compile": "regional"}),
+        ("bf16 + remat attn+mlp", {"train.precision": "bf16", "memory.checkpointing": "attn+mlp"}),
+        ("bf16 + remat block", {"train.precision": "bf16", "memory.checkpointing": "block"}),
+        ("bf16 + accumulation x4", {"train.precision": "bf16", "train.micro_batch_size": "/4"}),
+    ],
+    # Seed 003: the naive loop against the optimized step
+    "seed003": [
+        ("naive loop (fp32, full batch)", {}),
+        (
+            "optimized (bf16, selective remat, chunked loss, compile)",
+            {
+                "train.precision": "bf16",
+                "memory.checkpointing": "selective",
+                "memory.loss_chunk": "1024",
+                "train.compile": "default",
+            },
+        ),
+    ],
+}
+
+
+def _resolve(overrides: dict[str, str], base: dict[str, Any]) -> dict[str, str]:
+    """'/4' means the base value divided by 4 (micro-batch sizes relative to the batch)."""
+    out = {}
+    for k, v in overrides.items():
+        if isinstance(v, str) and v.startswith("/"):
+            v = str(max(1, int(base[k]) // int(v[1:])))
+        out[k] = str(v)
+    return out
+
+
+def load_grid_file(path: str) -> list[Row]:
+    """A TOML file of [[row]] tables: name = "...", and an [row.overrides] table."""
+    try:
+        data = load_toml(Path(path))
+    except ConfigError as e:
+        raise ConfigError("--grid-file", str(e).split(": ", 1)[1]) from None
+    try:
+        rows = [
+            (r["name"], {k: str(v) for k, v in r.get("overrides", {}).items()}) for r in data["row"]
+        ]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(
+            "--grid-file", f"{path}: {e}; expected [[row]] tables with name and overrides"
+        ) from None
+    if not rows:
+        raise ConfigError("--grid-file", f"{path} has no [[row]] entries")
+    return rows
+
+
+def run_row(
+    preset: str | None,
+    config_file: str | None,
+    overrides: dict[str, str],
+    steps: int,
+    workdir: Path,
+) -> dict[str, Any]:
+    """One `onegpu train` in a fresh process; the row's measurements from its run folder."""
+    out = Path(tempfile.mkdtemp(dir=workdir))
+    cmd = [sys.executable, "-m", "onegpu", "train"]
+    if preset:
+        cmd += ["--preset", preset]
+    if config_file:
+        cmd += ["--config", config_file]
+    fixed = {
+        "train.max_steps": str(steps),
+        "train.log_every": "1",
+        "train.eval_every": "0",
+        "train.measure_memory": "true",
+        "out.progress": "false",
+        "out.save_checkpoint": "false",
+        "out.dir": str(out),
+    }
+    for k, v in {**fixed, **overrides}.items():
+        cmd += [f"--{k}", v]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {proc.returncode}:\n{tail}")
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    times = [m["step_time_s"] for m in metrics if "step_time_s" in m and m["step"] > WARM_STEPS]
+    if not times:
+        raise RuntimeError(f"no steady steps measured; raise --steps above {WARM_STEPS}")
+    step_time = statistics.median(times)
+    mem = summary.get("memory") or {}
+    cuda = summary["device"].startswith("cuda")
+    return {
+        "overrides": overrides,
+        "tokens_per_s": summary["tokens"] / summary["steps"] / step_time,
+        "step_time_s": step_time,
+        "peak_mem_bytes": summary["peak_mem_bytes"] if cuda else mem.get("peak"),
+        "peak_mem_kind": summary["peak_mem_kind"] if cuda else mem.get("kind"),
+        "peak_rss_bytes": None if cuda else summary["peak_mem_bytes"],
+        "memory": {k: mem.get(k) for k in ("params", "grads", "optimizer", "activations", "other")},
+        "loss": summary["loss"],
+        "compile_time_s": summary.get("compile_time_s"),
+        "mfu": summary.get("mfu"),
+        "precision": summary["precision"],
+        "device": summary["device_name"],
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def bench(
+    *,
+    grids: list[str],
+    grid_rows: list[Row] | None,
+    preset: str | None,
+    config_file: str | None,
+    base_overrides: dict[str, str],
+    steps: int,
+    out_dir: Path,
+    repeats: int = 2,
+    log=print,
+) -> list[dict[str, Any]]:
+    """Run the grids and write the three files. Distinct configurations run once per round,
+    rounds are interleaved (a slow moment of a shared machine hits every row alike), and each
+    row reports medians over rounds (DESIGN.md's honesty rules)."""
+    from onegpu.config import load_config
+
+    base_cfg = load_config(preset, config_file, base_overrides)  # validates the base: exit 2
+    base_values = {"train.micro_batch_size": base_cfg.train.batch_size}
+    sections = {"custom": grid_rows} if grid_rows else {g: GRIDS[g] for g in grids}
+    base = {**VANILLA, "train.micro_batch_size": str(base_cfg.train.batch_size), **base_overrides}
+    entries = [
+        (grid, name, {**base, **_resolve(overrides, base_values)})
+        for grid, rows_ in sections.items()
+        for name, overrides in rows_
+    ]
+    configs = {json.dumps(c, sort_keys=True): c for _, _, c in entries}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
+    with tempfile.TemporaryDirectory() as workdir:
+        for r in range(repeats):
+            for key, config in configs.items():
+                res = run_row(preset, config_file, config, steps, Path(workdir))
+                runs[key].append(res)
+                log(
+                    f"round {r + 1}/{repeats}: "
+                    + ", ".join(f"{n}" for _, n, c in entries if c is config or c == config)
+                    + f": {res['tokens_per_s']:,.0f} tokens/s, peak {_mib(res['peak_mem_bytes'])}"
+                )
+    rows = [
+        {"grid": grid, "name": name, **_median(runs[json.dumps(c, sort_keys=True)])}
+        for grid, name, c in entries
+    ]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = "onegpu " + " ".join(sys.argv[1:]) if sys.argv and "onegpu" in sys.argv[0] else ""
+    (out_dir / "bench.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out_dir / "bench.md").write_text(markdown(rows, base_cfg, steps, repeats, command))
+    plot(rows, out_dir / "bench.png")
+    return rows
+
+
+def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the numbers over rounds; the rest from the first round; tokens/s per round."""
+    out = dict(results[0])
+    for k, v in results[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = statistics.median(r[k] for r in results)
+    out["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in results]
+    if results[0].get("compile_time_s") is not None:
+        out["compile_time_cold_s"] = results[0]["compile_time_s"]
+    return out
+
+
+def _mib(b: int | None) -> str:
+    return "n/a" if b is None else f"{b / 2**20:,.0f} MiB"
+
+
+def markdown(rows: list[dict[str, Any]], cfg, steps: int, repeats: int, command: str) -> str:
+    m = cfg.model
+    lines = [
+        "# onegpu bench",
+        "",
+        f"Model: {m.n_layer} layers x d{m.d_model}, {m.n_head} heads, vocab {m.vocab_size}, "
+        f"seq {cfg.train_seq_len}; batch {cfg.train.batch_size} sequences per step; "
+        f"{steps} steps per row (median of steps {WARM_STEPS + 1}..{steps}); medians of "
+        f"{repeats} interleaved round(s).  ",
+        f"Device: {rows[0]['device'] if rows else '?'}; {platform.machine()}, "
+        f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M')}.  ",
+    ]
+    if command:
+        lines.append(f"Command: `{command}`  ")
+    for grid in dict.fromkeys(r["grid"] for r in rows):
+        part = [r for r in rows if r["grid"] == grid]
+        ref = part[0]
+        lines += [
+            "",
+            f"## {grid}",
+            "",
+            "| configuration | tokens/s | x first row | step time | peak memory | x first row "
+            "| loss | compile |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in part:
+            mem_ratio = (
+                f"{r['peak_mem_bytes'] / ref['peak_mem_bytes']:.2f}"
+                if r["peak_mem_bytes"] and ref["peak_mem_bytes"]
+                else "n/a"
+            )
+            comp = (
+                f"{r['compile_time_cold_s']:.1f} s cold, median {r['compile_time_s']:.1f} s"
+                if r.get("compile_time_cold_s") is not None
+                else ""
+            )
+            lines.append(
+                f"| {r['name']} | {r['tokens_per_s']:,.0f} | "
+                f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f} | {r['step_time_s'] * 1e3:,.0f} ms "
+                f"| {_mib(r['peak_mem_bytes'])} | {mem_ratio} | {r['loss']:.3f} | {comp} |"
+            )
+    kind = rows[0]["peak_mem_kind"] if rows else ""
+    lines += ["", f"Peak memory: {kind}.", ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"[{r['grid']}] {r['name']}" for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.5), sharey=True)
+    y = range(len(rows))
+    a1.barh(y, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    a1.set_xlabel("tokens/s (higher is better)")
+    a2.barh(y, [(r["peak_mem_bytes"] or 0) / 2**20 for r in rows], color="tab:red")
+    a2.set_xlabel("peak memory, MiB (lower is better)")
+    a1.set_yticks(list(y), labels, fontsize=8)
+    a1.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

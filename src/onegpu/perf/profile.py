@@ -1,0 +1,217 @@
+"""`onegpu profile`: a few real training steps under torch.profiler, and where time and memory go.
+
+Writes (names are a contract, scripts rely on them):
+- DIR/trace.json    Chrome/Perfetto trace; steps are `ProfilerStep#N`, phases `data`,
+                    `forward`, `backward`, `optimizer` (record_function annotations of step.py);
+- DIR/memory.html   memory timeline of the profiled steps, stacked by kind (params, grads,
+                    optimizer state, activations, other), as seeds 000 and 003 show them; the
+                    same plot as DIR/memory.png;
+- DIR/summary.txt   phase times, top operations by time and by memory, idle gaps between
+                    steps, and host-device synchronisations found;
+- DIR/memory_snapshot.pickle (CUDA only) for https://pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onegpu.build import build
+from onegpu.config import Config
+from onegpu.memory.breakdown import GROUPS, memory_timeline
+from onegpu.optim import lr_at, set_lr
+from onegpu.train.run_folder import resolve_out_dir
+from onegpu.train.step import forward_backward, optimizer_step
+
+PHASES = ("data", "forward", "backward", "optimizer")
+# Ops that make the host wait for the device (on CUDA); on CPU they are counted all the same,
+# because the same code then stalls a GPU.
+SYNC_OPS = (
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "cudaDeviceSynchronize",
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+)
+
+
+def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
+    """Run warmup + steps training steps, profile the last `steps`; write the files."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from onegpu.train.trainer import training_batches
+
+    out = resolve_out_dir(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    built = build(cfg)
+    model, device, opt, policy = built.model, built.device, built.optimizer, built.policy
+    scaler = policy.grad_scaler(device)
+    batches = training_batches(cfg, built)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    model.train()
+
+    def one_step(step: int) -> None:
+        set_lr(opt, lr_at(step, cfg.optim, cfg.train.max_steps))
+        with torch.profiler.record_function("data"):
+            x, y, n_tokens = next(batches)
+        forward_backward(
+            model, built.loss_fn, policy, scaler, x, y,
+            n_micro=cfg.grad_accum_steps, n_tokens=n_tokens,
+        )  # fmt: skip
+        optimizer_step(model, opt, scaler, cfg.optim.grad_clip)
+
+    for step in range(warmup):  # compilation, allocator growth, optimizer state creation
+        one_step(step)
+    with torch_profile(
+        activities=activities, record_shapes=True, profile_memory=True, with_stack=True
+    ) as prof:
+        for step in range(warmup, warmup + steps):
+            # our own step spans: torch's ProfilerStep#N needs a schedule, which clears events
+            with torch.profiler.record_function(f"ProfilerStep#{step}"):
+                one_step(step)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.memory._dump_snapshot(str(out / "memory_snapshot.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    prof.export_chrome_trace(str(out / "trace.json"))
+    trace = json.loads((out / "trace.json").read_text())
+    times, groups = memory_timeline(prof, device)
+    # the trace's ts are us after baseTimeNanoseconds; the memory timeline's are epoch us
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
+    step_bounds = [(a + base_us, b + base_us) for a, b in _step_spans(trace)]
+    _plot_memory(times, groups, step_bounds, out)
+    text = summary_text(prof, trace, cfg, built, steps, cuda)
+    (out / "summary.txt").write_text(text)
+    return {"out_dir": str(out), "summary": text}
+
+
+def _step_spans(trace: dict) -> list[tuple[float, float]]:
+    """(start, end) in us of each ProfilerStep#N span, in order."""
+    spans = [
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+    ]
+    return sorted(spans)
+
+
+def _syncs_in_step(trace: dict) -> dict[str, int]:
+    """Sync ops issued inside forward/backward/optimizer (the data phase reads host tensors:
+    counting the targets of a CPU batch is no device sync)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    spans = [
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in events
+        if e.get("name") in PHASES[1:] and e.get("cat") == "user_annotation"
+    ]
+    found: dict[str, int] = {}
+    for e in events:
+        if e.get("name") not in SYNC_OPS or not any(a <= e["ts"] <= b for a, b in spans):
+            continue
+        # name the caller: the tightest enclosing event on the same thread that is no sync op
+        callers = [
+            c
+            for c in events
+            if c.get("tid") == e.get("tid")
+            and c["name"] not in SYNC_OPS
+            and c["ts"] <= e["ts"] <= c["ts"] + c.get("dur", 0)
+        ]
+        caller = min(callers, key=lambda c: c.get("dur", 0))["name"] if callers else "?"
+        key = f"{e['name']} in {caller}"
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
+def _phase_times(trace: dict) -> dict[str, float]:
+    """Total milliseconds inside each annotated phase (host-side spans)."""
+    total = dict.fromkeys(PHASES, 0.0)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("name") in total and e.get("cat") == "user_annotation":
+            total[e["name"]] += e.get("dur", 0) / 1e3
+    return total
+
+
+def summary_text(prof, trace: dict, cfg: Config, built, steps: int, cuda: bool) -> str:
+    spans = _step_spans(trace)
+    durations = [(b - a) / 1e3 for a, b in spans]
+    gaps = [(spans[i + 1][0] - spans[i][1]) / 1e3 for i in range(len(spans) - 1)]
+    phases = _phase_times(trace)
+    events = prof.key_averages()
+    syncs = {
+        k: v
+        for k, v in _syncs_in_step(trace).items()
+        if not k.startswith("aten::_local_scalar_dense")  # the inside of each .item()
+    }
+    time_key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    mem_key = "self_cuda_memory_usage" if cuda else "self_cpu_memory_usage"
+    tokens = cfg.train.batch_size * cfg.train_seq_len
+    step_ms = statistics.median(durations) if durations else float("nan")
+    lines = [
+        f"onegpu profile: {built.n_params:,} parameters on {built.device}, {built.policy.name}, "
+        f"batch {cfg.train.batch_size}x{cfg.train_seq_len} in {cfg.grad_accum_steps} micro-batch(es), "
+        f"{steps} profiled steps",
+        "",
+        f"step time (median of profiled steps): {step_ms:.1f} ms  ->  {tokens / step_ms * 1e3:,.0f} tokens/s "
+        "(under the profiler: slower than a real run)",
+        "",
+        "phases (host time, all profiled steps):",
+    ]
+    whole = sum(durations) or float("nan")
+    for name in PHASES:
+        lines.append(f"  {name:<10} {phases[name]:10.1f} ms  {phases[name] / whole:6.1%}")
+    lines += [
+        "",
+        "idle gaps between steps: "
+        + (", ".join(f"{g:.2f} ms" for g in gaps) if gaps else "none measured (1 step)"),
+        "host-device synchronisations (.item() and CUDA syncs) inside forward/backward/optimizer: "
+        + (", ".join(f"{k} x{v}" for k, v in sorted(syncs.items())) if syncs else "none found"),
+        "  (on CPU, torch's fused AdamW kernel reads its step counter with .item(): no device sync)"
+        if any("_fused_adam" in k for k in syncs)
+        else "",
+        "",
+        f"top operations by self time ({time_key}):",
+        events.table(sort_by=time_key, row_limit=15, max_name_column_width=48),
+        f"top operations by memory allocated ({mem_key}):",
+        events.table(sort_by=mem_key, row_limit=10, max_name_column_width=48),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_memory(
+    times_us: list[int], groups: dict[str, list[int]], steps: list[tuple[float, float]], out: Path
+) -> None:
+    """Stacked memory timeline (GiB vs ms) as memory.png and a memory.html that embeds it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = steps[0][0] if steps else (times_us[0] if times_us else 0)
+    t_ms = [max(0.0, (t - t0) / 1e3) for t in times_us]  # tensors alive before: at 0
+    fig, ax = plt.subplots(figsize=(12, 4.5), dpi=100)
+    ax.stackplot(t_ms, *[[b / 2**20 for b in groups[g]] for g in GROUPS], labels=GROUPS)
+    for a, _ in steps:
+        ax.axvline((a - t0) / 1e3, color="k", lw=0.6, ls=":")
+    ax.set_xlabel("time (ms); dotted lines: step starts")
+    ax.set_ylabel("MiB allocated")
+    ax.set_title("memory timeline of the profiled steps, by kind")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png")
+    plt.close(fig)
+    png = base64.b64encode((out / "memory.png").read_bytes()).decode()
+    (out / "memory.html").write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>onegpu memory timeline</title>"
+        "</head><body><h3>Memory timeline (tensor allocations, torch.profiler)</h3>"
+        f"<img src='data:image/png;base64,{png}'/></body></html>\n"
+    )
