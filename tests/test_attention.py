@@ -87,3 +87,26 @@ def test_each_available_sdpa_backend_equals_the_plain_reference(tiny_cfg):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match="model.attention"):
         check_attention_backend("efficient", torch.device("cpu"), torch.float32)
+
+
+def test_auto_attention_is_measured_once_then_cached(tiny_cfg, monkeypatch):
+    from onegpu.techniques import attention
+
+    cpu = torch.device("cpu")
+    tiny_cfg.model.attention = "auto"
+    first = attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3)
+    assert first in ("sdpa", "plain")
+
+    def no_measuring(*a):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(attention, "measure_cpu_attention", no_measuring)
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3) == first
+    assert (
+        attention.resolve_attention(tiny_cfg.model, torch.device("meta"), torch.float32, 3)
+        == "sdpa"
+    )
+    tiny_cfg.model.softmax_dtype = "bfloat16"  # plain would no longer be exact: never chosen
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=5) == "sdpa"
+    tiny_cfg.model.attention = "math"
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3) == "math"

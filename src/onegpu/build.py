@@ -22,6 +22,7 @@ from onegpu.optim import build_optimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
 from onegpu.techniques.approx_grads import apply_approx_grads
+from onegpu.techniques.attention import resolve_attention
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum
 from onegpu.techniques.compile import apply_compile
@@ -130,6 +131,9 @@ def build(
         _check_data_sizes(cfg, data)
     apply_precision(policy, device)
     if device.type != "meta":
+        cfg.model.attention = resolve_attention(
+            cfg.model, device, policy.compute_dtype, cfg.train.micro_batch_size
+        )  # the resolved config says what ran
         check_attention_backend(cfg.model.attention, device, policy.param_dtype)
     model = build_model(cfg, device, policy.param_dtype)
     optimizer = (

@@ -54,8 +54,9 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output layer (GPT-2 does)."""
-    attention: Literal["sdpa", "flash", "efficient", "math", "plain"] = "sdpa"
-    """'sdpa': torch scaled_dot_product_attention, which picks the fastest kernel available;
+    attention: Literal["auto", "sdpa", "flash", "efficient", "math", "plain"] = "auto"
+    """'auto': the fastest exact one here (sdpa on GPUs; on CPUs sdpa or plain, timed once and
+    cached); 'sdpa': torch scaled_dot_product_attention, which picks its fastest kernel;
     'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device has
     none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference."""
     softmax_dtype: Literal["float32", "bfloat16", "float16"] = "float32"

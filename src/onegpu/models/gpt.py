@@ -72,7 +72,7 @@ class Attention(nn.Module):
             t.view(B, T, H, K).transpose(1, 2) for t in qkv_BT3D.split(D, dim=2)
         )
         p = self.dropout if self.training else 0.0
-        if self.impl == "sdpa":
+        if self.impl in ("sdpa", "auto"):  # auto unresolved (no device yet): sdpa
             y_BHTK = F.scaled_dot_product_attention(
                 q_BHTK, k_BHTK, v_BHTK, dropout_p=p, is_causal=True
             )

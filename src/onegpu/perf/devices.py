@@ -7,8 +7,6 @@ thread count and torch version (measuring takes seconds, CPU-NOTES).
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import re
 import statistics
@@ -17,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from onegpu.perf.measured import cached
 
 GiB = 2**30
 
@@ -65,12 +65,6 @@ def gpu_spec_for(device_name: str) -> GPUSpec | None:
     return None
 
 
-def cache_file() -> Path:
-    from onegpu.data.tokens import cache_root
-
-    return cache_root() / "peaks.json"
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -116,18 +110,8 @@ def measure_matmul_flops(
 def cpu_peak_flops(dtype: torch.dtype, *, refresh: bool = False) -> float:
     """Measured matmul peak of this CPU in `dtype`, cached per CPU, thread count and torch."""
     key = f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
-    path = cache_file()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if refresh or key not in cache:
-        cache[key] = measure_matmul_flops(dtype, torch.device("cpu"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
-    return float(cache[key])
+    measure = lambda: measure_matmul_flops(dtype, torch.device("cpu"))  # noqa: E731
+    return float(cached("peaks.json", key, measure, refresh=refresh))
 
 
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
