@@ -31,6 +31,13 @@ def test_matmul_params_counts_the_tied_output_layer():
     cfg = load_config("gpt2").model
     with torch.device("meta"):
         model = GPT(cfg)
-    # every Linear weight, including lm_head which shares storage with wte
-    expected = cfg.n_layer * 12 * cfg.d_model**2 + cfg.vocab_size * cfg.d_model
-    assert matmul_params(model) == expected
+    # every Linear weight, including lm_head which shares storage with wte (padded: 50,304 rows)
+    assert model.padded_vocab == 50304
+    blocks = cfg.n_layer * 12 * cfg.d_model**2
+    assert matmul_params(model) == blocks + model.padded_vocab * cfg.d_model
+    # model FLOPs count the real vocabulary: padding is work, not model FLOPs
+    from onegpu.perf.flops import attention_flops_per_token, flops_per_token
+
+    attention = attention_flops_per_token(cfg.n_layer, cfg.seq_len, cfg.d_model)
+    expected = 6 * (blocks + cfg.vocab_size * cfg.d_model) + attention
+    assert flops_per_token(model, cfg.seq_len) == expected

@@ -32,4 +32,7 @@ def test_logits_match_hf_gpt2(attention):
     assert count_params(ours) == sum(p.numel() for p in hf.parameters())
     idx = torch.randint(0, 300, (2, 32))
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
+        logits = ours(idx)
+        assert logits.shape[-1] == 320  # 300 padded to a multiple of 64, padding masked
+        assert torch.all(logits[..., 300:] == float("-inf"))
+        torch.testing.assert_close(logits[..., :300], hf(idx).logits, rtol=1e-5, atol=1e-5)

@@ -8,8 +8,10 @@ memory planner sees the very same model.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +111,40 @@ def build_model(cfg: Config, device: torch.device, param_dtype: torch.dtype = to
         torch.manual_seed(cfg.train.seed)
         model.to_empty(device=device)
         model.init_weights()
-    return model.to(param_dtype)
+    return cast_parameters_(model, param_dtype)
+
+
+def cast_parameters_(model: GPT, dtype: torch.dtype) -> GPT:
+    """Store parameters in `dtype`, in place (keeps tied parameters tied; works on fake
+    tensors, where Module.to would have to swap tensors)."""
+    for p in model.parameters():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def build_plan_parts(cfg: Config) -> tuple[GPT, PrecisionPolicy, Any, LossFn]:
+    """Model, precision policy, optimizer and loss exactly as `build` makes them, to be called
+    under FakeTensorMode (the planner): tensors are CPU-shaped fakes, nothing is allocated."""
+    device = torch.device("cpu")
+    policy = resolve_precision(cfg.train.precision, device)
+    cfg.train.precision = policy.name
+    if cfg.model.attention == "auto":
+        cfg.model.attention = "sdpa"  # the planner resolves it first; this is the fallback
+    with device:
+        model = apply_techniques(GPT(cfg.model), cfg)
+    model.init_weights()
+    cast_parameters_(model, policy.param_dtype)
+    optim_cfg = cfg.optim
+    if optim_cfg.name in FAKE_UNSAFE_OPTIMIZERS:
+        # their steps cannot run on fake tensors: a stateless stand-in steps, and the planner
+        # counts their states from their allocation rules (optim/state_bytes.py)
+        optim_cfg = dataclasses.replace(optim_cfg, name="sgd", beta1=0.0)
+    optimizer = build_optimizer(model, optim_cfg, device)
+    return model, policy, optimizer, build_loss(cfg, device, model)
+
+
+FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit")
 
 
 def build(
@@ -188,4 +223,4 @@ def _check_data_sizes(cfg: Config, data: TokenSplits) -> None:
         )
 
 
-__all__ = ["Built", "build", "build_model", "resolve_device"]
+__all__ = ["Built", "build", "build_model", "build_plan_parts", "resolve_device"]

@@ -111,6 +111,26 @@ def cmd_bench(ns: argparse.Namespace, unknown: list[str]) -> int:
     return 0
 
 
+def cmd_plan(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from onegpu.memory.plan_report import format_report, plan_report
+    from onegpu.perf.devices import GPUS
+
+    if ns.gpu == "list":
+        print("name        memory   peak dense TFLOP/s (fp32 / tf32 / bf16 / fp16)")
+        for g in GPUS.values():
+            tf = "/".join(
+                f"{g.peak[k] / 1e12:g}" if k in g.peak else "-"
+                for k in ("fp32", "tf32", "bf16", "fp16")
+            )
+            print(f"{g.name:<10} {g.memory_bytes / 2**30:5.0f} GiB   {tf}")
+        return 0
+    if ns.memory is not None and ns.memory <= 0:
+        raise ConfigError("--memory", f"must be a positive number of bytes, got {ns.memory}")
+    report = plan_report(_config_from(ns, unknown), ns.gpu, ns.memory)
+    print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
+    return 0
+
+
 def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
     if unknown:
         raise ConfigError(unknown[0], "unknown option for `onegpu info`")
@@ -149,6 +169,18 @@ def make_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(p)
     p.set_defaults(func=cmd_profile)
+    p = sub.add_parser(
+        "plan",
+        allow_abbrev=False,
+        help="predict a step's memory (any model, any GPU) before anything runs",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--gpu", help="a GPU of the table (e.g. A100-40, RTX4090), or 'list'")
+    p.add_argument("--memory", type=int, help="a memory budget in bytes (e.g. this machine's RAM)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_config_options(p)
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser(
         "bench",
         allow_abbrev=False,

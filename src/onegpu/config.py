@@ -46,6 +46,10 @@ class ModelConfig:
     """Context length of the model: the number of learned positions."""
     vocab_size: int = 256
     """Rows of the embedding and output layers; may exceed the tokenizer's vocabulary (padding)."""
+    pad_vocab_to: int = 64
+    """Round the embedding and output rows up to a multiple of this (matrix units like it:
+    GPT-2's 50,257 -> 50,304, seed 001). Padded rows are never inputs and their logits are
+    masked to -inf, so the model computes exactly the same function (1: no padding)."""
     mlp_ratio: int = 4
     """Hidden width of the MLP as a multiple of d_model."""
     dropout: float = 0.0
@@ -467,6 +471,9 @@ def validate(cfg: Config) -> None:
             "data.tokenizer_vocab",
             f"{tv} exceeds model.vocab_size={m.vocab_size}; the model needs a row per token",
         )
+    _require(
+        m.pad_vocab_to >= 1, "model.pad_vocab_to", f"must be >= 1 (1: off), got {m.pad_vocab_to}"
+    )
     _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
     _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")

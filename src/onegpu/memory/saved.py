@@ -3,10 +3,13 @@
 Every tensor saved for backward passes through `saved_tensors_hooks`, including the inputs that
 non-reentrant checkpointing keeps. The one exception is selective checkpointing, whose saved op
 outputs sit in its own cache: it registers that cache here (`track_cache`) so it is counted too.
-Parameters are not activations and are left out; a storage saved twice is counted once.
+Parameters are not activations and are left out; a storage saved twice while alive is counted
+once (a later micro-batch's storage at a reused address counts again).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -17,11 +20,9 @@ class SavedTensorCounter:
 
     def __init__(self, model: nn.Module | None = None):
         self._param_storages = (
-            {p.untyped_storage().data_ptr() for p in model.parameters()}
-            if model is not None
-            else set()
+            {p.untyped_storage()._cdata for p in model.parameters()} if model is not None else set()
         )
-        self._seen: set[tuple[int, int]] = set()
+        self._seen: set[int] = set()  # storages saved and still alive
         self._caches: list[dict] = []
         self._bytes = 0
         self._frozen: int | None = None
@@ -29,15 +30,14 @@ class SavedTensorCounter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "meta":
-            key, nbytes = (id(t), 0), t.untyped_storage().nbytes()
-        else:
-            storage = t.untyped_storage()
-            key, nbytes = (storage.data_ptr(), storage.nbytes()), storage.nbytes()
-        if key[0] in self._param_storages or key in self._seen:
+        storage = t.untyped_storage()
+        key = storage._cdata  # the storage itself: works for real, meta and fake tensors
+        if key in self._param_storages or key in self._seen:
             return t
         self._seen.add(key)
-        self._bytes += nbytes
+        # forget it when freed: the next micro-batch may get a new storage at the same address
+        weakref.finalize(t, self._seen.discard, key)
+        self._bytes += storage.nbytes()
         self.count += 1
         return t
 
@@ -54,8 +54,7 @@ class SavedTensorCounter:
         total = self._bytes
         for t in self._cached_tensors():
             storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key[0] not in self._param_storages and key not in self._seen:
+            if storage._cdata not in self._param_storages and storage._cdata not in self._seen:
                 total += storage.nbytes()
         return total
 

@@ -45,6 +45,10 @@ def state_dict_from_hf_gpt2(hf_state: dict[str, torch.Tensor]) -> dict[str, torc
 
 def load_hf_gpt2(model: GPT, hf_state: dict[str, torch.Tensor]) -> GPT:
     state = state_dict_from_hf_gpt2(hf_state)
+    for key in ("wte.weight", "lm_head.weight", "lm_head.bias"):  # zero rows pad the vocabulary
+        if key in state and state[key].shape[0] < model.padded_vocab:
+            extra = model.padded_vocab - state[key].shape[0]
+            state[key] = torch.cat([state[key], state[key].new_zeros(extra, *state[key].shape[1:])])
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -120,14 +120,16 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab = padded_vocab(cfg)
+        self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         # GPT-2's output layer has no bias; seed 000's untied one does.
         self.lm_head = nn.Linear(
-            cfg.d_model, cfg.vocab_size, bias=cfg.bias and not cfg.tie_embeddings
+            cfg.d_model, self.padded_vocab, bias=cfg.bias and not cfg.tie_embeddings
         )
         self.tie_weights()
 
@@ -156,6 +158,9 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        self.wte.weight[self.vocab_size :].zero_()  # padding rows: never read, never trained
+        if not self.cfg.tie_embeddings:
+            self.lm_head.weight[self.vocab_size :].zero_()
 
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states; the loss applies the output layer (maybe in chunks)."""
@@ -167,9 +172,30 @@ class GPT(nn.Module):
         return self.norm_f(x_BTD)
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden(idx_BT))
+        """Logits over the padded vocabulary, the padding masked to -inf (softmax gives them
+        exactly 0, so loss and gradients are those of the unpadded model)."""
+        logits_BTV = self.lm_head(self.hidden(idx_BT))
+        if self.padded_vocab > self.vocab_size:
+            logits_BTV[..., self.vocab_size :] = float("-inf")
+        return logits_BTV
+
+    def padding_params(self) -> int:
+        """Parameters that only pad the vocabulary (counted in no model size)."""
+        rows = self.padded_vocab - self.vocab_size
+        untied_head = (
+            0
+            if self.cfg.tie_embeddings
+            else rows * (self.cfg.d_model + (self.lm_head.bias is not None))
+        )
+        return rows * self.cfg.d_model + untied_head
+
+
+def padded_vocab(cfg: ModelConfig) -> int:
+    m = max(1, cfg.pad_vocab_to)
+    return -(-cfg.vocab_size // m) * m
 
 
 def count_params(model: nn.Module) -> int:
-    """Unique parameters (a tied weight counts once)."""
-    return sum(p.numel() for p in model.parameters())
+    """Unique parameters (a tied weight counts once), vocabulary padding left out."""
+    padding = model.padding_params() if isinstance(model, GPT) else 0
+    return sum(p.numel() for p in model.parameters()) - padding

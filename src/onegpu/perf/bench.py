@@ -262,7 +262,7 @@ def markdown(rows: list[dict[str, Any]], cfg, steps: int, repeats: int, command:
                 else "n/a"
             )
             comp = (
-                f"{r['compile_time_cold_s']:.1f} s cold, median {r['compile_time_s']:.1f} s"
+                f"{r['compile_time_cold_s']:.1f} s first round, median {r['compile_time_s']:.1f} s"
                 if r.get("compile_time_cold_s") is not None
                 else ""
             )

@@ -20,7 +20,16 @@ from onegpu.techniques.loss import LossFn
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, bias_V, targets_N, chunk: int, compute_dtype: torch.dtype):
+    def forward(
+        ctx,
+        h_ND,
+        weight_VD,
+        bias_V,
+        targets_N,
+        chunk: int,
+        compute_dtype: torch.dtype,
+        n_valid: int,
+    ):
         device_type = h_ND.device.type
         with torch.autocast(device_type, enabled=False), torch.no_grad():
             w_VD = weight_VD.to(compute_dtype)
@@ -38,6 +47,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits_cV = (h_cD @ w_VD.T).float()
                 if bias_V is not None:
                     logits_cV += bias_V.float()
+                logits_cV[:, n_valid:] = float("-inf")  # vocabulary padding: probability 0
                 valid_c = t_c != IGNORE_INDEX
                 safe_t = t_c.clamp(min=0).unsqueeze(1)
                 lse_c = logits_cV.logsumexp(dim=1)
@@ -61,7 +71,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h_ND, grad_w_VD, grad_b_V = ctx.saved_tensors
         gw = (grad_w_VD * grad_loss).to(ctx.weight_dtype)
         gb = (grad_b_V * grad_loss).to(ctx.weight_dtype) if grad_b_V is not None else None
-        return grad_h_ND * grad_loss.to(grad_h_ND.dtype), gw, gb, None, None, None
+        return grad_h_ND * grad_loss.to(grad_h_ND.dtype), gw, gb, None, None, None, None
 
 
 def chunked_token_loss_sum(chunk: int) -> LossFn:
@@ -77,7 +87,7 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
         )
         head = model.lm_head
         return ChunkedLinearCrossEntropy.apply(
-            h_ND, head.weight, head.bias, targets_BT.flatten(), chunk, dtype
+            h_ND, head.weight, head.bias, targets_BT.flatten(), chunk, dtype, model.vocab_size
         )
 
     return loss_fn

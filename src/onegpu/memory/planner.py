@@ -1,0 +1,230 @@
+"""Predict a training step's memory without allocating it: the same build, a fake device.
+
+The configured model, techniques, loss and optimizer are built by the one build path under
+PyTorch's FakeTensorMode (meta tensors that carry a device, so autocast and every kernel's
+shape rules apply), and two real training steps run on them: the first creates the optimizer
+states, the second is followed op by op by LiveTensorBytes. Nothing is allocated, so gpt2-xl or
+a 7B shape plans in seconds on a laptop. Fake tensors behave like CPU tensors: a plan for a GPU
+uses the CPU kernels' saved tensors and autocast rules, which match CUDA's for the matmuls.
+
+What the prediction covers: tensor bytes (what `torch.cuda.max_memory_allocated` and the CPU
+profiler's memory timeline measure). Not covered: the CUDA context (~0.3-1 GiB), allocator
+caching and fragmentation (`memory_reserved` above `allocated`), library workspaces.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from onegpu.config import Config
+from onegpu.memory.saved import SavedTensorCounter
+from onegpu.memory.tracker import LiveTensorBytes, storage_id
+from onegpu.models.gpt import count_params
+from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
+from onegpu.perf.flops import flops_per_token
+from onegpu.techniques.attention import resolve_attention
+from onegpu.techniques.precision import resolve_precision
+
+GROUPS = ("params", "grads", "optimizer", "activations", "other")
+
+
+@dataclass
+class MemoryPlan:
+    memory: dict[str, int]  # the measured breakdown's names: params, grads, ..., peak
+    peak_phase: str  # "forward" or "backward/optimizer"
+    peak_op: str
+    saved_by_kind: dict[str, int] = field(default_factory=dict)
+    saved_by_block: dict[str, int] = field(default_factory=dict)
+    saved_per_micro_batch: int = 0
+    n_params: int = 0
+    flops_per_token: int = 0
+    seconds: float = 0.0
+
+
+def _kind(op: str, module: str, dtype: torch.dtype) -> str:
+    """What a saved tensor is, from the op that made it and the module it was made in."""
+    if dtype in (torch.bool, torch.uint8) or "dropout" in op or "bernoulli" in op:
+        return "dropout masks / bit codes"
+    if "attention" in op:
+        return "attention (outputs, logsumexp)"
+    if "layer_norm" in op:
+        return "norms (outputs, mean, rstd)"
+    if "gelu" in op:
+        return "GELU"
+    if module.endswith("lm_head") or "cross_entropy" in op or "log_softmax" in op:
+        return "logits / loss"
+    if op in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._to_copy"):
+        return "matmul operands"
+    if "embedding" in op or module in ("wte", "wpe", "drop"):
+        return "embeddings"
+    return "other"
+
+
+class _ModuleStack:
+    """The name of the module running now (forward pre/post hooks on every submodule)."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[str] = []
+        self.calls = 0  # forwards of the whole model so far: the micro-batch index
+        self.handles = []
+        for name, mod in model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(mod.register_forward_hook(self._leave))
+
+    def _enter(self, name):
+        def hook(mod, args):
+            self.calls += name == ""
+            self.stack.append(name)
+
+        return hook
+
+    def _leave(self, mod, args, out):
+        if self.stack:
+            self.stack.pop()
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+class _PlanTracker(LiveTensorBytes):
+    """LiveTensorBytes that also remembers which op made each storage and whether the peak
+    came in forward or in backward/optimizer."""
+
+    def __init__(self, modules: _ModuleStack):
+        super().__init__()
+        self.modules = modules
+        self.made_by: dict[int, tuple[str, str]] = {}
+        self.peak_op = ""
+        self.peak_in_backward = False
+        self._op = ""
+
+    def track(self, t: torch.Tensor) -> None:
+        sid = storage_id(t)
+        if sid not in self.sizes:
+            self.made_by[sid] = (self._op, self.modules.current)
+        before = self.peak
+        super().track(t)
+        if self.peak > before:
+            self.peak_op = self._op
+            self.peak_in_backward = torch._C._current_graph_task_id() != -1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._op = str(func.overloadpacket).replace("aten::", "aten.")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
+    """Build the configured run on fake tensors and follow one steady-state training step.
+    `target` is the device type the plan is for ('cpu' or 'cuda'): it decides what
+    `model.attention auto` stands for (on this CPU: the measured, cached choice of `train`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, build_plan_parts
+    from onegpu.train.step import forward_backward, optimizer_step
+
+    t0 = time.perf_counter()
+    cfg = copy.deepcopy(cfg)
+    cfg.train.compile = "none"  # compile changes kernels, not what the step keeps alive
+    if cfg.model.attention == "auto":
+        if target == "cpu":
+            policy = resolve_precision(cfg.train.precision, torch.device("cpu"))
+            cfg.model.attention = resolve_attention(
+                cfg.model, torch.device("cpu"), policy.compute_dtype, cfg.train.micro_batch_size
+            )
+        else:
+            cfg.model.attention = "sdpa"
+    # Micro-batches after the second repeat it exactly (same shapes, gradients already
+    # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
+    T, n_micro = cfg.train_seq_len, min(cfg.grad_accum_steps, 2)
+    B = cfg.train.micro_batch_size * n_micro
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, policy, optimizer, loss_fn = build_plan_parts(cfg)
+        scaler = policy.grad_scaler(torch.device("cpu"))
+        tokens = torch.zeros(B, T + 1, dtype=torch.long)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+
+        def step():
+            forward_backward(model, loss_fn, policy, scaler, x, y, n_micro=n_micro, n_tokens=B * T)
+            optimizer_step(model, optimizer, scaler, cfg.optim.grad_clip)
+
+        step()  # creates the optimizer states, as the first real step does
+        params = list({id(p): p for p in model.parameters()}.values())
+        modules = _ModuleStack(model)
+        # (micro-batch, storage) -> (bytes, dtype, module): a freed storage's address may be
+        # reused by the next micro-batch, so the micro-batch is part of the key
+        saved: dict[tuple[int, int], tuple[int, torch.dtype, str]] = {}
+        grad_sids: set[int] = set()
+        counter = SavedTensorCounter(model)  # the exact total, selective caches included
+
+        def pack(t: torch.Tensor):
+            counter._pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
+            key = (modules.calls, storage_id(t))
+            if key not in saved:
+                saved[key] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
+            return t
+
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: grad_sids.add(storage_id(p.grad))) for p in params]  # fmt: skip
+        tracker = _PlanTracker(modules)
+        try:
+            with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+                step()
+        finally:
+            modules.remove()
+            for h in hooks:
+                h.remove()
+
+    param_sids = {storage_id(p) for p in params}
+    param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+    state_bytes = (
+        predicted_state_bytes(cfg.optim.name, params)
+        if cfg.optim.name in FAKE_UNSAFE_OPTIMIZERS
+        else optimizer_state_bytes(optimizer)
+    )
+    saved_sids = {sid for _, sid in saved}
+    at_peak = defaultdict(int)
+    for sid, nbytes in tracker.peak_storages.items():
+        group = "grads" if sid in grad_sids else "activations" if sid in saved_sids else "other"
+        at_peak[group] += nbytes
+    memory = {
+        "params": param_bytes,
+        "grads": at_peak["grads"],
+        "optimizer": state_bytes,
+        "activations": at_peak["activations"],
+        "other": at_peak["other"],
+    }
+    memory["peak"] = sum(memory.values())
+    by_kind: dict[str, int] = defaultdict(int)
+    by_block: dict[str, int] = defaultdict(int)
+    for (_, sid), (nbytes, dtype, module) in saved.items():
+        if sid in param_sids:
+            continue  # parameters saved for backward are parameters, not activations
+        op, made_in = tracker.made_by.get(sid, ("", module))
+        by_kind[_kind(op, made_in or module, dtype)] += nbytes // n_micro
+        parts = (module or made_in).split(".")
+        block = ".".join(parts[:2]) if parts[0] == "blocks" else (parts[0] or "loss")
+        by_block[block] += nbytes // n_micro
+    return MemoryPlan(
+        memory=memory,
+        peak_phase="backward/optimizer" if tracker.peak_in_backward else "forward",
+        peak_op=tracker.peak_op,
+        saved_by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        saved_by_block=dict(by_block),
+        saved_per_micro_batch=counter.bytes // n_micro,
+        n_params=count_params(model),  # vocabulary padding left out, as everywhere
+        flops_per_token=flops_per_token(model, T),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+__all__ = ["GROUPS", "MemoryPlan", "plan_memory"]
