@@ -45,3 +45,28 @@ def test_bench_refuses_bad_grid_and_steps(tmp_path, capsys):
     assert "--grid" in capsys.readouterr().err
     assert main(["bench", "--preset", "tiny", "--steps", "2", "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_tune_finds_a_fitting_configuration_that_train_accepts(tmp_path, capsys):
+    out = tmp_path / "tune"
+    args = ["tune", "--preset", "tiny", "--train.device", "cpu", "--memory", "3500000"]
+    assert main([*args, "--time-budget", "1", "--steps", "5", "--out", str(out)]) == 0
+    result = json.loads((out / "tune.json").read_text())
+    assert result["fitting"] < result["candidates"]  # the planner pruned some
+    best = result["best"]
+    assert best["planned_peak_bytes"] <= 3_500_000
+    assert best["peak_mem_bytes"] <= 3_500_000 * 1.1  # measured, within the planner's error
+    assert (out / "tune.png").read_bytes()[:4] == b"\x89PNG"
+    run = tmp_path / "run"
+    train_args = ["train", "--config", str(out / "best.toml"), "--out", str(run)]
+    assert main([*train_args, "--train.max_steps", "2", "--out.progress", "false"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2
+
+
+def test_tune_with_an_impossible_budget_says_what_it_would_need(tmp_path, capsys):
+    args = ["tune", "--preset", "tiny", "--train.device", "cpu", "--memory", "1000"]
+    assert main([*args, "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("onegpu: error: --memory: nothing fits 1,000 bytes") and "needs" in err
+    assert not (tmp_path / "t").exists()

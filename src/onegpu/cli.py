@@ -131,6 +131,51 @@ def cmd_plan(ns: argparse.Namespace, unknown: list[str]) -> int:
     return 0
 
 
+def cmd_tune(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from onegpu.memory.plan_report import CUDA_OVERHEAD_BYTES
+    from onegpu.perf.devices import GPUS
+    from onegpu.tools.tune import tune
+
+    overrides = _overrides(ns, unknown)
+    overrides.pop("out.dir", None)  # --out is where the tune files go
+    cfg = load_config(ns.preset, ns.config, overrides)
+    if ns.gpu is not None:
+        if ns.gpu not in GPUS:
+            raise ConfigError(
+                "--gpu", f"unknown GPU {ns.gpu!r}; `onegpu plan --gpu list` shows the table"
+            )
+        budget = GPUS[ns.gpu].memory_bytes - CUDA_OVERHEAD_BYTES
+    elif ns.memory is not None:
+        if ns.memory <= 0:
+            raise ConfigError("--memory", f"must be a positive number of bytes, got {ns.memory}")
+        budget = ns.memory
+    elif torch.cuda.is_available():
+        budget = torch.cuda.get_device_properties(0).total_memory - CUDA_OVERHEAD_BYTES
+    else:
+        raise ConfigError("--memory", "on a CPU give the budget in bytes, e.g. --memory 4000000000")
+    out = Path(ns.out or "tune")
+    result = tune(
+        cfg,
+        budget_bytes=budget,
+        target="cuda" if torch.cuda.is_available() else "cpu",
+        time_budget_s=ns.time_budget,
+        steps=ns.steps,
+        out_dir=out,
+        preset=ns.preset,
+        config_file=ns.config,
+        base_overrides=overrides,
+        with_compile=ns.with_compile,
+    )
+    print((out / "tune.md").read_text())
+    print(f"wrote {out}/tune.md, {out}/tune.json, {out}/tune.png, {out}/best.toml "
+          f"(onegpu train --config {out}/best.toml)")  # fmt: skip
+    return 0 if result["best"] else 2
+
+
 def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
     if unknown:
         raise ConfigError(unknown[0], "unknown option for `onegpu info`")
@@ -182,6 +227,22 @@ def make_parser() -> argparse.ArgumentParser:
     _add_config_options(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser(
+        "tune",
+        allow_abbrev=False,
+        help="the fastest configuration that fits a memory budget (planned, then measured)",
+        epilog=EPILOG + " Options set the starting configuration; the global batch is kept.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--gpu", help="budget: a GPU of the table (onegpu plan --gpu list)")
+    p.add_argument("--memory", type=int, help="budget in bytes (on a CPU: required)")
+    p.add_argument(
+        "--time-budget", type=float, default=300, help="seconds of measured trials (default: 300)"
+    )
+    p.add_argument("--steps", type=int, default=6, help="steps per trial (default: 6)")
+    p.add_argument("--with-compile", action="store_true", help="also try regional compile")
+    _add_config_options(p)
+    p.set_defaults(func=cmd_tune)
+    p = sub.add_parser(
         "bench",
         allow_abbrev=False,
         help="ablation grids of the seeds on this device: bench.md, bench.json, bench.png",
@@ -228,7 +289,7 @@ def entry() -> None:
     """The `onegpu` command: the process-level defaults for the device, then main()."""
     from onegpu.perf.allocator import maybe_reexec_with_tcmalloc
 
-    if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile", "tune"):
         maybe_reexec_with_tcmalloc(sys.argv[1:])
     sys.exit(main())
 

@@ -1,0 +1,217 @@
+"""`onegpu tune`: the fastest configuration whose planned peak fits a memory budget.
+
+1. Candidates: micro-batch size (the global batch is kept: the rest is accumulated),
+   checkpointing, precision, optimizer, chunked loss and offloading (compile with
+   `--with-compile`), crossed.
+2. The planner predicts each candidate's peak (fake tensors, seconds); those over the budget
+   are pruned before anything runs.
+3. The survivors are ranked by an estimate of their cost (FLOPs recomputed, precision, batch
+   efficiency) and measured, best estimate first, in short real runs (`onegpu bench`'s row
+   runner: fresh processes, median step time) until the time budget is spent.
+4. The measured Pareto frontier (peak memory vs tokens/s) is printed and saved as tune.md,
+   tune.json and tune.png; the winner is written as best.toml for `onegpu train --config`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from onegpu.config import Config, ConfigError, apply_values, to_toml, validate
+from onegpu.memory.planner import plan_memory
+from onegpu.techniques.precision import bf16_native
+
+# Extra compute of each checkpointing policy, as a fraction of a plain step (a ranking
+# heuristic only: forward is ~1/3 of a step, recomputing it all adds ~1/3).
+RECOMPUTE = {
+    "none": 1.0,
+    "selective": 1.05,
+    "mlp": 1.15,
+    "attn": 1.2,
+    "attn+mlp": 1.3,
+    "block": 1.33,
+}
+
+
+def candidates(cfg: Config, device_type: str, with_compile: bool) -> list[dict[str, str]]:
+    """Override sets to try, each a valid configuration."""
+    batch = cfg.train.batch_size
+    micro = sorted(
+        {m for m in (1, 2, 4, 8, 16, 32, 64, 128, batch) if m <= batch and batch % m == 0}
+    )
+    lowp = ["bf16", "bf16-pure"] if device_type == "cuda" or bf16_native_cpu() else ["fp32"]
+    space = {
+        "train.micro_batch_size": [str(m) for m in micro],
+        "memory.checkpointing": ["none", "selective", "attn+mlp", "block"],
+        "train.precision": lowp,
+        "optim.name": ["adamw", "adamw8bit"],
+        "memory.loss_chunk": ["0", "1024"] if cfg.model.vocab_size > 4096 else ["0"],
+        "memory.offload_activations": ["false", "true"] if device_type == "cuda" else ["false"],
+        "train.compile": ["none", "regional"] if with_compile else ["none"],
+    }
+    keys = list(space)
+    out = []
+    for values in itertools.product(*(space[k] for k in keys)):
+        change = dict(zip(keys, values, strict=True))
+        try:
+            _apply(cfg, change)
+        except ConfigError:
+            continue
+        out.append(change)
+    return out
+
+
+def bf16_native_cpu() -> bool:
+    import torch
+
+    return bf16_native(torch.device("cpu"))
+
+
+def _apply(cfg: Config, change: dict[str, str]) -> Config:
+    new = copy.deepcopy(cfg)
+    apply_values(new, change)
+    validate(new)
+    return new
+
+
+def estimated_cost(change: dict[str, str], batch: int) -> float:
+    """Relative step time, for ordering the trials (lower first); not a prediction."""
+    cost = RECOMPUTE[change["memory.checkpointing"]]
+    cost *= 1.0 if change["train.precision"].startswith("bf16") else 2.5
+    cost *= 1.0 + 0.15 * (batch // int(change["train.micro_batch_size"]) - 1) ** 0.5
+    cost *= 1.03 if change["optim.name"] == "adamw8bit" else 1.0
+    cost *= 1.2 if change["memory.offload_activations"] == "true" else 1.0
+    return cost
+
+
+def tune(
+    cfg: Config,
+    *,
+    budget_bytes: int,
+    target: str,
+    time_budget_s: float,
+    steps: int,
+    out_dir: Path,
+    preset: str | None,
+    config_file: str | None,
+    base_overrides: dict[str, str],
+    with_compile: bool = False,
+    log=print,
+) -> dict[str, Any]:
+    from onegpu.perf.bench import run_row
+
+    t0 = time.perf_counter()
+    cands = candidates(cfg, target, with_compile)
+    planned = []
+    for change in cands:
+        peak = plan_memory(_apply(cfg, change), target).memory["peak"]
+        planned.append((change, peak))
+    fitting = [(c, p) for c, p in planned if p <= budget_bytes]
+    log(f"tune: {len(cands)} candidates planned in {time.perf_counter() - t0:.0f} s, "
+        f"{len(fitting)} fit {_size(budget_bytes)}")  # fmt: skip
+    if not fitting:
+        least = min(planned, key=lambda cp: cp[1])
+        raise ConfigError(
+            "--memory",
+            f"nothing fits {budget_bytes:,} bytes: the leanest candidate "
+            f"({', '.join(f'{k}={v}' for k, v in least[0].items())}) needs a planned "
+            f"{least[1]:,} bytes; raise the budget or shrink the model, sequence or batch",
+        )
+    fitting.sort(key=lambda cp: (estimated_cost(cp[0], cfg.train.batch_size), cp[1]))
+    trials = []
+    t_trials = time.perf_counter()  # the time budget is for measuring, not for planning
+    with tempfile.TemporaryDirectory() as workdir:
+        for change, peak in fitting:
+            if trials and time.perf_counter() - t_trials > time_budget_s:
+                break
+            res = run_row(preset, config_file, {**base_overrides, **change}, steps, Path(workdir))
+            res.update(change=change, planned_peak_bytes=peak)
+            trials.append(res)
+            log(f"  {_label(change)}: {res['tokens_per_s']:,.0f} tokens/s, planned "
+                f"{peak / 2**20:,.0f} MiB, measured {res['peak_mem_bytes'] / 2**20:,.0f} MiB")  # fmt: skip
+    frontier = pareto(trials)
+    best = max(trials, key=lambda r: r["tokens_per_s"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    best_cfg = _apply(cfg, best["change"])
+    (out_dir / "best.toml").write_text(to_toml(best_cfg))
+    result = {
+        "budget_bytes": budget_bytes,
+        "candidates": len(cands),
+        "fitting": len(fitting),
+        "trials": trials,
+        "frontier": frontier,
+        "best": best,
+    }
+    (out_dir / "tune.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / "tune.md").write_text(frontier_table(result))
+    plot(trials, frontier, budget_bytes, out_dir / "tune.png")
+    return result
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _label(change: dict[str, str]) -> str:
+    short = {"train.micro_batch_size": "micro", "memory.checkpointing": "remat",
+             "train.precision": "", "optim.name": "", "memory.loss_chunk": "chunk",
+             "memory.offload_activations": "offload", "train.compile": "compile"}  # fmt: skip
+    parts = []
+    for k, v in change.items():
+        if v in ("0", "false", "none") and k != "memory.checkpointing":
+            continue
+        parts.append(f"{short[k]} {v}".strip())
+    return ", ".join(parts)
+
+
+def pareto(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trials no other trial beats on both memory (lower) and tokens/s (higher)."""
+    front = []
+    for t in sorted(trials, key=lambda r: (r["peak_mem_bytes"], -r["tokens_per_s"])):
+        if not front or t["tokens_per_s"] > front[-1]["tokens_per_s"]:
+            front.append(t)
+    return front
+
+
+def frontier_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"# onegpu tune: budget {_size(result['budget_bytes'])}",
+        "",
+        f"{result['candidates']} candidates planned, {result['fitting']} fit, "
+        f"{len(result['trials'])} measured; the Pareto frontier (memory vs speed):",
+        "",
+        "| configuration | tokens/s | measured peak | planned peak |",
+        "|---|---|---|---|",
+    ]
+    for t in result["frontier"]:
+        lines.append(
+            f"| {_label(t['change'])} | {t['tokens_per_s']:,.0f} | "
+            f"{t['peak_mem_bytes'] / 2**20:,.0f} MiB | {t['planned_peak_bytes'] / 2**20:,.0f} MiB |"
+        )
+    lines += ["", f"Fastest that fits: {_label(result['best']['change'])} (best.toml).", ""]
+    return "\n".join(lines)
+
+
+def plot(trials, frontier, budget: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    ax.scatter([t["peak_mem_bytes"] / 2**20 for t in trials], [t["tokens_per_s"] for t in trials],
+               color="tab:gray", label="measured trials")  # fmt: skip
+    ax.plot([t["peak_mem_bytes"] / 2**20 for t in frontier], [t["tokens_per_s"] for t in frontier],
+            "o-", color="tab:blue", label="Pareto frontier")  # fmt: skip
+    ax.axvline(budget / 2**20, color="tab:red", ls="--", label="budget")
+    ax.set_xlabel("peak memory of a step, MiB")
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
