@@ -11,8 +11,9 @@ lifetime maximum, so configurations must not share a process) and reads its run 
   second step (summary.json `memory`), split into params/grads/optimizer/activations/other;
 - saved: saved-activation bytes of one micro-batch, counted exactly with saved_tensors_hooks;
 - RSS: the process's peak resident memory (interpreter and libraries included);
-- step time: median over the steps after the second (the first warms up, the second is the
-  profiled one), and tokens/s from it;
+- step time: median over the steps after the third (the first warms up, the second is the
+  profiled one, the third pays for the profiler's teardown), and tokens/s from it
+  (the committed tables were measured with --steps 5 and the median of steps 3..5);
 - loss: the training loss of the last step (same data order and initialisation in every row).
 Writes NAME.md and NAME.json under --out-dir.
 """
@@ -23,14 +24,14 @@ import argparse
 import json
 import platform
 import shlex
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from onegpu.perf.bench import run_row
 
 BASE = {  # seed 003's naive loop: full batch in one pass, fp32, AdamW
     "train.precision": "fp32",
@@ -129,40 +130,18 @@ GRIDS: dict[str, dict] = {
 
 
 def run_one(preset: str, overrides: dict[str, str], steps: int, workdir: Path) -> dict:
-    out = Path(tempfile.mkdtemp(dir=workdir))
-    args = [sys.executable, "-m", "onegpu", "train", "--preset", preset]
-    fixed = {
-        "train.max_steps": str(steps),
-        "train.log_every": "1",
-        "train.eval_every": "0",
-        "out.progress": "false",
-        "out.save_checkpoint": "false",
-        "out.overwrite": "true",
-        "out.dir": str(out),
-    }
-    for k, v in {**fixed, **overrides}.items():
-        args += [f"--{k}", v]
-    t0 = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(args)} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > 2]
-    step_time = statistics.median(times)
-    tokens_per_step = summary["tokens"] / summary["steps"]
-    mem = summary["memory"]
+    """One configuration in a fresh `onegpu train` process (onegpu bench's row runner)."""
+    r = run_row(preset, None, overrides, steps, workdir)
     return {
         "overrides": overrides,
-        "peak_step_bytes": mem["peak"],
-        "breakdown": {k: mem[k] for k in ("params", "grads", "optimizer", "activations", "other")},
-        "saved_activation_bytes": mem["saved_activations_per_micro_batch"],
-        "peak_rss_bytes": summary["peak_mem_bytes"],
-        "step_time_s": step_time,
-        "tokens_per_s": tokens_per_step / step_time,
-        "loss": summary["loss"],
-        "wall_s": wall,
+        "peak_step_bytes": r["peak_mem_bytes"],
+        "breakdown": r["memory"],
+        "saved_activation_bytes": r["saved_activations_per_micro_batch"],
+        "peak_rss_bytes": r["peak_rss_bytes"],
+        "step_time_s": r["step_time_s"],
+        "tokens_per_s": r["tokens_per_s"],
+        "loss": r["loss"],
+        "wall_s": r["wall_s"],
     }
 
 
@@ -206,7 +185,7 @@ def markdown(name: str, grid: dict, results: list[dict], command: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--grid", choices=sorted(GRIDS), default="seed-ref")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="median over the steps after the 3rd")
     ap.add_argument("--only", default="", help="comma-separated row names (default: all)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     args = ap.parse_args()

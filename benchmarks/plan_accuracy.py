@@ -41,44 +41,18 @@ GRID: list[tuple[str, dict[str, str]]] = [
 
 def measure(preset: str, overrides: dict[str, str]) -> dict:
     """Run in a worker process: predicted and measured breakdowns for one configuration."""
-    from onegpu.build import build
     from onegpu.config import load_config
-    from onegpu.memory.breakdown import profile_step_memory
     from onegpu.memory.planner import plan_memory
-    from onegpu.memory.saved import SavedTensorCounter
-    from onegpu.optim.state_bytes import optimizer_state_bytes
-    from onegpu.train.step import forward_backward, optimizer_step
+    from onegpu.memory.real_step import measure_real_step
 
     cfg = load_config(preset, overrides={"train.device": "cpu", **overrides})
     plan = plan_memory(cfg)
-    built = build(cfg, with_data=False)
-    scaler = built.policy.grad_scaler(built.device)
-    T = cfg.train_seq_len
-    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, T + 1))
-
-    def step():
-        forward_backward(
-            built.model, built.loss_fn, built.policy, scaler, x[:, :-1], x[:, 1:],
-            n_micro=cfg.grad_accum_steps, n_tokens=x[:, 1:].numel(),
-        )  # fmt: skip
-        optimizer_step(built.model, built.optimizer, scaler, cfg.optim.grad_clip)
-
-    step()
-    counter = SavedTensorCounter(built.model)
-
-    def counted():
-        with counter:
-            step()
-
-    measured = profile_step_memory(counted, built.device)
-    exact_states = optimizer_state_bytes(built.optimizer)
-    measured["peak"] += exact_states - measured["optimizer"]  # as the trainer does
-    measured["optimizer"] = exact_states
+    _, measured, saved = measure_real_step(cfg)
     return {
         "predicted": plan.memory,
         "measured": {k: measured[k] for k in plan.memory},
         "saved_predicted": plan.saved_per_micro_batch,
-        "saved_measured": counter.bytes // cfg.grad_accum_steps,
+        "saved_measured": saved,
         "plan_seconds": plan.seconds,
         "precision": cfg.train.precision,
     }

@@ -4,16 +4,12 @@ import json
 import resource
 
 import pytest
-import torch
 
-from onegpu.build import build
 from onegpu.cli import main
 from onegpu.config import load_config
-from onegpu.memory.breakdown import profile_step_memory
 from onegpu.memory.planner import plan_memory
-from onegpu.memory.saved import SavedTensorCounter
+from onegpu.memory.real_step import measure_real_step
 from onegpu.optim.state_bytes import optimizer_state_bytes
-from onegpu.train.step import forward_backward, optimizer_step
 
 
 def _cfg(**over):
@@ -22,27 +18,7 @@ def _cfg(**over):
 
 
 def _real_step(cfg):
-    """Two real steps (the second measured): profiler breakdown and exact saved bytes."""
-    built = build(cfg, with_data=False)
-    scaler = built.policy.grad_scaler(built.device)
-    x = torch.randint(0, 256, (cfg.train.batch_size, cfg.train_seq_len + 1))
-    counter = SavedTensorCounter(built.model)
-
-    def step():
-        forward_backward(
-            built.model, built.loss_fn, built.policy, scaler, x[:, :-1], x[:, 1:],
-            n_micro=cfg.grad_accum_steps, n_tokens=x[:, 1:].numel(),
-        )  # fmt: skip
-        optimizer_step(built.model, built.optimizer, scaler, cfg.optim.grad_clip)
-
-    step()
-
-    def counted():
-        with counter:
-            step()
-
-    memory = profile_step_memory(counted, built.device)
-    return built, memory, counter.bytes // cfg.grad_accum_steps
+    return measure_real_step(cfg)
 
 
 @pytest.mark.parametrize(

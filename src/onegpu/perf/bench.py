@@ -155,6 +155,7 @@ def run_row(
         "peak_mem_kind": summary["peak_mem_kind"] if cuda else mem.get("kind"),
         "peak_rss_bytes": None if cuda else summary["peak_mem_bytes"],
         "memory": {k: mem.get(k) for k in ("params", "grads", "optimizer", "activations", "other")},
+        "saved_activations_per_micro_batch": mem.get("saved_activations_per_micro_batch"),
         "loss": summary["loss"],
         "compile_time_s": summary.get("compile_time_s"),
         "mfu": summary.get("mfu"),
