@@ -4,7 +4,8 @@
    checkpointing, precision, optimizer, chunked loss and offloading (compile with
    `--with-compile`), crossed.
 2. The planner predicts each candidate's peak (fake tensors, seconds); those over the budget
-   are pruned before anything runs.
+   are pruned before anything runs, and per setting of the rest only the largest micro-batch
+   that fits is kept (planned from the largest down).
 3. The survivors are ranked by an estimate of their cost (FLOPs recomputed, precision, batch
    efficiency) and measured, best estimate first, in short real runs (`onegpu bench`'s row
    runner: fresh processes, median step time) until the time budget is spent.
@@ -107,13 +108,23 @@ def tune(
 
     t0 = time.perf_counter()
     cands = candidates(cfg, target, with_compile)
-    planned = []
+    # Per setting of everything else, only the largest micro-batch that fits is worth running
+    # (a smaller one only adds accumulation steps), and memory grows with the micro-batch:
+    # plan from the largest down and stop at the first that fits.
+    groups: dict[str, list[dict[str, str]]] = {}
     for change in cands:
-        peak = plan_memory(_apply(cfg, change), target).memory["peak"]
-        planned.append((change, peak))
-    fitting = [(c, p) for c, p in planned if p <= budget_bytes]
-    log(f"tune: {len(cands)} candidates planned in {time.perf_counter() - t0:.0f} s, "
-        f"{len(fitting)} fit {_size(budget_bytes)}")  # fmt: skip
+        rest = {k: v for k, v in change.items() if k != "train.micro_batch_size"}
+        groups.setdefault(json.dumps(rest, sort_keys=True), []).append(change)
+    planned, fitting = [], []
+    for members in groups.values():
+        for change in sorted(members, key=lambda c: -int(c["train.micro_batch_size"])):
+            peak = plan_memory(_apply(cfg, change), target).memory["peak"]
+            planned.append((change, peak))
+            if peak <= budget_bytes:
+                fitting.append((change, peak))
+                break
+    log(f"tune: {len(cands)} candidates, {len(planned)} planned in "
+        f"{time.perf_counter() - t0:.0f} s, {len(fitting)} to measure under {_size(budget_bytes)}")  # fmt: skip
     if not fitting:
         least = min(planned, key=lambda cp: cp[1])
         raise ConfigError(
@@ -142,6 +153,7 @@ def tune(
     result = {
         "budget_bytes": budget_bytes,
         "candidates": len(cands),
+        "planned": len(planned),
         "fitting": len(fitting),
         "trials": trials,
         "frontier": frontier,
@@ -182,8 +194,9 @@ def frontier_table(result: dict[str, Any]) -> str:
     lines = [
         f"# onegpu tune: budget {_size(result['budget_bytes'])}",
         "",
-        f"{result['candidates']} candidates planned, {result['fitting']} fit, "
-        f"{len(result['trials'])} measured; the Pareto frontier (memory vs speed):",
+        f"{result['candidates']} candidates; {result['planned']} planned (largest micro-batch "
+        f"first); {result['fitting']} fit with their largest micro-batch; "
+        f"{len(result['trials'])} measured, cheapest-looking first. Pareto frontier (memory vs speed):",
         "",
         "| configuration | tokens/s | measured peak | planned peak |",
         "|---|---|---|---|",
