@@ -66,7 +66,16 @@ def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[
     flops = plan.flops_per_token
     tokens = cfg.train.batch_size * cfg.train_seq_len
     dtype_key = {"bf16-pure": "bf16", "tf32": "tf32"}.get(cfg.train.precision, cfg.train.precision)
-    peak_flops = GPUS[gpu].peak.get(dtype_key, GPUS[gpu].peak["fp32"]) if gpu else None
+    if gpu:
+        peak_flops = GPUS[gpu].peak.get(dtype_key, GPUS[gpu].peak["fp32"])
+    else:  # this CPU: its measured matmul peak for the compute dtype (cached)
+        import torch
+
+        from onegpu.perf.devices import cpu_peak_flops
+        from onegpu.techniques.precision import resolve_precision
+
+        dtype = resolve_precision(cfg.train.precision, torch.device("cpu")).compute_dtype
+        peak_flops = cpu_peak_flops(dtype)
     report: dict[str, Any] = {
         "config": {
             "precision": cfg.train.precision,
@@ -163,8 +172,9 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
         "beside the analytic figures:",
         f"  seed 001: mixed-precision AdamW needs 18 bytes/parameter (fp32 weights 4, 16-bit copy "
         f"2, fp32 grads 4, states 8); planned here: "
-        f"{(mem['params'] + mem['grads'] + mem['optimizer']) / n:.2f} (the 16-bit copies live only "
-        "inside a forward, counted under activations/other)",
+        f"{(2 * mem['params'] + mem['optimizer']) / n:.2f} with every gradient alive (weights, "
+        "same-sized gradients, states; the 16-bit weight copies of autocast live only inside a "
+        "forward and are counted under activations)",
         f"  Korthikanti et al. (seed 003): s*b*h*(34 + 5*a*s/h) = "
         f"{r['korthikanti_bytes_per_layer'] / mib:,.1f} MiB per layer (16-bit, full attention "
         "matrix stored); fused attention keeps no s x s matrix and fp32 autocast ops keep 4-byte "
@@ -172,9 +182,9 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
     ]
     if "predicted_tokens_per_s" in r:
         lines.append(
-            f"  speed on {gpu}: {r['predicted_tokens_per_s']:,.0f} tokens/s, "
+            f"  speed on {gpu or 'this CPU'}: {r['predicted_tokens_per_s']:,.0f} tokens/s, "
             f"{r['predicted_step_time_s'] * 1e3:,.0f} ms/step (prediction: counted FLOPs at "
-            f"{r['efficiency_assumed']:.0%} of the datasheet peak)"
+            f"{r['efficiency_assumed']:.0%} of the {'datasheet' if gpu else 'measured'} peak)"
         )
     if "capacity_bytes" in r:
         cap = r["capacity_bytes"]

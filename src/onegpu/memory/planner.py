@@ -59,8 +59,14 @@ def _kind(op: str, module: str, dtype: torch.dtype) -> str:
         return "GELU"
     if module.endswith("lm_head") or "cross_entropy" in op or "log_softmax" in op:
         return "logits / loss"
-    if op in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._to_copy"):
-        return "matmul operands"
+    if op in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"):
+        return "matmul outputs"
+    if op == "aten._to_copy":
+        return "16-bit copies (autocast)"
+    if op in ("aten.add", "aten.add_"):
+        return "residual stream"
+    if op in ("aten.clone", "aten._unsafe_view", "aten.view", "aten.cat", "aten.transpose"):
+        return "reshaped copies"
     if "embedding" in op or module in ("wte", "wpe", "drop"):
         return "embeddings"
     return "other"
@@ -71,7 +77,6 @@ class _ModuleStack:
 
     def __init__(self, model: nn.Module):
         self.stack: list[str] = []
-        self.calls = 0  # forwards of the whole model so far: the micro-batch index
         self.handles = []
         for name, mod in model.named_modules():
             self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
@@ -79,7 +84,6 @@ class _ModuleStack:
 
     def _enter(self, name):
         def hook(mod, args):
-            self.calls += name == ""
             self.stack.append(name)
 
         return hook
@@ -116,10 +120,11 @@ class _PlanTracker(LiveTensorBytes):
 
     def track(self, t: torch.Tensor) -> None:
         sid = storage_id(t)
-        if sid not in self.sizes:
-            self.made_by[sid] = (self._op, self.modules.current)
+        new = sid not in self.sizes
         before = self.peak
         super().track(t)
+        if new:
+            self.made_by[self.serials[sid]] = (self._op, self.modules.current)
         if self.peak > before:
             self.peak_op = self._op
             self.peak_in_backward = torch._C._current_graph_task_id() != -1
@@ -131,7 +136,7 @@ class _PlanTracker(LiveTensorBytes):
         if workspace and self.current + workspace > self.peak:
             # the kernel's own buffer, alive while the op runs: counted at the peak as "other"
             self.peak = self.current + workspace
-            self.peak_storages = {**self.sizes, WORKSPACE: workspace}
+            self.peak_storages = {**self.live_by_serial(), WORKSPACE: workspace}
             self.peak_op = self._op
             self.peak_in_backward = torch._C._current_graph_task_id() != -1
         return out
@@ -185,21 +190,26 @@ def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
         step()  # creates the optimizer states, as the first real step does
         params = list({id(p): p for p in model.parameters()}.values())
         modules = _ModuleStack(model)
-        # (micro-batch, storage) -> (bytes, dtype, module): a freed storage's address may be
-        # reused by the next micro-batch, so the micro-batch is part of the key
-        saved: dict[tuple[int, int], tuple[int, torch.dtype, str]] = {}
-        grad_sids: set[int] = set()
+        # allocation number -> (bytes, dtype, module) of each saved storage made in the step
+        saved: dict[int, tuple[int, torch.dtype, str]] = {}
+        grad_serials: set[int] = set()
         counter = SavedTensorCounter(model)  # the exact total, selective caches included
 
         def pack(t: torch.Tensor):
             counter._pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
-            key = (modules.calls, storage_id(t))
-            if key not in saved:
-                saved[key] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
+            serial = tracker.serials.get(storage_id(t))
+            if serial is not None and serial not in saved:  # None: made before the step
+                saved[serial] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
             return t
 
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: grad_sids.add(storage_id(p.grad))) for p in params]  # fmt: skip
         tracker = _PlanTracker(modules, target)
+
+        def grad_ready(p: torch.Tensor) -> None:
+            serial = tracker.serials.get(storage_id(p.grad))
+            if serial is not None:
+                grad_serials.add(serial)
+
+        hooks = [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
         try:
             with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
                 step()
@@ -208,17 +218,15 @@ def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
             for h in hooks:
                 h.remove()
 
-    param_sids = {storage_id(p) for p in params}
     param_bytes = sum(p.untyped_storage().nbytes() for p in params)
     state_bytes = (
         predicted_state_bytes(cfg.optim.name, params)
         if cfg.optim.name in FAKE_UNSAFE_OPTIMIZERS
         else optimizer_state_bytes(optimizer)
     )
-    saved_sids = {sid for _, sid in saved}
     at_peak = defaultdict(int)
-    for sid, nbytes in tracker.peak_storages.items():
-        group = "grads" if sid in grad_sids else "activations" if sid in saved_sids else "other"
+    for serial, nbytes in tracker.peak_storages.items():
+        group = "grads" if serial in grad_serials else "activations" if serial in saved else "other"
         at_peak[group] += nbytes
     memory = {
         "params": param_bytes,
@@ -230,10 +238,8 @@ def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
     memory["peak"] = sum(memory.values())
     by_kind: dict[str, int] = defaultdict(int)
     by_block: dict[str, int] = defaultdict(int)
-    for (_, sid), (nbytes, dtype, module) in saved.items():
-        if sid in param_sids:
-            continue  # parameters saved for backward are parameters, not activations
-        op, made_in = tracker.made_by.get(sid, ("", module))
+    for serial, (nbytes, dtype, module) in saved.items():
+        op, made_in = tracker.made_by.get(serial, ("", module))
         by_kind[_kind(op, made_in or module, dtype)] += nbytes // n_micro
         parts = (module or made_in).split(".")
         block = ".".join(parts[:2]) if parts[0] == "blocks" else (parts[0] or "loss")

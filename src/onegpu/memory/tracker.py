@@ -34,8 +34,12 @@ class LiveTensorBytes(TorchDispatchMode):
         self.sizes: dict[int, int] = {}  # storage id -> bytes, for storages alive now
         self.current = 0
         self.peak = 0
-        self.peak_storages: dict[int, int] = {}
+        self.peak_storages: dict[int, int] = {}  # allocation number -> bytes, at the peak
         self.allocated_ever: dict[int, int] = {}
+        # storage id -> allocation number: ids are addresses and get reused after a free, so
+        # anything labelled later (gradients, saved tensors) is matched by allocation number
+        self.serials: dict[int, int] = {}
+        self._next_serial = 0
         self._external: dict[int, torch.UntypedStorage] = {}
 
     def _release(self, sid: int) -> None:
@@ -44,6 +48,7 @@ class LiveTensorBytes(TorchDispatchMode):
             self._refs[sid] = n
             return
         del self._refs[sid]
+        del self.serials[sid]
         self.current -= self.sizes.pop(sid)
 
     def track(self, t: torch.Tensor) -> None:
@@ -53,12 +58,18 @@ class LiveTensorBytes(TorchDispatchMode):
         else:
             self._refs[sid] = 1
             self.sizes[sid] = nbytes
+            self.serials[sid] = self._next_serial
+            self._next_serial += 1
             self.allocated_ever[sid] = nbytes
             self.current += nbytes
             if self.current > self.peak:
                 self.peak = self.current
-                self.peak_storages = dict(self.sizes)
+                self.peak_storages = self.live_by_serial()
         weakref.finalize(t, self._release, sid)
+
+    def live_by_serial(self) -> dict[int, int]:
+        """Bytes of each live storage, keyed by allocation number."""
+        return {self.serials[sid]: n for sid, n in self.sizes.items()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
         # Storages that reach an op without having been made inside the mode (parameters,
