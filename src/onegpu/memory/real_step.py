@@ -9,7 +9,7 @@ import torch
 
 from onegpu.build import Built, build
 from onegpu.config import Config
-from onegpu.memory.breakdown import profile_step_memory
+from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.train.step import forward_backward, optimizer_step
@@ -36,8 +36,7 @@ def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any], int]:
             step()
 
     step()
-    memory = profile_step_memory(counted, built.device)
-    exact = optimizer_state_bytes(built.optimizer)
-    memory["peak"] += exact - memory["optimizer"]
-    memory["optimizer"] = exact
+    memory = with_exact_optimizer_bytes(
+        profile_step_memory(counted, built.device), optimizer_state_bytes(built.optimizer)
+    )
     return built, memory, counter.bytes // cfg.grad_accum_steps

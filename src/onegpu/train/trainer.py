@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from onegpu.build import Built, build
 from onegpu.config import Config, to_dict
 from onegpu.data.loader import DevicePrefetcher, count_targets, make_eval_batches, make_train_loader
-from onegpu.memory.breakdown import profile_step_memory
+from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
 from onegpu.memory.measure import peak_bytes, peak_kind, reset_peak
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.optim import lr_at, set_lr
@@ -54,13 +54,7 @@ def measure_step(built: Built, one_step, n_micro: int) -> dict[str, Any]:
             result.append(one_step())
 
     memory = profile_step_memory(step, built.device)
-    if "peak" in memory:
-        # The profiler recognises the states of torch's own optimizers only (not torchao's
-        # 8-bit tensors, nor Adafactor's factored ones); states live through the whole step,
-        # so the exact count replaces its figure, at the peak as everywhere.
-        exact = optimizer_state_bytes(built.optimizer)
-        memory["peak"] += exact - memory["optimizer"]
-        memory["optimizer"] = exact
+    with_exact_optimizer_bytes(memory, optimizer_state_bytes(built.optimizer))
     # micro-batches have equal shapes, so each saves the same bytes
     memory["saved_activations_per_micro_batch"] = counter.bytes // n_micro
     memory["_result"] = result[0]
