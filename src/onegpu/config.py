@@ -8,6 +8,7 @@ before anything runs or is written, and raises `ConfigError` naming the field an
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -535,6 +536,15 @@ def _validate_memory(cfg: Config) -> None:
     )
 
 
+def with_overrides(cfg: Config, values: dict[str, str]) -> Config:
+    """A validated copy of cfg with `section.field` command-line strings applied (ConfigError
+    if the result is not a valid configuration); cfg itself is untouched."""
+    new = copy.deepcopy(cfg)
+    apply_values(new, values)
+    validate(new)
+    return new
+
+
 # ---------------------------------------------------------------------------- writing
 
 
@@ -575,4 +585,5 @@ __all__ = [
     "preset_names",
     "to_toml",
     "validate",
+    "with_overrides",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from onegpu.config import Config, ConfigError, apply_values, validate
+from onegpu.config import Config, ConfigError, with_overrides
 from onegpu.memory.planner import GROUPS, plan_memory
 from onegpu.perf.devices import GPUS, GiB
 
@@ -34,15 +34,12 @@ def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
 
 
 def _with(cfg: Config, change: dict[str, str]) -> Config:
-    new = copy.deepcopy(cfg)
-    values = {}
-    for k, v in change.items():
-        if v.startswith("/"):
-            v = str(max(1, new.train.micro_batch_size // int(v[1:])))
-        values[k] = v
-    apply_values(new, values)  # command-line strings, converted and type-checked
-    validate(new)  # a change that cannot combine with the config is refused, not planned
-    return new
+    """cfg with a fix applied ('/2': the current micro-batch halved); refused if invalid."""
+    values = {
+        k: str(max(1, cfg.train.micro_batch_size // int(v[1:]))) if v.startswith("/") else v
+        for k, v in change.items()
+    }
+    return with_overrides(cfg, values)
 
 
 def gpu_precision(cfg: Config, gpu: str | None) -> Config:

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import tempfile
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onegpu.config import Config, ConfigError, apply_values, to_toml, validate
+from onegpu.config import Config, ConfigError, to_toml, with_overrides
 from onegpu.memory.planner import plan_memory
 from onegpu.techniques.precision import bf16_native
 
@@ -60,7 +59,7 @@ def candidates(cfg: Config, device_type: str, with_compile: bool) -> list[dict[s
     for values in itertools.product(*(space[k] for k in keys)):
         change = dict(zip(keys, values, strict=True))
         try:
-            _apply(cfg, change)
+            with_overrides(cfg, change)
         except ConfigError:
             continue
         out.append(change)
@@ -71,13 +70,6 @@ def bf16_native_cpu() -> bool:
     import torch
 
     return bf16_native(torch.device("cpu"))
-
-
-def _apply(cfg: Config, change: dict[str, str]) -> Config:
-    new = copy.deepcopy(cfg)
-    apply_values(new, change)
-    validate(new)
-    return new
 
 
 def estimated_cost(change: dict[str, str], batch: int) -> float:
@@ -118,7 +110,7 @@ def tune(
     planned, fitting = [], []
     for members in groups.values():
         for change in sorted(members, key=lambda c: -int(c["train.micro_batch_size"])):
-            peak = plan_memory(_apply(cfg, change), target).memory["peak"]
+            peak = plan_memory(with_overrides(cfg, change), target).memory["peak"]
             planned.append((change, peak))
             if peak <= budget_bytes:
                 fitting.append((change, peak))
@@ -148,7 +140,7 @@ def tune(
     frontier = pareto(trials)
     best = max(trials, key=lambda r: r["tokens_per_s"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    best_cfg = _apply(cfg, best["change"])
+    best_cfg = with_overrides(cfg, best["change"])
     (out_dir / "best.toml").write_text(to_toml(best_cfg))
     result = {
         "budget_bytes": budget_bytes,
