@@ -1,36 +1,63 @@
-"""The one build path: config -> model -> techniques -> optimizer, and data.
+"""The one build path: config -> resolved settings -> model with every technique -> loss ->
+optimizer -> the TrainStep. Every command builds through here (train, profile, bench, tune, and
+`plan`, which builds the same run on fake tensors), so a technique added here reaches them all.
 
-Every command (train, and later plan/tune/bench/profile) calls `build`. The model is constructed
-on the meta device (no memory), techniques are applied in a fixed order, then it is materialised
-on the target device and initialised; on device "meta" it stays unallocated, which is how the
-memory planner sees the very same model.
+The model is constructed on the meta device (no memory), the structural techniques are applied,
+then it is materialised on the device and initialised (as torchtitan does). With `fake=True` it
+is materialised under PyTorch's FakeTensorMode instead: tensors with shapes, dtypes and devices
+but no memory, which is how the planner sees the very same run without allocating it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from onegpu.config import Config, ConfigError
+from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
 from onegpu.data.tokens import TokenSplits, prepare_tokens
+from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import GPT, SDPA_BACKENDS, count_params
 from onegpu.optim import build_optimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
+from onegpu.step import TrainStep
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.attention import resolve_attention
-from onegpu.techniques.checkpointing import apply_checkpointing
+from onegpu.techniques.checkpointing import apply_checkpointing, selective_cache_tensors
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum
 from onegpu.techniques.compile import apply_compile
 from onegpu.techniques.loss import LossFn, token_loss_sum
 from onegpu.techniques.offload import with_offload
-from onegpu.techniques.precision import PrecisionPolicy, apply_precision, resolve_precision
+from onegpu.techniques.precision import (
+    DeviceCaps,
+    PrecisionPolicy,
+    apply_precision,
+    device_caps,
+    resolve_precision,
+)
+
+# Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the
+# planner counts their states from their allocation rules (optim/state_bytes.py).
+FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit")
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What actually runs, decided once. `config` is the user's config with every `auto`
+    filled in (the run folder's config.toml); the user's own object is never changed."""
+
+    device: torch.device
+    precision: PrecisionPolicy
+    attention: str
+    checkpointing: Checkpointing
+    config: Config
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,93 +85,100 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(
             "train.device", "mps was asked for but is not available; use --train.device cpu"
         )
-    if device.type not in ("cpu", "cuda", "mps", "meta"):
+    if device.type not in ("cpu", "cuda", "mps"):
         raise ConfigError("train.device", f"unsupported device type {device.type!r}")
     return device
 
 
-def apply_techniques(model: GPT, cfg: Config) -> GPT:
-    """Model-changing techniques in their documented order: precision policy (autocast: no
-    model change) -> approximate-gradient layers -> activation checkpointing -> compile.
-    Checkpointing wraps whole sub-modules, so it comes after layers are swapped inside them."""
-    mem = cfg.memory
+def resolve(cfg: Config, device: torch.device, caps: DeviceCaps | None = None) -> Resolved:
+    """Precision and attention for `device` (whose capabilities are `caps`: read from the device
+    by default, or from the GPU table when planning for a GPU that is not here)."""
+    caps = caps or device_caps(device)
+    policy = resolve_precision(cfg.train.precision, caps)
+    attention = resolve_attention(
+        cfg.model, device, policy.compute_dtype, cfg.train.micro_batch_size
+    )
+    config = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, attention=attention),
+        train=dataclasses.replace(cfg.train, precision=policy.name),
+    )
+    return Resolved(
+        device=device,
+        precision=policy,
+        attention=attention,
+        checkpointing=parse_checkpointing(cfg.memory.checkpointing),
+        config=config,
+    )
+
+
+def apply_techniques(
+    model: nn.Module, cfg: Config, resolved: Resolved, device: torch.device
+) -> tuple[nn.Module, LossFn]:
+    """Every technique, in the one documented order (docs/architecture.md), on a model built
+    on the meta device. Returns the materialised model and the loss function a step calls."""
+    mem, policy = cfg.memory, resolved.precision
+    # 1. Approximate-gradient layers first: they swap layers inside the blocks, before anything
+    #    wraps the blocks.
     model = apply_approx_grads(
         model, gelu_bits=mem.gelu_bits, randomized_linear=mem.randomized_linear
     )
-    return apply_checkpointing(model, mem.checkpointing)
-
-
-def build_loss(cfg: Config, device: torch.device, model: GPT) -> LossFn:
-    """The step's loss: chunked output layer if asked for, then compiled (whole or regional)
-    if asked for, then saved tensors offloaded if asked for (outermost, so it also sees the
-    tensors the chunked loss saves)."""
-    loss_fn = (
-        chunked_token_loss_sum(cfg.memory.loss_chunk) if cfg.memory.loss_chunk else token_loss_sum
-    )
-    if device.type != "meta":
-        loss_fn = apply_compile(model, loss_fn, cfg.train.compile)
-    if cfg.memory.offload_activations:
+    # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).
+    model = apply_checkpointing(model, resolved.checkpointing)
+    # 3. The loss: the output layer and cross-entropy, in chunks if asked for.
+    loss_fn = chunked_token_loss_sum(mem.loss_chunk) if mem.loss_chunk else token_loss_sum
+    # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
+    #    over the loss, so inductor can fuse the loss with the logits it consumes.
+    loss_fn = apply_compile(model, loss_fn, cfg.train.compile)
+    # 5. Materialise and initialise in fp32, so every precision starts from the same weights,
+    #    then store the weights in the policy's dtype (bf16 for bf16-pure).
+    model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype)
+    # 6. Offloading last, outermost: its hooks also see what checkpoints and the chunked loss save.
+    if mem.offload_activations:
         loss_fn = with_offload(loss_fn, device)
-    return loss_fn
+    return model, loss_fn
 
 
-@dataclass(slots=True)
-class Built:
-    cfg: Config
-    device: torch.device
-    model: GPT
-    policy: PrecisionPolicy
-    optimizer: torch.optim.Optimizer | OptimizerInBackward | None
-    loss_fn: LossFn
-    data: TokenSplits | None
-    n_params: int
-    flops_per_token: int
-
-
-def build_model(cfg: Config, device: torch.device, param_dtype: torch.dtype = torch.float32) -> GPT:
-    """Construct on meta, apply techniques, materialise and initialise (in fp32, so every
-    precision starts from the same weights), then store in param_dtype (bf16 for bf16-pure)."""
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    model = apply_techniques(model, cfg)
-    if device.type != "meta":
-        torch.manual_seed(cfg.train.seed)
-        model.to_empty(device=device)
-        model.init_weights()
-    return cast_parameters_(model, param_dtype)
-
-
-def cast_parameters_(model: GPT, dtype: torch.dtype) -> GPT:
-    """Store parameters in `dtype`, in place (keeps tied parameters tied; works on fake
-    tensors, where Module.to would have to swap tensors)."""
+def materialize(model: nn.Module, device: torch.device, *, seed: int, dtype: torch.dtype):
+    """Meta -> `device`, GPT-2 initialisation from `seed`, weights stored in `dtype` (in place:
+    keeps tied parameters tied, and works on fake tensors, where Module.to would swap them)."""
+    torch.manual_seed(seed)
+    model.to_empty(device=device)
+    model.init_weights()
     for p in model.parameters():
         if p.dtype != dtype:
             p.data = p.data.to(dtype)
     return model
 
 
-def build_plan_parts(cfg: Config) -> tuple[GPT, PrecisionPolicy, Any, LossFn]:
-    """Model, precision policy, optimizer and loss exactly as `build` makes them, to be called
-    under FakeTensorMode (the planner): tensors are CPU-shaped fakes, nothing is allocated."""
-    device = torch.device("cpu")
-    policy = resolve_precision(cfg.train.precision, device)
-    cfg.train.precision = policy.name
-    if cfg.model.attention == "auto":
-        cfg.model.attention = "sdpa"  # the planner resolves it first; this is the fallback
-    with device:
-        model = apply_techniques(GPT(cfg.model), cfg)
-    model.init_weights()
-    cast_parameters_(model, policy.param_dtype)
-    optim_cfg = cfg.optim
-    if optim_cfg.name in FAKE_UNSAFE_OPTIMIZERS:
-        # their steps cannot run on fake tensors: a stateless stand-in steps, and the planner
-        # counts their states from their allocation rules (optim/state_bytes.py)
-        optim_cfg = dataclasses.replace(optim_cfg, name="sgd", beta1=0.0)
-    optimizer = build_optimizer(model, optim_cfg, device)
-    return model, policy, optimizer, build_loss(cfg, device, model)
+@dataclass(slots=True)
+class Built:
+    """Everything a command needs, from one build."""
 
+    cfg: Config
+    """The resolved config: what runs (config.toml)."""
+    resolved: Resolved
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | OptimizerInBackward
+    loss_fn: LossFn
+    step: TrainStep
+    data: TokenSplits | None
+    n_params: int
+    flops_per_token: int
+    fake_mode: contextlib.AbstractContextManager
+    """Enter it to run the step of a fake build (a null context for a real one)."""
 
-FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit")
+    @property
+    def device(self) -> torch.device:
+        return self.step.device
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        return self.resolved.precision
+
+    def saved_counter(self) -> SavedTensorCounter:
+        """Counts the bytes this model saves for backward, selective checkpoints' caches too."""
+        return SavedTensorCounter(self.model, also_saved=lambda: selective_cache_tensors(self.model))
 
 
 def build(
@@ -152,40 +186,71 @@ def build(
     device: torch.device | None = None,
     *,
     with_data: bool = True,
-    with_optimizer: bool = True,
+    caps: DeviceCaps | None = None,
+    fake: bool = False,
 ) -> Built:
-    """Resolve device and precision, prepare data, build model and optimizer.
+    """Resolve, prepare data, build the model with its techniques, the optimizer and the step.
 
-    Raises ConfigError (before anything is written) for anything this device or data cannot do.
+    `fake=True` builds on fake CPU tensors for a run on `device` with capabilities `caps` (the
+    planner); compile is left out (it changes kernels, not what a step keeps alive). Raises
+    ConfigError, before anything is written, for anything this device or data cannot do.
     """
     device = device or resolve_device(cfg.train.device)
-    policy = resolve_precision(cfg.train.precision, device)
-    cfg.train.precision = policy.name  # the resolved config says what actually ran
-    data = prepare_tokens(cfg.data, cfg.model.vocab_size) if with_data else None
-    if data is not None:
+    resolved = resolve(cfg, device, caps)
+    cfg = resolved.config
+    data = None
+    if with_data:
+        data = prepare_tokens(cfg.data, cfg.model.vocab_size)
         _check_data_sizes(cfg, data)
-    apply_precision(policy, device)
-    if device.type != "meta":
-        cfg.model.attention = resolve_attention(
-            cfg.model, device, policy.compute_dtype, cfg.train.micro_batch_size
-        )  # the resolved config says what ran
-        check_attention_backend(cfg.model.attention, device, policy.param_dtype)
-    model = build_model(cfg, device, policy.param_dtype)
-    optimizer = (
-        build_optimizer(model, cfg.optim, device)
-        if with_optimizer and device.type != "meta"
-        else None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode: contextlib.AbstractContextManager = FakeTensorMode(allow_non_fake_inputs=True)
+        cfg = _plannable(cfg)
+        device = torch.device("cpu")  # fake CPU tensors: CPU shape rules, nothing allocated
+    else:
+        fake_mode = contextlib.nullcontext()
+        apply_precision(resolved.precision, device)
+        check_attention_backend(resolved.attention, device, resolved.precision.param_dtype)
+    with fake_mode:
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+        model, loss_fn = apply_techniques(model, cfg, resolved, device)
+        optimizer = build_optimizer(
+            model, cfg.optim, device, param_dtype=resolved.precision.param_dtype
+        )
+    step = TrainStep(
+        model=model,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        policy=resolved.precision,
+        device=device,
+        optim=cfg.optim,
+        max_steps=cfg.train.max_steps,
+        n_micro=cfg.grad_accum_steps,
     )
     return Built(
-        cfg=cfg,
-        device=device,
+        cfg=resolved.config,
+        resolved=resolved,
         model=model,
-        policy=policy,
         optimizer=optimizer,
-        loss_fn=build_loss(cfg, device, model),
+        loss_fn=loss_fn,
+        step=step,
         data=data,
         n_params=count_params(model),
         flops_per_token=flops_per_token(model, cfg.train_seq_len),
+        fake_mode=fake_mode,
+    )
+
+
+def _plannable(cfg: Config) -> Config:
+    """The config a fake build runs: no compile, and a stateless stand-in for optimizers that
+    cannot step fake tensors."""
+    optim = cfg.optim
+    if optim.name in FAKE_UNSAFE_OPTIMIZERS:
+        optim = dataclasses.replace(optim, name="sgd", beta1=0.0)
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, compile="none"), optim=optim
     )
 
 
@@ -223,4 +288,4 @@ def _check_data_sizes(cfg: Config, data: TokenSplits) -> None:
         )
 
 
-__all__ = ["Built", "build", "build_model", "build_plan_parts", "resolve_device"]
+__all__ = ["Built", "Resolved", "apply_techniques", "build", "resolve", "resolve_device"]

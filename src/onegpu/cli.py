@@ -68,7 +68,7 @@ def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
 
 
 def cmd_profile(ns: argparse.Namespace, unknown: list[str]) -> int:
-    from onegpu.perf.profile import profile
+    from onegpu.tools.profile import profile
 
     result = profile(_config_from(ns, unknown), steps=ns.steps, warmup=ns.warmup)
     print(result["summary"].split("top operations")[0].rstrip())
@@ -80,7 +80,7 @@ def cmd_profile(ns: argparse.Namespace, unknown: list[str]) -> int:
 def cmd_bench(ns: argparse.Namespace, unknown: list[str]) -> int:
     from pathlib import Path
 
-    from onegpu.perf.bench import GRIDS, WARM_STEPS, bench, load_grid_file
+    from onegpu.tools.bench import GRIDS, WARM_STEPS, bench, load_grid_file
 
     overrides = _overrides(ns, unknown)
     overrides.pop("out.dir", None)  # --out is where the bench files go, not a run folder
@@ -112,7 +112,7 @@ def cmd_bench(ns: argparse.Namespace, unknown: list[str]) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace, unknown: list[str]) -> int:
-    from onegpu.memory.plan_report import format_report, plan_report
+    from onegpu.tools.plan import format_report, plan_report
     from onegpu.perf.devices import GPUS
 
     if ns.gpu == "list":
@@ -136,7 +136,7 @@ def cmd_tune(ns: argparse.Namespace, unknown: list[str]) -> int:
 
     import torch
 
-    from onegpu.memory.plan_report import CUDA_OVERHEAD_BYTES
+    from onegpu.tools.plan import CUDA_OVERHEAD_BYTES
     from onegpu.perf.devices import GPUS
     from onegpu.tools.tune import tune
 
@@ -179,7 +179,7 @@ def cmd_tune(ns: argparse.Namespace, unknown: list[str]) -> int:
 def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
     if unknown:
         raise ConfigError(unknown[0], "unknown option for `onegpu info`")
-    from onegpu.perf.info import device_info, format_info
+    from onegpu.tools.info import device_info, format_info
 
     info = device_info(measure=not ns.no_measure)
     print(json.dumps(info, indent=1) if ns.json else format_info(info))

@@ -519,10 +519,8 @@ def _validate_combinations(cfg: Config) -> None:
 
 
 def _validate_memory(cfg: Config) -> None:
-    from onegpu.techniques.checkpointing import parse_mode
-
     mem = cfg.memory
-    parse_mode(mem.checkpointing)
+    parse_checkpointing(mem.checkpointing)
     _require(
         mem.loss_chunk >= 0, "memory.loss_chunk", f"must be >= 0 (0: off), got {mem.loss_chunk}"
     )
@@ -534,6 +532,34 @@ def _validate_memory(cfg: Config) -> None:
         "memory.randomized_linear",
         f"must be 0 (off) or a kept fraction in (0, 1), got {mem.randomized_linear}",
     )
+
+
+CHECKPOINTING_MODES = ("none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective")
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """`memory.checkpointing` parsed: which sub-modules recompute in backward."""
+
+    kind: Literal["none", "attn", "mlp", "attn+mlp", "block", "every", "selective"]
+    every: int = 1
+    """For kind 'every': checkpoint blocks 0, K, 2K, ..."""
+
+
+def parse_checkpointing(mode: str) -> Checkpointing:
+    """The typed form of `memory.checkpointing` ('every:K' -> kind 'every', every=K)."""
+    if mode.startswith("every:"):
+        k = mode.split(":", 1)[1]
+        if not k.isdigit() or int(k) < 1:
+            raise ConfigError(
+                "memory.checkpointing", f"{mode!r}: K must be a positive integer, e.g. every:2"
+            )
+        return Checkpointing(kind="every", every=int(k))
+    if mode not in CHECKPOINTING_MODES or mode == "every:K":
+        raise ConfigError(
+            "memory.checkpointing", f"{mode!r} is not one of {', '.join(CHECKPOINTING_MODES)}"
+        )
+    return Checkpointing(kind=mode)  # type: ignore[arg-type]
 
 
 def with_overrides(cfg: Config, values: dict[str, str]) -> Config:
@@ -571,6 +597,8 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 __all__ = [
+    "CHECKPOINTING_MODES",
+    "Checkpointing",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -582,6 +610,7 @@ __all__ = [
     "all_fields",
     "apply_values",
     "load_config",
+    "parse_checkpointing",
     "preset_names",
     "to_toml",
     "validate",

@@ -85,8 +85,3 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
-
-    @property
-    def trained_vocab_size(self) -> int:
-        """What training reached (a small corpus may yield fewer merges than asked for)."""
-        return self._tok.get_vocab_size()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from onegpu.cache import cache_root
 from onegpu.config import ConfigError, DataConfig
 from onegpu.data.corpus import Corpus, open_corpus
 from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
@@ -27,16 +28,6 @@ class TokenSplits:
     val: np.ndarray
     tokenizer: Tokenizer | None  # None for pre-tokenized .bin input
     description: str
-
-
-def cache_root(data: DataConfig | None = None) -> Path:
-    """data.cache_dir, else $ONEGPU_CACHE, else ~/.cache/onegpu: one place for every cache."""
-    root = (
-        (data.cache_dir if data else "")
-        or os.environ.get("ONEGPU_CACHE")
-        or Path.home() / ".cache" / "onegpu"
-    )
-    return Path(root).expanduser()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -93,7 +84,7 @@ def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokeni
     if data.tokenizer == "byte":
         return ByteTokenizer()
     vocab = data.tokenizer_vocab or model_vocab
-    path = cache_root(data) / "tokenizers" / f"{corpus.key}-v{corpus.val_fraction}-bpe{vocab}.json"
+    path = cache_root(data.cache_dir) / "tokenizers" / f"{corpus.key}-v{corpus.val_fraction}-bpe{vocab}.json"
     if path.exists():
         return BPETokenizer.load(path, vocab)
     print(f"onegpu: training a {vocab}-token byte-level BPE on {corpus.path} (cached at {path})")
@@ -138,7 +129,7 @@ def prepare_tokens(data: DataConfig, model_vocab: int) -> TokenSplits:
     tok = _tokenizer_for(corpus, data, model_vocab)
     dtype = token_dtype(tok.vocab_size)
     folder = (
-        cache_root(data)
+        cache_root(data.cache_dir)
         / "tokens"
         / f"{corpus.key}-v{corpus.val_fraction}-{tok.name}-f{FORMAT_VERSION}"
     )

@@ -13,7 +13,8 @@ from onegpu.optim.kahan import KahanAdamW, KahanSGD
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: not biases, norm gains or embeddings (seed 001, nanoGPT).
+    """Decay matrices only: not biases, norm gains or embeddings (as nanoGPT and Hugging Face's
+    "Efficient Training on a Single GPU" do).
 
     A tied embedding/output weight is an embedding: it is not decayed.
     """
@@ -58,22 +59,29 @@ def _adamw8bit(
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device
+    model: nn.Module,
+    cfg: OptimConfig,
+    device: torch.device,
+    *,
+    param_dtype: torch.dtype = torch.float32,
 ) -> torch.optim.Optimizer | OptimizerInBackward:
-    """The configured optimizer; stepped inside backward (per parameter) if optim.in_backward."""
+    """The configured optimizer for weights stored in `param_dtype` (the precision policy's);
+    stepped inside backward, per parameter, if optim.in_backward."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.in_backward:
-        return OptimizerInBackward(groups, lambda gs: _make(gs, cfg, device))
-    return _make(groups, cfg, device)
+        return OptimizerInBackward(groups, lambda gs: _make(gs, cfg, device, param_dtype))
+    return _make(groups, cfg, device, param_dtype)
 
 
-def _make(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+def _make(
+    groups: list[dict], cfg: OptimConfig, device: torch.device, param_dtype: torch.dtype
+) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
-    if any(p.dtype == torch.bfloat16 for p in params):
+    if param_dtype == torch.bfloat16:
         return _make_for_bf16_weights(groups, cfg)
     if cfg.name == "adamw":
         # fused: one kernel for all parameters (CUDA and, since torch 2.4, CPU: a few percent
-        # faster than foreach there, CPU-NOTES); foreach otherwise.
+        # faster than foreach there, docs/cpu-notes.md); foreach otherwise.
         fused = _fused_ok(device, params)
         return torch.optim.AdamW(
             groups,

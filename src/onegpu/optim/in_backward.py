@@ -2,8 +2,8 @@
 as soon as autograd has finished accumulating it.
 
 Full gradients then never coexist: the step holds at most the gradients still in flight
-instead of one per parameter (seed 001's "gradients" row drops from 4 bytes/parameter to about
-the largest layer's). The price: no gradient accumulation (each backward steps), no clipping by
+instead of one per parameter (the "gradients" row of Hugging Face's "Efficient Training on a
+Single GPU" drops from 4 bytes/parameter to about the largest layer's). The price: no gradient accumulation (each backward steps), no clipping by
 global norm (it needs every gradient at once) and no fp16 loss scaling (its inf check needs
 them too); the config refuses those combinations. Built on the public
 `Tensor.register_post_accumulate_grad_hook` (PyTorch's "optimizer in backward" recipe): one
@@ -28,11 +28,10 @@ class OptimizerInBackward:
         make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
     ):
         self._optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {}
-        self._handles = []
         for group in groups:
             for p in group["params"]:
                 self._optimizers[p] = make_optimizer([{**group, "params": [p]}])
-                self._handles.append(p.register_post_accumulate_grad_hook(self._step_param))
+                p.register_post_accumulate_grad_hook(self._step_param)
         self.param_groups = [g for opt in self._optimizers.values() for g in opt.param_groups]
         self._sq_norm: torch.Tensor | None = None
 
@@ -64,8 +63,3 @@ class OptimizerInBackward:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for opt, s in zip(self._optimizers.values(), state["per_parameter"], strict=True):
             opt.load_state_dict(s)
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

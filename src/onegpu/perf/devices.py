@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from onegpu.perf.measured import cached
+from onegpu.cache import cached
 
 GiB = 2**30
 

@@ -1,24 +1,26 @@
 """Activation checkpointing at any granularity, with selective policies.
 
-`memory.checkpointing`:
+`memory.checkpointing` (parsed into `config.Checkpointing`):
   none        keep every activation
   attn, mlp   recompute that residual branch of each block in backward (its LayerNorm included)
-  attn+mlp    both branches (seed 000's remat of MLP and Attn): keeps only the residual stream
+  attn+mlp    both branches (the "remat of MLP and attention" of Lippe's UvA tutorial "Profiling
+              and Scaling Single-GPU Transformer Models"): keeps only the residual stream
   block       recompute whole blocks: keeps one [B, T, D] input per block
   every:K     whole-block checkpointing of every K-th block (0, K, 2K, ...): a memory/time dial
   selective   whole blocks, but matmul and attention outputs are saved and only the cheap
               element-wise ops (norms, GELU, dropout, casts) are recomputed: the analogue of
-              JAX's `dots_saveable` (seed 002), via PyTorch's selective checkpoint contexts
+              JAX's `dots_saveable` policy, via PyTorch's selective checkpoint contexts
 
 All use PyTorch's non-reentrant checkpoint with the RNG state preserved, so recomputed dropout
-masks equal the original ones and gradients are unchanged (seed 003 warns that hand-rolled
-checkpointing around dropout silently trains a different model).
+masks equal the original ones and gradients are unchanged (hand-rolled checkpointing around
+dropout silently trains a different model: "Optimising the Training Loop", Super-Fast-LLM-Training).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,10 +30,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from onegpu.config import ConfigError
-from onegpu.memory.saved import ACTIVE_COUNTERS
-
-MODES = ("none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective")
+from onegpu.config import Checkpointing
 
 _aten = torch.ops.aten
 # Outputs worth keeping: the FLOP-heavy ops. Everything else is recomputed.
@@ -51,32 +50,29 @@ for _name in (
         _SAVE_OPS.add(getattr(_aten, _name).default)
 
 
-def parse_mode(mode: str) -> tuple[str, int]:
-    """('every', K) for 'every:K', else (mode, 1); ConfigError for anything else."""
-    if mode.startswith("every:"):
-        try:
-            k = int(mode.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        if k < 1:
-            raise ConfigError(
-                "memory.checkpointing", f"{mode!r}: K must be a positive integer, e.g. every:2"
-            )
-        return "every", k
-    if mode not in MODES:
-        raise ConfigError("memory.checkpointing", f"{mode!r} is not one of {', '.join(MODES)}")
-    return mode, 1
-
-
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context():
-    forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_save_matmuls_policy)
-    for counter in ACTIVE_COUNTERS:  # its saved outputs bypass saved_tensors_hooks
-        counter.track_cache(getattr(forward_ctx, "storage", None))
-    return forward_ctx, recompute_ctx
+class SelectiveContexts:
+    """The `context_fn` of one selectively checkpointed module. The outputs it keeps bypass
+    `saved_tensors_hooks` (they sit in the recompute context's cache until backward), so it
+    holds weak references to the live caches for memory accounting (`cached_tensors`)."""
+
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet = weakref.WeakSet()
+
+    def __call__(self):
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_save_matmuls_policy)
+        self._live.add(recompute_ctx)  # alive as long as the autograd graph that needs it
+        return forward_ctx, recompute_ctx
+
+    def cached_tensors(self) -> Iterator[torch.Tensor]:
+        for ctx in list(self._live):
+            for leaf in torch.utils._pytree.tree_leaves(dict(getattr(ctx, "storage", {}))):
+                t = getattr(leaf, "val", leaf)  # torch wraps cached outputs in _VersionWrapper
+                if isinstance(t, torch.Tensor):
+                    yield t
 
 
 def checkpoint_module(module: nn.Module, *, context_fn: Callable | None = None) -> nn.Module:
@@ -90,21 +86,29 @@ def checkpoint_module(module: nn.Module, *, context_fn: Callable | None = None) 
         return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     module.forward = forward
-    module._onegpu_checkpointed = True
     return module
 
 
-def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
-    kind, k = parse_mode(mode)
-    if kind == "none":
+def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> nn.Module:
+    """Wrap the sub-modules `mode` names in every block (after any layer swaps inside them)."""
+    if mode.kind == "none":
         return model
     for i, block in enumerate(model.blocks):
-        if kind in ("attn", "attn+mlp"):
+        if mode.kind in ("attn", "attn+mlp"):
             checkpoint_module(block.attn)
-        if kind in ("mlp", "attn+mlp"):
+        if mode.kind in ("mlp", "attn+mlp"):
             checkpoint_module(block.mlp)
-        if kind == "block" or (kind == "every" and i % k == 0):
+        if mode.kind == "block" or (mode.kind == "every" and i % mode.every == 0):
             checkpoint_module(block)
-        if kind == "selective":
-            checkpoint_module(block, context_fn=_selective_context)
+        if mode.kind == "selective":
+            block._selective_contexts = SelectiveContexts()
+            checkpoint_module(block, context_fn=block._selective_contexts)
     return model
+
+
+def selective_cache_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Tensors held by selective checkpointing's caches now (empty for other modes)."""
+    for module in model.modules():
+        contexts = getattr(module, "_selective_contexts", None)
+        if contexts is not None:
+            yield from contexts.cached_tensors()

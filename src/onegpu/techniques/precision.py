@@ -2,12 +2,13 @@
 
 Under fp32/tf32/bf16/fp16 the weights, gradients and optimizer states stay fp32 (master
 weights) and autocast runs the matmuls in bf16/fp16. fp16 needs loss scaling (its exponent range
-is narrow), bf16 does not (seed 001). `bf16-pure` also *stores* weights and gradients in bf16
-(2 + 2 bytes per parameter instead of 4 + 4, seed 001's "model weights" rows); the optimizer
+is narrow), bf16 does not (Hugging Face, "Efficient Training on a Single GPU"). `bf16-pure` also
+*stores* weights and gradients in bf16 (2 + 2 bytes per parameter instead of 4 + 4: that guide's
+"model weights" rows); the optimizer
 keeps fp32 moments and adds each update with Kahan compensation (optim/kahan.py) so that small
 updates are not rounded away. Autocast stays on under bf16-pure so that the ops autocast keeps
 in fp32 (softmax, norms, losses) still run in fp32. Note for CPUs: autocast must be asked for on
-the CPU too; code that skips it there silently trains in fp32 (CPU-NOTES).
+the CPU too; code that skips it there silently trains in fp32 (docs/cpu-notes.md).
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ class PrecisionPolicy:
         return torch.amp.GradScaler(device.type, init_scale=init_scale, enabled=self.loss_scaling)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceCaps:
+    """What a device's matmul units run natively: decides `auto` and refuses what cannot run.
+    Read from the device for a run, or from the GPU table for a plan of a GPU not present."""
+
+    type: str  # "cpu", "cuda", "mps"
+    bf16: bool
+    tf32: bool
+
+
 def bf16_native(device: torch.device) -> bool:
     """Whether bf16 matmuls run natively (fast) here, not emulated."""
     if device.type == "cuda":
@@ -55,35 +66,38 @@ def tf32_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def resolve_precision(name: str, device: torch.device) -> PrecisionPolicy:
+def device_caps(device: torch.device) -> DeviceCaps:
+    return DeviceCaps(type=device.type, bf16=bf16_native(device), tf32=tf32_capable(device))
+
+
+def resolve_precision(name: str, caps: DeviceCaps | torch.device) -> PrecisionPolicy:
     """The policy for `train.precision` on this device; ConfigError if the device cannot run it."""
+    if isinstance(caps, torch.device):
+        caps = device_caps(caps)
     if name == "auto":
-        name = "bf16" if bf16_native(device) else "tf32" if tf32_capable(device) else "fp32"
+        name = "bf16" if caps.bf16 else "tf32" if caps.tf32 else "fp32"
     if name == "fp32":
         return PrecisionPolicy("fp32", torch.float32, None, False)
     if name == "tf32":
-        if not tf32_capable(device):
+        if not caps.tf32:
             raise ConfigError(
                 "train.precision",
-                f"tf32 needs a CUDA GPU of compute capability 8.0+ (Ampere or newer), not {device.type}; "
+                f"tf32 needs a CUDA GPU of compute capability 8.0+ (Ampere or newer), not {caps.type}; "
                 "use fp32, or bf16 for speed",
             )
         return PrecisionPolicy("tf32", torch.float32, None, False)
-    if name == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if name in ("bf16", "bf16-pure"):
+        if caps.type == "cuda" and not caps.bf16:
             raise ConfigError(
-                "train.precision",
-                "this GPU has no native bf16; use fp16 (with loss scaling) or fp32",
+                "train.precision", "this GPU has no native bf16; use fp16 (with loss scaling) or fp32"
             )
-        return PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16, False)
-    if name == "bf16-pure":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            raise ConfigError("train.precision", "this GPU has no native bf16; use fp16 or fp32")
+        if name == "bf16":
+            return PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16, False)
         return PrecisionPolicy(
             "bf16-pure", torch.bfloat16, torch.bfloat16, False, param_dtype=torch.bfloat16
         )
     if name == "fp16":
-        if device.type == "mps":
+        if caps.type == "mps":
             raise ConfigError(
                 "train.precision",
                 "fp16 loss scaling is not supported on mps here; use bf16 or fp32",

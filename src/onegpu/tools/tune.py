@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
-from onegpu.memory.planner import plan_memory
+from onegpu.tools.planner import plan_memory
 from onegpu.techniques.precision import bf16_native
 
 # Extra compute of each checkpointing policy, as a fraction of a plain step (a ranking
@@ -96,7 +96,7 @@ def tune(
     with_compile: bool = False,
     log=print,
 ) -> dict[str, Any]:
-    from onegpu.perf.bench import run_row
+    from onegpu.tools.bench import run_row
 
     t0 = time.perf_counter()
     cands = candidates(cfg, target, with_compile)

@@ -4,12 +4,13 @@ predicted speed, and whether it fits a GPU (and if not, the cheapest changes tha
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from onegpu.config import Config, ConfigError, with_overrides
-from onegpu.memory.planner import GROUPS, plan_memory
-from onegpu.perf.devices import GPUS, GiB
+from onegpu.memory.breakdown import GROUPS
+from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
+from onegpu.techniques.precision import DeviceCaps
+from onegpu.tools.planner import plan_memory
 
 # Reserved on a GPU beyond tensors: CUDA context and kernels (~0.3-1 GiB) and allocator slack.
 CUDA_OVERHEAD_BYTES = GiB // 2
@@ -27,7 +28,8 @@ FIXES: list[tuple[str, dict[str, str]]] = [
 
 
 def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
-    """Activation bytes per layer of Korthikanti et al. (seed 003), 16-bit activations with
+    """Activation bytes per layer of Korthikanti et al., "Reducing Activation Recomputation in
+    Large Transformer Models" (arXiv:2205.05198), 16-bit activations with
     dropout and the full attention matrix stored: s*b*h*(34 + 5*a*s/h)."""
     s, h, a = cfg.train_seq_len, cfg.model.d_model, cfg.model.n_head
     return int(s * micro_batch * h * (34 + 5 * a * s / h))
@@ -42,40 +44,31 @@ def _with(cfg: Config, change: dict[str, str]) -> Config:
     return with_overrides(cfg, values)
 
 
-def gpu_precision(cfg: Config, gpu: str | None) -> Config:
-    """Resolve precision 'auto' for the target GPU (bf16 where it has it, else fp16)."""
-    if cfg.train.precision != "auto" or gpu is None:
-        return cfg
-    new = copy.deepcopy(cfg)
-    new.train.precision = "bf16" if "bf16" in GPUS[gpu].peak else "fp16"
-    return new
+def gpu_caps(gpu: str) -> DeviceCaps:
+    """What a GPU of the table runs natively: decides `auto` precision as on the real GPU."""
+    peak = GPUS[gpu].peak
+    return DeviceCaps(type="cuda", bf16="bf16" in peak, tf32="tf32" in peak)
 
 
 def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[str, Any]:
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
-    cfg = gpu_precision(cfg, gpu)
     target = "cuda" if gpu else "cpu"
-    plan = plan_memory(cfg, target)
+    caps = gpu_caps(gpu) if gpu else None
+    plan = plan_memory(cfg, target, caps)
     n, mem = plan.n_params, plan.memory
     capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
     overhead = CUDA_OVERHEAD_BYTES if gpu else 0
     flops = plan.flops_per_token
     tokens = cfg.train.batch_size * cfg.train_seq_len
-    dtype_key = {"bf16-pure": "bf16", "tf32": "tf32"}.get(cfg.train.precision, cfg.train.precision)
+    dtype_key = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
     if gpu:
         peak_flops = GPUS[gpu].peak.get(dtype_key, GPUS[gpu].peak["fp32"])
     else:  # this CPU: its measured matmul peak for the compute dtype (cached)
-        import torch
-
-        from onegpu.perf.devices import cpu_peak_flops
-        from onegpu.techniques.precision import resolve_precision
-
-        dtype = resolve_precision(cfg.train.precision, torch.device("cpu")).compute_dtype
-        peak_flops = cpu_peak_flops(dtype)
+        peak_flops = cpu_peak_flops(plan.compute_dtype)
     report: dict[str, Any] = {
         "config": {
-            "precision": cfg.train.precision,
+            "precision": plan.precision,
             "batch": cfg.train.batch_size,
             "micro_batch": cfg.train.micro_batch_size,
             "seq_len": cfg.train_seq_len,
@@ -106,19 +99,21 @@ def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[
         report["fits"] = need <= capacity
         report["headroom_bytes"] = capacity - need
         if need > capacity:
-            report["fixes"] = _fixes(cfg, capacity - overhead, target)
+            report["fixes"] = _fixes(cfg, capacity - overhead, target, caps)
     return report
 
 
-def _fixes(cfg: Config, budget: int, target: str) -> list[dict[str, Any]]:
+def _fixes(
+    cfg: Config, budget: int, target: str, caps: DeviceCaps | None
+) -> list[dict[str, Any]]:
     """Single changes, then the cumulative ones in order, that bring the peak under budget."""
     found, current = [], cfg
     applied: list[str] = []
     for name, change in FIXES:
         try:
-            alone = plan_memory(_with(cfg, change), target).memory["peak"]
+            alone = plan_memory(_with(cfg, change), target, caps).memory["peak"]
             current = _with(current, change)
-            together = plan_memory(current, target).memory["peak"]
+            together = plan_memory(current, target, caps).memory["peak"]
         except ConfigError:
             continue
         applied.append(name)
@@ -167,12 +162,12 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
         "  by block: " + _by_block(r["saved_by_block"]),
         "",
         "beside the analytic figures:",
-        f"  seed 001: mixed-precision AdamW needs 18 bytes/parameter (fp32 weights 4, 16-bit copy "
+        f"  HF's single-GPU guide: mixed-precision AdamW needs 18 bytes/parameter (fp32 weights 4, 16-bit copy "
         f"2, fp32 grads 4, states 8); planned here: "
         f"{(2 * mem['params'] + mem['optimizer']) / n:.2f} with every gradient alive (weights, "
         "same-sized gradients, states; the 16-bit weight copies of autocast live only inside a "
         "forward and are counted under activations)",
-        f"  Korthikanti et al. (seed 003): s*b*h*(34 + 5*a*s/h) = "
+        f"  Korthikanti et al.: s*b*h*(34 + 5*a*s/h) = "
         f"{r['korthikanti_bytes_per_layer'] / mib:,.1f} MiB per layer (16-bit, full attention "
         "matrix stored); fused attention keeps no s x s matrix and fp32 autocast ops keep 4-byte "
         "tensors, hence the difference with the per-block figures above",

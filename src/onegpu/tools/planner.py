@@ -14,7 +14,7 @@ caching and fragmentation (`memory_reserved` above `allocated`), library workspa
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,17 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, build
 from onegpu.config import Config
-from onegpu.memory.saved import SavedTensorCounter
+from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import LiveTensorBytes, storage_id
-from onegpu.models.gpt import count_params
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
-from onegpu.perf.flops import flops_per_token
-from onegpu.techniques.attention import resolve_attention
-from onegpu.techniques.precision import resolve_precision
-
-GROUPS = ("params", "grads", "optimizer", "activations", "other")
-
+from onegpu.techniques.precision import DeviceCaps, device_caps
 
 @dataclass
 class MemoryPlan:
@@ -45,6 +40,8 @@ class MemoryPlan:
     n_params: int = 0
     flops_per_token: int = 0
     seconds: float = 0.0
+    precision: str = ""  # what `train.precision` resolved to on the target
+    compute_dtype: torch.dtype = torch.float32
 
 
 def _kind(op: str, module: str, dtype: torch.dtype) -> str:
@@ -153,50 +150,41 @@ class _PlanTracker(LiveTensorBytes):
         return sum(m.numel() * m.element_size() for m in mats if not m.is_contiguous())
 
 
-def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
+def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None) -> MemoryPlan:
     """Build the configured run on fake tensors and follow one steady-state training step.
-    `target` is the device type the plan is for ('cpu' or 'cuda'): it decides what
-    `model.attention auto` stands for (on this CPU: the measured, cached choice of `train`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, build_plan_parts
-    from onegpu.train.step import forward_backward, optimizer_step
-
+    `target` is the device type the plan is for ('cpu' or 'cuda') and `caps` its capabilities
+    (default: this machine's CPU; a GPU's from the table): they decide what `auto` precision and
+    attention stand for, exactly as `build` decides them for a real run."""
     t0 = time.perf_counter()
-    cfg = copy.deepcopy(cfg)
-    cfg.train.compile = "none"  # compile changes kernels, not what the step keeps alive
-    if cfg.model.attention == "auto":
-        if target == "cpu":
-            policy = resolve_precision(cfg.train.precision, torch.device("cpu"))
-            cfg.model.attention = resolve_attention(
-                cfg.model, torch.device("cpu"), policy.compute_dtype, cfg.train.micro_batch_size
-            )
-        else:
-            cfg.model.attention = "sdpa"
+    device = torch.device(target)
+    if caps is None and target == "cpu":
+        caps = device_caps(device)
     # Micro-batches after the second repeat it exactly (same shapes, gradients already
     # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
-    T, n_micro = cfg.train_seq_len, min(cfg.grad_accum_steps, 2)
-    B = cfg.train.micro_batch_size * n_micro
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, policy, optimizer, loss_fn = build_plan_parts(cfg)
-        scaler = policy.grad_scaler(torch.device("cpu"))
+    n_micro = min(cfg.grad_accum_steps, 2)
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train, batch_size=cfg.train.micro_batch_size * n_micro, max_steps=2
+        ),
+    )
+    built = build(cfg, device, with_data=False, caps=caps, fake=True)
+    model, T = built.model, cfg.train_seq_len
+    B = cfg.train.batch_size
+    with built.fake_mode:
         tokens = torch.zeros(B, T + 1, dtype=torch.long)
         x, y = tokens[:, :-1], tokens[:, 1:]
-
-        def step():
-            forward_backward(model, loss_fn, policy, scaler, x, y, n_micro=n_micro, n_tokens=B * T)
-            optimizer_step(model, optimizer, scaler, cfg.optim.grad_clip)
-
-        step()  # creates the optimizer states, as the first real step does
+        built.step(x, y, B * T, 0)  # creates the optimizer states, as the first real step does
         params = list({id(p): p for p in model.parameters()}.values())
         modules = _ModuleStack(model)
         # allocation number -> (bytes, dtype, module) of each saved storage made in the step
         saved: dict[int, tuple[int, torch.dtype, str]] = {}
         grad_serials: set[int] = set()
-        counter = SavedTensorCounter(model)  # the exact total, selective caches included
+        counter = built.saved_counter()  # the exact total, selective caches included
 
         def pack(t: torch.Tensor):
-            counter._pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
+            counter.pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
             serial = tracker.serials.get(storage_id(t))
             if serial is not None and serial not in saved:  # None: made before the step
                 saved[serial] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
@@ -211,8 +199,8 @@ def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
 
         hooks = [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
         try:
-            with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
-                step()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+                built.step(x, y, B * T, 1)
         finally:
             modules.remove()
             for h in hooks:
@@ -222,7 +210,7 @@ def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
     state_bytes = (
         predicted_state_bytes(cfg.optim.name, params)
         if cfg.optim.name in FAKE_UNSAFE_OPTIMIZERS
-        else optimizer_state_bytes(optimizer)
+        else optimizer_state_bytes(built.optimizer)
     )
     at_peak = defaultdict(int)
     for serial, nbytes in tracker.peak_storages.items():
@@ -251,9 +239,11 @@ def plan_memory(cfg: Config, target: str = "cpu") -> MemoryPlan:
         saved_by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         saved_by_block=dict(by_block),
         saved_per_micro_batch=counter.bytes // n_micro,
-        n_params=count_params(model),  # vocabulary padding left out, as everywhere
-        flops_per_token=flops_per_token(model, T),
+        n_params=built.n_params,  # vocabulary padding left out, as everywhere
+        flops_per_token=built.flops_per_token,
         seconds=time.perf_counter() - t0,
+        precision=built.policy.name,
+        compute_dtype=built.policy.compute_dtype,
     )
 
 

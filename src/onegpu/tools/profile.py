@@ -4,7 +4,8 @@ Writes (names are a contract, scripts rely on them):
 - DIR/trace.json    Chrome/Perfetto trace; steps are `ProfilerStep#N`, phases `data`,
                     `forward`, `backward`, `optimizer` (record_function annotations of step.py);
 - DIR/memory.html   memory timeline of the profiled steps, stacked by kind (params, grads,
-                    optimizer state, activations, other), as seeds 000 and 003 show them; the
+                    optimizer state, activations, other), as Lippe's profiling tutorial and
+                    "Optimising the Training Loop" show them; the
                     same plot as DIR/memory.png;
 - DIR/summary.txt   phase times, top operations by time and by memory, idle gaps between
                     steps, and host-device synchronisations found;
@@ -21,12 +22,11 @@ from typing import Any
 
 import torch
 
-from onegpu.build import build
+from onegpu.build import Built, build
 from onegpu.config import Config
 from onegpu.memory.breakdown import GROUPS, memory_timeline
-from onegpu.optim import lr_at, set_lr
 from onegpu.train.run_folder import resolve_out_dir
-from onegpu.train.step import forward_backward, optimizer_step
+from onegpu.train.trainer import training_batches
 
 PHASES = ("data", "forward", "backward", "optimizer")
 # Ops that make the host wait for the device (on CUDA); on CPU they are counted all the same,
@@ -45,29 +45,20 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from onegpu.train.trainer import training_batches
-
     out = resolve_out_dir(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     built = build(cfg)
-    model, device, opt, policy = built.model, built.device, built.optimizer, built.policy
-    scaler = policy.grad_scaler(device)
-    batches = training_batches(cfg, built)
-    cuda = device.type == "cuda"
+    batches = training_batches(built)
+    cuda = built.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
-    model.train()
+    built.model.train()
 
     def one_step(step: int) -> None:
-        set_lr(opt, lr_at(step, cfg.optim, cfg.train.max_steps))
         with torch.profiler.record_function("data"):
             x, y, n_tokens = next(batches)
-        forward_backward(
-            model, built.loss_fn, policy, scaler, x, y,
-            n_micro=cfg.grad_accum_steps, n_tokens=n_tokens,
-        )  # fmt: skip
-        optimizer_step(model, opt, scaler, cfg.optim.grad_clip)
+        built.step(x, y, n_tokens, step)
 
     for step in range(warmup):  # compilation, allocator growth, optimizer state creation
         one_step(step)
@@ -79,18 +70,18 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
             with torch.profiler.record_function(f"ProfilerStep#{step}"):
                 one_step(step)
     if cuda:
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(built.device)
         torch.cuda.memory._dump_snapshot(str(out / "memory_snapshot.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
 
     prof.export_chrome_trace(str(out / "trace.json"))
     trace = json.loads((out / "trace.json").read_text())
-    times, groups = memory_timeline(prof, device)
+    times, groups = memory_timeline(prof, built.device)
     # the trace's ts are us after baseTimeNanoseconds; the memory timeline's are epoch us
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
     step_bounds = [(a + base_us, b + base_us) for a, b in _step_spans(trace)]
     _plot_memory(times, groups, step_bounds, out)
-    text = summary_text(prof, trace, cfg, built, steps, cuda)
+    text = summary_text(prof, trace, built, steps, cuda)
     (out / "summary.txt").write_text(text)
     return {"out_dir": str(out), "summary": text}
 
@@ -141,7 +132,8 @@ def _phase_times(trace: dict) -> dict[str, float]:
     return total
 
 
-def summary_text(prof, trace: dict, cfg: Config, built, steps: int, cuda: bool) -> str:
+def summary_text(prof, trace: dict, built: Built, steps: int, cuda: bool) -> str:
+    cfg = built.cfg
     spans = _step_spans(trace)
     durations = [(b - a) / 1e3 for a, b in spans]
     gaps = [(spans[i + 1][0] - spans[i][1]) / 1e3 for i in range(len(spans) - 1)]

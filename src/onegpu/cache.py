@@ -1,7 +1,9 @@
-"""A small on-disk cache for things measured on this machine (matmul peaks, kernel choices).
+"""Where onegpu keeps what it computes once per machine: token files, trained tokenizers and
+measured figures (matmul peaks, kernel choices).
 
-Measurements are keyed by what they depend on (CPU model, threads, torch version, shapes), so
-a cached figure is reused only where it still holds.
+Measurements are keyed by what they depend on (CPU model, threads, torch version, shapes), so a
+cached figure is reused only where it still holds. This module sits at the bottom of the package
+(next to config): any layer may use it, it imports none.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 
-def cache_path(name: str) -> Path:
-    from onegpu.data.tokens import cache_root
-
-    return cache_root() / name
+def cache_root(cache_dir: str = "") -> Path:
+    """`cache_dir` if given, else $ONEGPU_CACHE, else ~/.cache/onegpu: one place for every cache."""
+    root = cache_dir or os.environ.get("ONEGPU_CACHE") or Path.home() / ".cache" / "onegpu"
+    return Path(root).expanduser()
 
 
 def cached(name: str, key: str, measure: Callable[[], Any], *, refresh: bool = False) -> Any:
     """The value stored under `key` in cache file `name`, measuring (and storing) it if absent."""
-    path = cache_path(name)
+    path = cache_root() / name
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):

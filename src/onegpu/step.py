@@ -1,0 +1,139 @@
+"""The one training step every command runs: train, profile, plan, tune, bench, memory checks.
+
+    micro-batches -> forward (autocast) -> loss / tokens of the whole batch -> backward (scaled)
+    -> unscale -> clip -> optimizer step (skipped on inf/nan under loss scaling) -> zero grads
+
+The step owns everything that differs between techniques at step time (autocast, the loss
+scaler, accumulation, clipping, the optimizer stepped inside backward, the skipped-step flag),
+so the loops that call it never branch on precision, optimizer kind or compile. It never reads
+a value back from the device: loss, gradient norm and the skipped flag are returned as device
+tensors, read by the caller once per log step. Phases are annotated with `record_function`
+(`forward`, `backward`, `optimizer`) for `onegpu profile`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from onegpu.config import OptimConfig
+from onegpu.data.loader import count_targets
+from onegpu.optim import lr_at, set_lr
+from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.techniques.loss import LossFn
+from onegpu.techniques.precision import PrecisionPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    loss: torch.Tensor
+    """Mean loss over the target tokens of the whole batch (device tensor)."""
+    grad_norm: torch.Tensor
+    """Global L2 norm of the gradients before clipping (device tensor)."""
+    skipped: torch.Tensor
+    """1 if the update was skipped (inf/nan gradients under fp16 loss scaling), else 0 (device)."""
+    lr: float
+    """The learning rate this step used."""
+
+
+class TrainStep:
+    """`step(inputs_BT, targets_BT, n_tokens, index)` runs one optimizer step of the batch.
+
+    Exact accumulation: each micro-batch's summed loss is divided by `n_tokens`, the number of
+    target tokens in the whole batch, so the accumulated gradient equals the full-batch mean-loss
+    gradient even with padding and uneven micro-batches (never an average of micro-batch means).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | OptimizerInBackward,
+        policy: PrecisionPolicy,
+        device: torch.device,
+        optim: OptimConfig,
+        max_steps: int,
+        n_micro: int,
+    ):
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.policy, self.device = policy, device
+        self.optim, self.max_steps, self.n_micro = optim, max_steps, n_micro
+        # A disabled scaler (every precision but fp16) passes values through unchanged.
+        self.scaler = policy.grad_scaler(device)
+        # Chosen once here, so that no call branches on the optimizer's kind.
+        self._update = (
+            self._collect_in_backward_norm
+            if isinstance(optimizer, OptimizerInBackward)
+            else self._clip_and_step
+        )
+
+    def __call__(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int, index: int
+    ) -> StepOutput:
+        """Optimizer step number `index` (0-based: it sets the scheduled learning rate)."""
+        lr = lr_at(index, self.optim, self.max_steps)
+        set_lr(self.optimizer, lr)
+        loss = self.forward_backward(inputs_BT, targets_BT, n_tokens)
+        with record_function("optimizer"):
+            grad_norm, skipped = self._update()
+        return StepOutput(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr)
+
+    def forward_backward(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int
+    ) -> torch.Tensor:
+        """Accumulate the batch's gradients over the micro-batches; returns its mean loss."""
+        total = torch.zeros((), device=inputs_BT.device)
+        denom = max(n_tokens, 1)
+        for x_bT, y_bT in zip(
+            inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True
+        ):
+            with record_function("forward"), self.policy.autocast(inputs_BT.device):
+                loss = self.loss_fn(self.model, x_bT, y_bT) / denom
+            with record_function("backward"):
+                self.scaler.scale(loss).backward()
+            total += loss.detach()
+        return total
+
+    def _clip_and_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # The scaler skips the update iff some gradient is inf/nan, i.e. iff the global norm is
+        # not finite: the same test, kept on the device (GradScaler.get_scale() would sync).
+        skipped = ~torch.isfinite(norm) if self.scaler.is_enabled() else torch.zeros_like(norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, skipped.to(torch.int32)
+
+    def _collect_in_backward_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every parameter was stepped inside backward: only the norm is left to collect."""
+        norm = self.optimizer.pop_grad_norm()
+        return norm, torch.zeros((), dtype=torch.int32, device=norm.device)
+
+    def log_extras(self) -> dict[str, Any]:
+        """Figures only some precisions have, for the log line (reads the device: log steps only)."""
+        return {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean next-token loss over fixed batches (summed, then divided by target tokens)."""
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        n = 0
+        for x, y in batches:
+            n += count_targets(y)
+            x, y = x.to(self.device), y.to(self.device)
+            with self.policy.autocast(self.device):
+                total += self.loss_fn(self.model, x, y).double()
+        self.model.train(was_training)
+        return total.item() / max(n, 1)

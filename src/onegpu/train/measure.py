@@ -1,0 +1,49 @@
+"""A real training step's memory, measured: where its peak goes and what it saves for backward.
+
+The trainer measures its second step this way (optimizer states exist by then, as in every
+later step); `measure_real_step` does the same on random tokens for the planner's accuracy
+checks (tests, benchmarks/plan_accuracy.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from onegpu.build import Built, build
+from onegpu.config import Config
+from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
+from onegpu.optim.state_bytes import optimizer_state_bytes
+from onegpu.step import StepOutput
+
+
+def measure_step(built: Built, run_step: Callable[[], StepOutput]) -> tuple[StepOutput, dict]:
+    """Run `run_step()` once under the memory profiler and the saved-tensor counter.
+
+    Returns its output and the breakdown at the step's peak (`params, grads, optimizer,
+    activations, other, peak`; optimizer states counted exactly) plus the saved bytes of one
+    micro-batch."""
+    outputs: list[StepOutput] = []
+    counter = built.saved_counter()
+
+    def step() -> None:
+        with counter:
+            outputs.append(run_step())
+
+    memory: dict[str, Any] = profile_step_memory(step, built.device)
+    with_exact_optimizer_bytes(memory, optimizer_state_bytes(built.optimizer))
+    # micro-batches have equal shapes, so each saves the same bytes
+    memory["saved_activations_per_micro_batch"] = counter.bytes // built.step.n_micro
+    return outputs[0], memory
+
+
+def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any]]:
+    """Two steps on random tokens (the first creates optimizer states), the second measured."""
+    built = build(cfg, with_data=False)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train_seq_len + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    built.step(x, y, y.numel(), 0)
+    _, memory = measure_step(built, lambda: built.step(x, y, y.numel(), 1))
+    return built, memory
