@@ -1,4 +1,4 @@
-"""Memory techniques on seed 003's reference model: none, each alone, the best combinations.
+"""Memory techniques on the reference model of "Optimising the Training Loop" (preset seed-ref): none, each alone, the best combinations.
 
 Usage:
   python benchmarks/memory_ablation.py                       # seed-ref grid (about 30 min here)
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from onegpu.perf.bench import run_row
+from onegpu.tools.bench import run_row
 
-BASE = {  # seed 003's naive loop: full batch in one pass, fp32, AdamW
+BASE = {  # that post's naive loop: full batch in one pass, fp32, AdamW
     "train.precision": "fp32",
     "train.micro_batch_size": "32",
 }

@@ -42,19 +42,19 @@ GRID: list[tuple[str, dict[str, str]]] = [
 def measure(preset: str, overrides: dict[str, str]) -> dict:
     """Run in a worker process: predicted and measured breakdowns for one configuration."""
     from onegpu.config import load_config
-    from onegpu.memory.planner import plan_memory
-    from onegpu.memory.real_step import measure_real_step
+    from onegpu.tools.planner import plan_memory
+    from onegpu.train.measure import measure_real_step
 
     cfg = load_config(preset, overrides={"train.device": "cpu", **overrides})
     plan = plan_memory(cfg)
-    _, measured, saved = measure_real_step(cfg)
+    built, measured = measure_real_step(cfg)
     return {
         "predicted": plan.memory,
         "measured": {k: measured[k] for k in plan.memory},
         "saved_predicted": plan.saved_per_micro_batch,
-        "saved_measured": saved,
+        "saved_measured": measured["saved_activations_per_micro_batch"],
         "plan_seconds": plan.seconds,
-        "precision": cfg.train.precision,
+        "precision": built.cfg.train.precision,
     }
 
 

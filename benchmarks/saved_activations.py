@@ -1,8 +1,8 @@
 """Saved-activation bytes of one forward per memory technique (exact, via saved_tensors_hooks).
 
 Usage: python benchmarks/saved_activations.py [--preset tiny] [--layers 4] [--batch 4]
-Writes a Markdown table to stdout. The full seed-ref ablation with time and peak memory is
-still to come (issue 3).
+Writes a Markdown table to stdout (benchmarks/memory_ablation.py has the seed-ref ablation with
+time and peak memory).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 
 from onegpu.build import build
 from onegpu.config import load_config
-from onegpu.memory.saved import SavedTensorCounter
 
 SETTINGS = [
     {},
@@ -53,7 +52,7 @@ def main() -> None:
             load_config(args.preset, overrides=over), torch.device("cpu"), with_data=False
         )
         x = torch.randint(0, 256, (args.batch, built.cfg.train_seq_len))
-        with SavedTensorCounter(built.model) as c:
+        with built.saved_counter() as c:
             loss = built.loss_fn(built.model, x, x)
         loss.backward()
         base = base or c.bytes

@@ -143,7 +143,8 @@ def materialize(model: nn.Module, device: torch.device, *, seed: int, dtype: tor
     """Meta -> `device`, GPT-2 initialisation from `seed`, weights stored in `dtype` (in place:
     keeps tied parameters tied, and works on fake tensors, where Module.to would swap them)."""
     torch.manual_seed(seed)
-    model.to_empty(device=device)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
     model.init_weights()
     for p in model.parameters():
         if p.dtype != dtype:
@@ -178,7 +179,9 @@ class Built:
 
     def saved_counter(self) -> SavedTensorCounter:
         """Counts the bytes this model saves for backward, selective checkpoints' caches too."""
-        return SavedTensorCounter(self.model, also_saved=lambda: selective_cache_tensors(self.model))
+        return SavedTensorCounter(
+            self.model, also_saved=lambda: selective_cache_tensors(self.model)
+        )
 
 
 def build(
@@ -213,7 +216,9 @@ def build(
         apply_precision(resolved.precision, device)
         check_attention_backend(resolved.attention, device, resolved.precision.param_dtype)
     with fake_mode:
-        with torch.device("meta"):
+        # real: on the meta device, materialised after the techniques; fake: on fake tensors
+        # directly (moving meta parameters into a FakeTensorMode cannot swap them)
+        with torch.device("cpu" if fake else "meta"):
             model = GPT(cfg.model)
         model, loss_fn = apply_techniques(model, cfg, resolved, device)
         optimizer = build_optimizer(

@@ -112,8 +112,8 @@ def cmd_bench(ns: argparse.Namespace, unknown: list[str]) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace, unknown: list[str]) -> int:
-    from onegpu.tools.plan import format_report, plan_report
     from onegpu.perf.devices import GPUS
+    from onegpu.tools.plan import format_report, plan_report
 
     if ns.gpu == "list":
         print("name        memory   peak dense TFLOP/s (fp32 / tf32 / bf16 / fp16)")
@@ -136,8 +136,8 @@ def cmd_tune(ns: argparse.Namespace, unknown: list[str]) -> int:
 
     import torch
 
-    from onegpu.tools.plan import CUDA_OVERHEAD_BYTES
     from onegpu.perf.devices import GPUS
+    from onegpu.tools.plan import CUDA_OVERHEAD_BYTES
     from onegpu.tools.tune import tune
 
     overrides = _overrides(ns, unknown)
@@ -245,12 +245,14 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         allow_abbrev=False,
-        help="ablation grids of the seeds on this device: bench.md, bench.json, bench.png",
+        help="ablation grids of the source documents on this device: bench.md, .json, .png",
         epilog=EPILOG + " Options set the base configuration of every row.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--grid", default="all", help="all, or a comma-separated list of: hf, seed000, seed003"
+        "--grid",
+        default="all",
+        help="all, or a comma-separated list of: hf, seed000 (Lippe), seed003 (Optimising the Training Loop)",
     )
     p.add_argument(
         "--grid-file",

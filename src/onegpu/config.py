@@ -49,7 +49,7 @@ class ModelConfig:
     """Rows of the embedding and output layers; may exceed the tokenizer's vocabulary (padding)."""
     pad_vocab_to: int = 64
     """Round the embedding and output rows up to a multiple of this (matrix units like it:
-    GPT-2's 50,257 -> 50,304, seed 001). Padded rows are never inputs and their logits are
+    GPT-2's 50,257 -> 50,304, as HF's single-GPU guide advises). Padded rows are never inputs and their logits are
     masked to -inf, so the model computes exactly the same function (1: no padding)."""
     mlp_ratio: int = 4
     """Hidden width of the MLP as a multiple of d_model."""
@@ -65,7 +65,7 @@ class ModelConfig:
     'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device has
     none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference."""
     softmax_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the attention scores and softmax in 'plain' attention (seed 000 keeps it fp32)."""
+    """Dtype of the attention scores and softmax in 'plain' attention (Lippe's tutorial keeps it fp32)."""
     init_std: float = 0.02
     """Standard deviation of the GPT-2 initialisation (residual projections are scaled down)."""
 
@@ -119,7 +119,7 @@ class TrainConfig:
     compile: Literal["none", "default", "max-autotune", "regional"] = "none"
     """torch.compile: 'default' or 'max-autotune' compile the whole forward and loss;
     'regional' compiles one transformer block and reuses it for every layer, so compile time
-    stays flat in depth (seed 000's scan over layers). Compile time is reported apart."""
+    stays flat in depth (like JAX's scan over layers). Compile time is reported apart."""
     measure_memory: bool = True
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'); costs one slow step."""
@@ -142,8 +142,8 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     schedule: Literal["cosine", "exp", "constant"] = "cosine"
-    """Learning-rate schedule after warmup: cosine to min_lr_ratio*lr (seed 002), exponential
-    decay by decay_rate per step (seed 000), or constant."""
+    """Learning-rate schedule after warmup: cosine to min_lr_ratio*lr, exponential decay
+    by decay_rate per step (optax's warmup_exponential_decay_schedule), or constant."""
     warmup_steps: int = 20
     """Linear warmup from 0 over this many steps."""
     min_lr_ratio: float = 0.1
@@ -168,10 +168,10 @@ class MemoryConfig:
     """Compute output layer + cross-entropy in chunks of this many tokens so the full
     [tokens, vocab] logits never exist (0: off)."""
     gelu_bits: int = 0
-    """Few-bit GELU backward (seed 004): save a k-bit code of GELU's input instead of the input,
+    """Few-bit GELU backward (Novikov et al., "Few-Bit Backward"): save a k-bit code of GELU's input instead of the input,
     k in 1..4 (0: exact GELU)."""
     randomized_linear: float = 0.0
-    """Randomized backward of block linear layers (seed 004): save a random projection keeping
+    """Randomized backward of block linear layers (Bershatsky et al.): save a random projection keeping
     this fraction of the rows of the input; unbiased weight gradients (0: off)."""
 
 

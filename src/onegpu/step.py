@@ -35,7 +35,7 @@ class StepOutput:
     grad_norm: torch.Tensor
     """Global L2 norm of the gradients before clipping (device tensor)."""
     skipped: torch.Tensor
-    """1 if the update was skipped (inf/nan gradients under fp16 loss scaling), else 0 (device)."""
+    """True if the update was skipped (inf/nan gradients under fp16 loss scaling) (device)."""
     lr: float
     """The learning rate this step used."""
 
@@ -65,6 +65,7 @@ class TrainStep:
         self.optim, self.max_steps, self.n_micro = optim, max_steps, n_micro
         # A disabled scaler (every precision but fp16) passes values through unchanged.
         self.scaler = policy.grad_scaler(device)
+        self._false: torch.Tensor | None = None
         # Chosen once here, so that no call branches on the optimizer's kind.
         self._update = (
             self._collect_in_backward_norm
@@ -87,7 +88,7 @@ class TrainStep:
         self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int
     ) -> torch.Tensor:
         """Accumulate the batch's gradients over the micro-batches; returns its mean loss."""
-        total = torch.zeros((), device=inputs_BT.device)
+        total: torch.Tensor | None = None
         denom = max(n_tokens, 1)
         for x_bT, y_bT in zip(
             inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True
@@ -96,7 +97,8 @@ class TrainStep:
                 loss = self.loss_fn(self.model, x_bT, y_bT) / denom
             with record_function("backward"):
                 self.scaler.scale(loss).backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None  # n_micro >= 1
         return total
 
     def _clip_and_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,16 +110,22 @@ class TrainStep:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         # The scaler skips the update iff some gradient is inf/nan, i.e. iff the global norm is
         # not finite: the same test, kept on the device (GradScaler.get_scale() would sync).
-        skipped = ~torch.isfinite(norm) if self.scaler.is_enabled() else torch.zeros_like(norm)
+        skipped = torch.isfinite(norm).logical_not_() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm, skipped.to(torch.int32)
+        return norm, self._not_skipped(norm) if skipped is None else skipped
 
     def _collect_in_backward_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every parameter was stepped inside backward: only the norm is left to collect."""
         norm = self.optimizer.pop_grad_norm()
-        return norm, torch.zeros((), dtype=torch.int32, device=norm.device)
+        return norm, self._not_skipped(norm)
+
+    def _not_skipped(self, like: torch.Tensor) -> torch.Tensor:
+        """A constant False on the device, made once (no kernel per step)."""
+        if self._false is None or self._false.device != like.device:
+            self._false = torch.zeros((), dtype=torch.bool, device=like.device)
+        return self._false
 
     def log_extras(self) -> dict[str, Any]:
         """Figures only some precisions have, for the log line (reads the device: log steps only)."""

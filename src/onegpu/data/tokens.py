@@ -84,7 +84,11 @@ def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokeni
     if data.tokenizer == "byte":
         return ByteTokenizer()
     vocab = data.tokenizer_vocab or model_vocab
-    path = cache_root(data.cache_dir) / "tokenizers" / f"{corpus.key}-v{corpus.val_fraction}-bpe{vocab}.json"
+    path = (
+        cache_root(data.cache_dir)
+        / "tokenizers"
+        / f"{corpus.key}-v{corpus.val_fraction}-bpe{vocab}.json"
+    )
     if path.exists():
         return BPETokenizer.load(path, vocab)
     print(f"onegpu: training a {vocab}-token byte-level BPE on {corpus.path} (cached at {path})")

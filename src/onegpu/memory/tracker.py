@@ -35,7 +35,6 @@ class LiveTensorBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.peak_storages: dict[int, int] = {}  # allocation number -> bytes, at the peak
-        self.allocated_ever: dict[int, int] = {}
         # storage id -> allocation number: ids are addresses and get reused after a free, so
         # anything labelled later (gradients, saved tensors) is matched by allocation number
         self.serials: dict[int, int] = {}
@@ -60,7 +59,6 @@ class LiveTensorBytes(TorchDispatchMode):
             self.sizes[sid] = nbytes
             self.serials[sid] = self._next_serial
             self._next_serial += 1
-            self.allocated_ever[sid] = nbytes
             self.current += nbytes
             if self.current > self.peak:
                 self.peak = self.current

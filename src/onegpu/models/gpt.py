@@ -3,7 +3,7 @@
 Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, F MLP hidden, V vocab.
 
 Blocks are pre-norm and split into two residual branches, `attn` and `mlp`, each holding its own
-LayerNorm, so that techniques can wrap either branch (seed 000 remats exactly these two).
+LayerNorm, so that techniques can wrap either branch (the two Lippe's tutorial rematerialises).
 Build under `torch.device("meta")`, move with `to_empty(device=...)`, then `init_weights()`.
 """
 
@@ -34,7 +34,7 @@ def plain_attention(
     dropout_p: float = 0.0,
     softmax_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Causal attention with scores and softmax in `softmax_dtype` (seed 000's safe softmax).
+    """Causal attention with scores and softmax in `softmax_dtype` (the numerically safe softmax of Lippe's tutorial).
 
     Autocast is switched off around the score matmul, else it would cast the fp32 operands
     straight back to bf16/fp16 and defeat the point.
@@ -127,7 +127,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        # GPT-2's output layer has no bias; seed 000's untied one does.
+        # GPT-2's output layer has no bias; an untied one may (Lippe's tutorial).
         self.lm_head = nn.Linear(
             cfg.d_model, self.padded_vocab, bias=cfg.bias and not cfg.tie_embeddings
         )

@@ -16,9 +16,9 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     if cfg.schedule == "constant":
         return cfg.lr
     done = step - cfg.warmup_steps
-    if cfg.schedule == "exp":  # seed 000: optax.warmup_exponential_decay_schedule
+    if cfg.schedule == "exp":  # optax.warmup_exponential_decay_schedule, as in Lippe's tutorial
         return cfg.lr * cfg.decay_rate**done
-    # cosine from lr to min_lr_ratio*lr over the steps after warmup (seed 002)
+    # cosine from lr to min_lr_ratio*lr after warmup (Wang, "Let's reproduce NanoGPT with JAX")
     total = max(1, max_steps - cfg.warmup_steps)
     progress = min(1.0, done / total)
     floor = cfg.lr * cfg.min_lr_ratio

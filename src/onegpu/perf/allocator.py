@@ -1,4 +1,4 @@
-"""Host memory allocator: tcmalloc when the system has it (CPU-NOTES: +33% tokens/s here).
+"""Host memory allocator: tcmalloc when the system has it (docs/cpu-notes.md: +33% tokens/s on our CPUs).
 
 glibc malloc hands large freed blocks back to the kernel, so every training step faults the
 same pages in again (on this CPU ~30% of a step was kernel time). tcmalloc keeps them. An

@@ -2,7 +2,7 @@
 
 GPU figures are vendor datasheet peaks for dense tensor-core math (no sparsity), FLOP/s. A CPU's
 peak is measured: a large matmul in the dtype, median of several runs, cached per machine,
-thread count and torch version (measuring takes seconds, CPU-NOTES).
+thread count and torch version (measuring takes seconds; docs/cpu-notes.md).
 """
 
 from __future__ import annotations
@@ -107,11 +107,15 @@ def measure_matmul_flops(
     return 2 * size**3 / statistics.median(times)
 
 
-def cpu_peak_flops(dtype: torch.dtype, *, refresh: bool = False) -> float:
-    """Measured matmul peak of this CPU in `dtype`, cached per CPU, thread count and torch."""
-    key = f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
-    measure = lambda: measure_matmul_flops(dtype, torch.device("cpu"))  # noqa: E731
-    return float(cached("peaks.json", key, measure, refresh=refresh))
+def cpu_peak_key(dtype: torch.dtype) -> str:
+    """What a CPU's measured peak depends on: the cache key of `cpu_peak_flops`."""
+    return f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+
+
+def cpu_peak_flops(dtype: torch.dtype, *, refresh: bool = False, n: int = 4096) -> float:
+    """Measured matmul peak of this CPU in `dtype` (n x n x n), cached per CPU, threads, torch."""
+    measure = lambda: measure_matmul_flops(dtype, torch.device("cpu"), n=n)  # noqa: E731
+    return float(cached("peaks.json", cpu_peak_key(dtype), measure, refresh=refresh))
 
 
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

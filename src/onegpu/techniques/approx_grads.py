@@ -1,14 +1,16 @@
-"""Approximate-gradient layers of seed 004: few-bit GELU and randomized linear backward.
+"""Approximate-gradient layers: few-bit GELU and randomized linear backward, from Gusak,
+"Neural Networks Memory Footprint Reduction during Training" (Skoltech, 2022).
 
 Few-bit GELU (`memory.gelu_bits` = k in 1..4): forward is the exact GELU; instead of its input
 (2-4 bytes per element), backward keeps only a k-bit code of which of 2^k intervals the input
 fell in, and multiplies the incoming gradient by a constant per interval: a piecewise-constant
-approximation of GELU's derivative with optimised breakpoints (seed 004, Fig. 1). The codes are
+approximation of GELU's derivative with optimised breakpoints (Novikov et al., "Few-Bit Backward: Quantized Gradients of Activation Functions", Fig. 1). The codes are
 bit-packed, so the saved bytes really are k/8 per element.
 
 Randomized linear (`memory.randomized_linear` = kept fraction r in (0, 1)): a linear layer saves
 S^T X (r*N rows instead of N) and a PRNG seed instead of its input X; backward regenerates S and
-estimates dW = dY^T S S^T X, unbiased because E[S S^T] = I (seed 004, Algorithm 1). dX is exact.
+estimates dW = dY^T S S^T X, unbiased because E[S S^T] = I (Bershatsky et al., "Memory-Efficient Backpropagation through Large Linear Layers",
+Algorithm 1). dX is exact.
 """
 
 from __future__ import annotations

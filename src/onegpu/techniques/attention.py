@@ -17,10 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from onegpu.cache import cached
 from onegpu.config import ModelConfig
 from onegpu.models.gpt import plain_attention
 from onegpu.perf.devices import cpu_name
-from onegpu.cache import cached
 
 
 def _time_fwd_bwd(fn, q, k, v, repeats: int = 5) -> float:

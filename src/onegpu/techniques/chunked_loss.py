@@ -1,7 +1,7 @@
 """Chunked output layer + cross-entropy: the [tokens, vocab] logits never exist at once.
 
 For GPT-2's 50,257-token vocabulary the fp32 logits are often the largest tensor of a step
-(785 MiB for 8 x 512 tokens, CPU-NOTES). Here the output projection and the loss run over chunks
+(785 MiB for 8 x 512 tokens; docs/cpu-notes.md). Here the output projection and the loss run over chunks
 of `memory.loss_chunk` tokens. Each chunk's gradient with respect to its logits
 (softmax - onehot) is turned into gradients for the hidden states and the output weight right
 away, in forward (as Liger-Kernel's fused linear cross-entropy does), so backward needs no

@@ -2,7 +2,7 @@
 
 PyTorch's `save_on_cpu` copies each saved tensor to (pinned, on CUDA) host memory in forward and
 back in backward. Non-reentrant checkpointing saves its inputs through the same hooks, so with
-checkpointing on, exactly the checkpoints that remain are offloaded (seed 004's combination).
+checkpointing on, exactly the checkpoints that remain are offloaded (the combination Gusak's survey recommends).
 On a CPU device the "copy to host" is a copy within host memory: correct, and no saving.
 """
 

@@ -89,7 +89,8 @@ def resolve_precision(name: str, caps: DeviceCaps | torch.device) -> PrecisionPo
     if name in ("bf16", "bf16-pure"):
         if caps.type == "cuda" and not caps.bf16:
             raise ConfigError(
-                "train.precision", "this GPU has no native bf16; use fp16 (with loss scaling) or fp32"
+                "train.precision",
+                "this GPU has no native bf16; use fp16 (with loss scaling) or fp32",
             )
         if name == "bf16":
             return PrecisionPolicy("bf16", torch.bfloat16, torch.bfloat16, False)

@@ -1,4 +1,5 @@
-"""`onegpu bench`: ablation grids of the seeds, measured on this device, as table, JSON and plot.
+"""`onegpu bench`: the ablation grids of our source documents (docs/sources.md), measured on
+this device, as table, JSON and plot.
 
 Every row is a real `onegpu train` run in a fresh process (the CPU's peak RSS is a lifetime
 maximum, and compile caches or allocator state must not leak between rows) on the same data,
@@ -32,7 +33,7 @@ Row = tuple[str, dict[str, str]]
 # for the profiler's teardown (measured here: 338 ms against a steady 25 ms on `tiny`).
 WARM_STEPS = 3
 
-# Seed 001 (HF's single-GPU guide): each technique alone against vanilla, then everything.
+# Hugging Face, "Efficient Training on a Single GPU": each technique alone, then everything.
 VANILLA = {"train.precision": "fp32"}
 GRIDS: dict[str, list[Row]] = {
     "hf": [
@@ -54,7 +55,7 @@ GRIDS: dict[str, list[Row]] = {
             },
         ),
     ],
-    # Seed 000's comparisons (on top of bf16 where the seed's runs were bf16)
+    # Lippe's "Profiling and Scaling Single-GPU Transformer Models" (bf16 where its runs were)
     "seed000": [
         ("fp32", {}),
         ("bf16", {"train.precision": "bf16"}),
@@ -64,7 +65,7 @@ GRIDS: dict[str, list[Row]] = {
         ("bf16 + remat block", {"train.precision": "bf16", "memory.checkpointing": "block"}),
         ("bf16 + accumulation x4", {"train.precision": "bf16", "train.micro_batch_size": "/4"}),
     ],
-    # Seed 003: the naive loop against the optimized step
+    # "Optimising the Training Loop": the naive loop against the optimised step
     "seed003": [
         ("naive loop (fp32, full batch)", {}),
         (
@@ -179,7 +180,7 @@ def bench(
 ) -> list[dict[str, Any]]:
     """Run the grids and write the three files. Distinct configurations run once per round,
     rounds are interleaved (a slow moment of a shared machine hits every row alike), and each
-    row reports medians over rounds (DESIGN.md's honesty rules)."""
+    row reports medians over rounds (docs/architecture.md: honest numbers)."""
     from onegpu.config import load_config
 
     base_cfg = load_config(preset, config_file, base_overrides)  # validates the base: exit 2

@@ -103,9 +103,7 @@ def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[
     return report
 
 
-def _fixes(
-    cfg: Config, budget: int, target: str, caps: DeviceCaps | None
-) -> list[dict[str, Any]]:
+def _fixes(cfg: Config, budget: int, target: str, caps: DeviceCaps | None) -> list[dict[str, Any]]:
     """Single changes, then the cumulative ones in order, that bring the peak under budget."""
     found, current = [], cfg
     applied: list[str] = []

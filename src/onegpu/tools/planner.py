@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, build
+from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.config import Config
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import LiveTensorBytes, storage_id
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
 from onegpu.techniques.precision import DeviceCaps, device_caps
+
 
 @dataclass
 class MemoryPlan:
@@ -150,6 +151,51 @@ class _PlanTracker(LiveTensorBytes):
         return sum(m.numel() * m.element_size() for m in mats if not m.is_contiguous())
 
 
+@dataclass
+class _FollowedStep:
+    """What following one step recorded: the tracker (live bytes, peak, who made what), the
+    saved storages with their module, the gradients' storages, and the exact saved total."""
+
+    tracker: _PlanTracker
+    saved: dict[int, tuple[int, torch.dtype, str]]  # allocation number -> (bytes, dtype, module)
+    grad_serials: set[int]
+    saved_bytes: int
+
+
+def _follow_step(built: Built, target: str, x: torch.Tensor, y: torch.Tensor) -> _FollowedStep:
+    """Run the built step (a steady one: optimizer states already exist) op by op, labelling
+    every storage it makes: saved for backward, gradient, or other."""
+    model = built.model
+    modules = _ModuleStack(model)
+    tracker = _PlanTracker(modules, target)
+    followed = _FollowedStep(tracker, {}, set(), 0)
+    counter = built.saved_counter()  # the exact total, selective caches included
+
+    def pack(t: torch.Tensor):
+        counter.pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
+        serial = tracker.serials.get(storage_id(t))
+        if serial is not None and serial not in followed.saved:  # None: made before the step
+            followed.saved[serial] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
+        return t
+
+    def grad_ready(p: torch.Tensor) -> None:
+        serial = tracker.serials.get(storage_id(p.grad))
+        if serial is not None:
+            followed.grad_serials.add(serial)
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    hooks = [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+            built.step(x, y, y.numel(), 1)
+    finally:
+        modules.remove()
+        for h in hooks:
+            h.remove()
+    followed.saved_bytes = counter.bytes
+    return followed
+
+
 def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None) -> MemoryPlan:
     """Build the configured run on fake tensors and follow one steady-state training step.
 
@@ -163,61 +209,34 @@ def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None
     # Micro-batches after the second repeat it exactly (same shapes, gradients already
     # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
     n_micro = min(cfg.grad_accum_steps, 2)
-    cfg = dataclasses.replace(
-        cfg,
-        train=dataclasses.replace(
-            cfg.train, batch_size=cfg.train.micro_batch_size * n_micro, max_steps=2
-        ),
-    )
+    B, T = cfg.train.micro_batch_size * n_micro, cfg.train_seq_len
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=B, max_steps=2))
     built = build(cfg, device, with_data=False, caps=caps, fake=True)
-    model, T = built.model, cfg.train_seq_len
-    B = cfg.train.batch_size
     with built.fake_mode:
         tokens = torch.zeros(B, T + 1, dtype=torch.long)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        built.step(x, y, B * T, 0)  # creates the optimizer states, as the first real step does
-        params = list({id(p): p for p in model.parameters()}.values())
-        modules = _ModuleStack(model)
-        # allocation number -> (bytes, dtype, module) of each saved storage made in the step
-        saved: dict[int, tuple[int, torch.dtype, str]] = {}
-        grad_serials: set[int] = set()
-        counter = built.saved_counter()  # the exact total, selective caches included
+        built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first real step does
+        followed = _follow_step(built, target, x, y)
+    plan = _label(built, cfg.optim.name, followed, n_micro)
+    plan.seconds = time.perf_counter() - t0
+    return plan
 
-        def pack(t: torch.Tensor):
-            counter.pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
-            serial = tracker.serials.get(storage_id(t))
-            if serial is not None and serial not in saved:  # None: made before the step
-                saved[serial] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
-            return t
 
-        tracker = _PlanTracker(modules, target)
-
-        def grad_ready(p: torch.Tensor) -> None:
-            serial = tracker.serials.get(storage_id(p.grad))
-            if serial is not None:
-                grad_serials.add(serial)
-
-        hooks = [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
-                built.step(x, y, B * T, 1)
-        finally:
-            modules.remove()
-            for h in hooks:
-                h.remove()
-
-    param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) -> MemoryPlan:
+    """The breakdown at the peak under the measured names, and the saved bytes by kind/block."""
+    params = list({id(p): p for p in built.model.parameters()}.values())
     state_bytes = (
-        predicted_state_bytes(cfg.optim.name, params)
-        if cfg.optim.name in FAKE_UNSAFE_OPTIMIZERS
+        predicted_state_bytes(optimizer, params)
+        if optimizer in FAKE_UNSAFE_OPTIMIZERS
         else optimizer_state_bytes(built.optimizer)
     )
-    at_peak = defaultdict(int)
+    tracker, saved = followed.tracker, followed.saved
+    at_peak: dict[str, int] = defaultdict(int)
     for serial, nbytes in tracker.peak_storages.items():
-        group = "grads" if serial in grad_serials else "activations" if serial in saved else "other"
-        at_peak[group] += nbytes
+        in_grads, in_saved = serial in followed.grad_serials, serial in saved
+        at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
     memory = {
-        "params": param_bytes,
+        "params": sum(p.untyped_storage().nbytes() for p in params),
         "grads": at_peak["grads"],
         "optimizer": state_bytes,
         "activations": at_peak["activations"],
@@ -238,10 +257,9 @@ def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None
         peak_op=tracker.peak_op,
         saved_by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         saved_by_block=dict(by_block),
-        saved_per_micro_batch=counter.bytes // n_micro,
+        saved_per_micro_batch=followed.saved_bytes // n_micro,
         n_params=built.n_params,  # vocabulary padding left out, as everywhere
         flops_per_token=built.flops_per_token,
-        seconds=time.perf_counter() - t0,
         precision=built.policy.name,
         compute_dtype=built.policy.compute_dtype,
     )

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
-from onegpu.tools.planner import plan_memory
 from onegpu.techniques.precision import bf16_native
+from onegpu.tools.planner import plan_memory
 
 # Extra compute of each checkpointing policy, as a fraction of a plain step (a ranking
 # heuristic only: forward is ~1/3 of a step, recomputing it all adds ~1/3).

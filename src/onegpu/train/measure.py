@@ -7,7 +7,6 @@ checks (tests, benchmarks/plan_accuracy.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,8 +18,11 @@ from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.step import StepOutput
 
 
-def measure_step(built: Built, run_step: Callable[[], StepOutput]) -> tuple[StepOutput, dict]:
-    """Run `run_step()` once under the memory profiler and the saved-tensor counter.
+def measure_step(
+    built: Built, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int, index: int
+) -> tuple[StepOutput, dict]:
+    """Run `built.step` once, on this batch, under the memory profiler and the saved-tensor
+    counter.
 
     Returns its output and the breakdown at the step's peak (`params, grads, optimizer,
     activations, other, peak`; optimizer states counted exactly) plus the saved bytes of one
@@ -30,7 +32,7 @@ def measure_step(built: Built, run_step: Callable[[], StepOutput]) -> tuple[Step
 
     def step() -> None:
         with counter:
-            outputs.append(run_step())
+            outputs.append(built.step(inputs_BT, targets_BT, n_tokens, index))
 
     memory: dict[str, Any] = profile_step_memory(step, built.device)
     with_exact_optimizer_bytes(memory, optimizer_state_bytes(built.optimizer))
@@ -45,5 +47,5 @@ def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any]]:
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train_seq_len + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     built.step(x, y, y.numel(), 0)
-    _, memory = measure_step(built, lambda: built.step(x, y, y.numel(), 1))
+    _, memory = measure_step(built, x, y, y.numel(), 1)
     return built, memory

@@ -1,4 +1,4 @@
-"""The run folder contract (DESIGN.md): config.toml, metrics.jsonl, summary.json, checkpoints/."""
+"""The run folder contract (docs/architecture.md): config.toml, metrics.jsonl, summary.json, checkpoints/."""
 
 from __future__ import annotations
 

@@ -26,7 +26,11 @@ def train(cfg: Config) -> dict[str, Any]:
     cfg, tcfg = built.cfg, built.cfg.train  # the resolved config: what runs
     run = RunFolder(out_dir, cfg)
     batches, eval_batches = training_batches(built), validation_batches(built)
-    meter = Meter(built.step, built.flops_per_token, peak_flops(built.device, built.policy.compute_dtype, built.policy.name))
+    meter = Meter(
+        built.step,
+        built.flops_per_token,
+        peak_flops(built.device, built.policy.compute_dtype, built.policy.name),
+    )
     memory: dict[str, Any] = {}
     val_loss = None
     print(describe(built, out_dir))
@@ -41,7 +45,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 x, y, n_tokens = next(batches)
             if step == min(1, tcfg.max_steps - 1) and tcfg.measure_memory:
                 # the second step: optimizer states exist, as in every later step
-                out, memory = measure_step(built, lambda: built.step(x, y, n_tokens, step))
+                out, memory = measure_step(built, x, y, n_tokens, step)
             else:
                 out = built.step(x, y, n_tokens, step)
             meter.add(out, x.numel())

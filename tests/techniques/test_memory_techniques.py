@@ -7,7 +7,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from onegpu.build import build
 from onegpu.config import ConfigError, load_config
 from onegpu.data.loader import IGNORE_INDEX
-from onegpu.memory.saved import SavedTensorCounter
 
 MODES = ["none", "attn", "mlp", "attn+mlp", "block", "every:2", "selective"]
 
@@ -26,7 +25,7 @@ def _built(**over):
 def _step(built, x, y, seed=123):
     """Forward (dropout on) + backward; returns loss, grads, saved-activation bytes."""
     torch.manual_seed(seed)
-    with SavedTensorCounter(built.model) as counter, built.policy.autocast(built.device):
+    with built.saved_counter() as counter, built.policy.autocast(built.device):
         loss = built.loss_fn(built.model, x, y)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in built.model.named_parameters()}

@@ -11,7 +11,6 @@ from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.optim.kahan import KahanAdamW, KahanSGD, kahan_add_
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.techniques.loss import token_loss_sum
-from onegpu.train.step import forward_backward, optimizer_step
 
 
 def test_kahan_keeps_updates_that_bf16_rounds_away():
@@ -49,24 +48,12 @@ def test_kahan_adamw_and_sgd_match_torch_on_fp32_weights():
 def _steps(cfg, n=3, seed=0):
     """n training steps through the real build and step path; returns (model, grad norms)."""
     built = build(cfg, with_data=False)
-    scaler = built.policy.grad_scaler(built.device)
     g = torch.Generator().manual_seed(seed)
     norms = []
-    for _ in range(n):
+    for i in range(n):
         x = torch.randint(0, 256, (cfg.train.batch_size, 65), generator=g)
-        forward_backward(
-            built.model,
-            built.loss_fn,
-            built.policy,
-            scaler,
-            x[:, :-1],
-            x[:, 1:],
-            n_micro=cfg.grad_accum_steps,
-            n_tokens=x[:, 1:].numel(),
-        )
-        norms.append(
-            optimizer_step(built.model, built.optimizer, scaler, cfg.optim.grad_clip).item()
-        )
+        out = built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), i)
+        norms.append(out.grad_norm.item())
     return built, norms
 
 
@@ -88,7 +75,12 @@ def test_bf16_pure_stores_bf16_weights_and_grads_and_trains_like_fp32(tiny_cfg):
     for precision in ("fp32", "bf16-pure"):
         tiny_cfg.train.precision = precision
         built = build(tiny_cfg, with_data=False)
-        opt = build_optimizer(built.model, OptimConfig(lr=3e-3, warmup_steps=0), built.device)
+        opt = build_optimizer(
+            built.model,
+            OptimConfig(lr=3e-3, warmup_steps=0),
+            built.device,
+            param_dtype=built.policy.param_dtype,
+        )
         g = torch.Generator().manual_seed(1)
         x = torch.randint(0, 256, (8, 65), generator=g)
         for _ in range(40):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from onegpu.cli import main
 
 
@@ -19,6 +21,7 @@ def test_profile_writes_trace_memory_timeline_and_summary(tmp_path, capsys):
         assert phrase in summary
 
 
+@pytest.mark.slow
 def test_bench_writes_table_json_and_plot_one_row_per_entry(tmp_path, capsys):
     grid = tmp_path / "grid.toml"
     grid.write_text(
@@ -47,6 +50,7 @@ def test_bench_refuses_bad_grid_and_steps(tmp_path, capsys):
     assert not (tmp_path / "bench.json").exists()
 
 
+@pytest.mark.slow
 def test_tune_finds_a_fitting_configuration_that_train_accepts(tmp_path, capsys):
     out = tmp_path / "tune"
     args = ["tune", "--preset", "tiny", "--train.device", "cpu", "--memory", "3500000"]
@@ -64,6 +68,7 @@ def test_tune_finds_a_fitting_configuration_that_train_accepts(tmp_path, capsys)
     assert summary["steps"] == 2
 
 
+@pytest.mark.slow
 def test_tune_with_an_impossible_budget_says_what_it_would_need(tmp_path, capsys):
     args = ["tune", "--preset", "tiny", "--train.device", "cpu", "--memory", "1000"]
     assert main([*args, "--out", str(tmp_path / "t")]) == 2

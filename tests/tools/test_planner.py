@@ -7,18 +7,14 @@ import pytest
 
 from onegpu.cli import main
 from onegpu.config import load_config
-from onegpu.memory.planner import plan_memory
-from onegpu.memory.real_step import measure_real_step
 from onegpu.optim.state_bytes import optimizer_state_bytes
+from onegpu.tools.planner import plan_memory
+from onegpu.train.measure import measure_real_step
 
 
 def _cfg(**over):
     values = {"train.device": "cpu", "model.dropout": "0.0", **over}
     return load_config("tiny", overrides=values)
-
-
-def _real_step(cfg):
-    return measure_real_step(cfg)
 
 
 @pytest.mark.parametrize(
@@ -30,7 +26,7 @@ def _real_step(cfg):
 def test_planned_state_bytes_are_exact(precision, optimizer):
     cfg = _cfg(**{"train.precision": precision, "optim.name": optimizer})
     plan = plan_memory(cfg)
-    built, _, _ = _real_step(cfg)
+    built, _ = measure_real_step(cfg)
     params = list({id(p): p for p in built.model.parameters()}.values())
     assert plan.memory["params"] == sum(p.numel() * p.element_size() for p in params)
     assert plan.memory["optimizer"] == optimizer_state_bytes(built.optimizer)
@@ -42,8 +38,8 @@ def test_planned_state_bytes_are_exact(precision, optimizer):
 def test_planned_saved_activations_equal_a_real_step(mode):
     cfg = _cfg(**{"memory.checkpointing": mode, "train.precision": "fp32"})
     plan = plan_memory(cfg)
-    _, _, saved = _real_step(cfg)
-    assert plan.saved_per_micro_batch == saved
+    _, measured = measure_real_step(cfg)
+    assert plan.saved_per_micro_batch == measured["saved_activations_per_micro_batch"]
 
 
 @pytest.mark.parametrize(
@@ -61,10 +57,11 @@ def test_planned_saved_activations_equal_a_real_step(mode):
 def test_planned_peak_is_within_10_percent_of_the_measured_one(over):
     cfg = _cfg(**over)
     plan = plan_memory(cfg)
-    _, measured, _ = _real_step(cfg)
+    _, measured = measure_real_step(cfg)
     assert plan.memory["peak"] == pytest.approx(measured["peak"], rel=0.10)
 
 
+@pytest.mark.slow
 def test_gpt2_xl_plans_without_allocating_it(capsys):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cfg = load_config("gpt2-xl", overrides={"train.micro_batch_size": "1", "train.batch_size": "2"})

@@ -1,0 +1,116 @@
+"""The package's layers and the imports between them: `python -m onegpu.tools.layers`.
+
+onegpu's packages import one way, from the bottom up; a package may import only from layers
+below its own (never from its own layer, so no two packages import each other). Every import
+statement counts, those inside functions too. Prints the diagram with the imports actually found
+and any import that points the wrong way; exits 1 if there is one. tests/test_layers.py runs it.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+LAYERS: list[tuple[str, ...]] = [
+    ("config", "cache"),  # pure data: options, validation, where caches live
+    ("perf", "memory"),  # low-level figures: FLOPs, peaks, allocator; saved/live bytes, peaks
+    ("models", "data"),  # architecture; corpus, tokenizers, loaders
+    ("techniques", "optim"),  # functions over a built model; optimizers and schedules
+    ("step",),  # the one training step
+    ("build",),  # the one build path
+    ("train",),  # the loop, its metrics, run folders
+    ("tools",),  # the commands: plan, tune, bench, profile, info
+    ("cli",),  # argument parsing -> commands
+    ("__main__",),  # `python -m onegpu`
+]
+LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+ROOT = Path(__file__).resolve().parents[1]  # src/onegpu
+
+
+def package_of(module: str) -> str | None:
+    """'onegpu.techniques.loss' -> 'techniques'; None for the package root or outside it."""
+    parts = module.split(".")
+    if parts[0] != "onegpu" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+            out.update(f"{target}.{alias.name}" for alias in node.names)
+    return out
+
+
+def package_imports() -> dict[str, dict[str, set[str]]]:
+    """package -> imported package -> the modules that import it."""
+    edges: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        src = package_of(module)
+        if src is None:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for target in _imported(tree, module, path.name == "__init__.py"):
+            dst = package_of(target)
+            known = (ROOT / dst).is_dir() or (ROOT / f"{dst}.py").exists() if dst else False
+            if known and dst != src:
+                edges[src][dst].add(module)
+    return edges
+
+
+def violations(edges: dict[str, dict[str, set[str]]]) -> list[str]:
+    found = []
+    for src, dsts in sorted(edges.items()):
+        for dst, modules in sorted(dsts.items()):
+            if src not in LAYER_OF or dst not in LAYER_OF:
+                where = ", ".join(sorted(modules))
+                found.append(f"{src} -> {dst}: a package missing from LAYERS ({where})")
+            elif LAYER_OF[dst] >= LAYER_OF[src]:
+                found.append(
+                    f"{src} (layer {LAYER_OF[src]}) imports {dst} (layer {LAYER_OF[dst]}) in "
+                    + ", ".join(sorted(modules))
+                )
+    return found
+
+
+def diagram(edges: dict[str, dict[str, set[str]]]) -> str:
+    lines = ["onegpu layers, top to bottom; each imports only from the layers below it:", ""]
+    for i in reversed(range(len(LAYERS))):
+        for pkg in LAYERS[i]:
+            deps = ", ".join(sorted(edges.get(pkg, {}), key=lambda d: (-LAYER_OF.get(d, -1), d)))
+            lines.append(f"  {i}  {pkg:<11} -> {deps or '(no other onegpu package)'}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    edges = package_imports()
+    print(diagram(edges))
+    bad = violations(edges)
+    print("\nimports that point the wrong way: " + ("none" if not bad else ""))
+    for line in bad:
+        print(f"  {line}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
