@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -53,6 +54,10 @@ def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
     from onegpu.train.trainer import train
 
     summary = train(_config_from(ns, unknown))
+    if summary["interrupted"]:  # stopped by a signal: checkpoint and summary are written
+        print(f"onegpu: stopped by {summary['signal']} after step {summary['steps']}; "
+              "continue with --train.resume auto", file=sys.stderr)  # fmt: skip
+        return 128 + signal.Signals[summary["signal"]].value
     keys = (
         "params",
         "tokens",

@@ -123,6 +123,12 @@ class TrainConfig:
     measure_memory: bool = True
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'); costs one slow step."""
+    resume: str = ""
+    """Continue a run: 'auto' (from the newest complete checkpoint in the run folder; none there:
+    start afresh) or the path of a checkpoint file. Empty: a new run."""
+    max_consecutive_skips: int = 20
+    """Stop the run (with a checkpoint from before the divergence) after this many updates in a
+    row were skipped for non-finite loss or gradients."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,6 +182,17 @@ class MemoryConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end and on interruption)."""
+    keep_last: int = 3
+    """Keep the newest this many checkpoints; older ones are deleted once a newer one is
+    complete."""
+    keep_every: int = 0
+    """Never delete checkpoints of steps that are multiples of this (0: none kept apart)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class OutConfig:
     dir: str = ""
     """Run folder (empty: runs/<date-time>). Must be new or empty unless out.overwrite is true."""
@@ -184,7 +201,8 @@ class OutConfig:
     progress: bool = True
     """Show a progress bar."""
     save_checkpoint: bool = True
-    """Save the final model and optimizer state to DIR/checkpoints/."""
+    """Save checkpoints to DIR/checkpoints/ (at the end, on interruption and every
+    checkpoint.every steps) and the final weights as DIR/model.safetensors."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,6 +212,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     out: OutConfig = field(default_factory=OutConfig)
 
     @property
@@ -484,6 +503,18 @@ def validate(cfg: Config) -> None:
     )
     _require(0 < o.decay_rate <= 1, "optim.decay_rate", f"must be in (0, 1], got {o.decay_rate}")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    c = cfg.checkpoint
+    for key, value in (
+        ("checkpoint.every", c.every),
+        ("checkpoint.keep_every", c.keep_every),
+    ):
+        _require(value >= 0, key, f"must be >= 0 (0: off), got {value}")
+    _require(c.keep_last >= 1, "checkpoint.keep_last", f"must be at least 1, got {c.keep_last}")
+    _require(
+        t.max_consecutive_skips >= 1,
+        "train.max_consecutive_skips",
+        f"must be at least 1, got {t.max_consecutive_skips}",
+    )
     _validate_memory(cfg)
     _validate_combinations(cfg)
 
@@ -598,6 +629,7 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 __all__ = [
     "CHECKPOINTING_MODES",
+    "CheckpointConfig",
     "Checkpointing",
     "Config",
     "ConfigError",

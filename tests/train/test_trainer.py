@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import tomllib
+import torch
 
 from onegpu.config import load_config
 
@@ -30,7 +31,9 @@ def test_train_tiny_end_to_end(tmp_path):
 
     files = {p.name for p in out.iterdir()}
     assert {"config.toml", "metrics.jsonl", "summary.json", "checkpoints"} <= files
-    assert (out / "checkpoints" / "final.pt").exists()
+    assert (out / "checkpoints" / "step-00000030.pt").exists() and "model.safetensors" in files
+    state = torch.load(out / "checkpoints" / "step-00000030.pt", weights_only=True)
+    assert state["step"] == 30 and {"model", "optimizer", "rng", "config"} <= set(state)
 
     resolved = tomllib.loads((out / "config.toml").read_text())
     assert resolved["train"]["max_steps"] == 30

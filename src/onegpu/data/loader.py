@@ -65,12 +65,14 @@ def make_train_loader(
     seed: int,
     num_workers: int,
     pin_memory: bool,
+    start: int = 0,
 ) -> DataLoader:
+    """Endless shuffled batches, starting after `start` samples (a resumed run's position)."""
     data = PackedSequences(tokens, seq_len)
     return DataLoader(
         data,
         batch_size=batch_size,
-        sampler=EpochShuffleSampler(len(data), seed),
+        sampler=EpochShuffleSampler(len(data), seed, start),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,

@@ -32,7 +32,6 @@ class OptimizerInBackward:
             for p in group["params"]:
                 self._optimizers[p] = make_optimizer([{**group, "params": [p]}])
                 p.register_post_accumulate_grad_hook(self._step_param)
-        self.param_groups = [g for opt in self._optimizers.values() for g in opt.param_groups]
         self._sq_norm: torch.Tensor | None = None
 
     @torch.no_grad()
@@ -46,6 +45,11 @@ class OptimizerInBackward:
         """Global L2 norm of the gradients stepped since the last call (a device tensor)."""
         sq, self._sq_norm = self._sq_norm, None
         return torch.zeros(()) if sq is None else sq.sqrt()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizers' groups, read live (load_state_dict replaces those dicts)."""
+        return [g for opt in self._optimizers.values() for g in opt.param_groups]
 
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:

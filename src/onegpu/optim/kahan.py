@@ -26,7 +26,22 @@ def kahan_add_(param: torch.Tensor, comp: torch.Tensor, update: torch.Tensor) ->
     comp.copy_(exact.sub_(param.float()))  # what rounding dropped (exact in fp32)
 
 
-class KahanAdamW(torch.optim.Optimizer):
+class _KeepStateDtypes(torch.optim.Optimizer):
+    """Optimizer.load_state_dict casts floating state to each parameter's dtype; these
+    optimizers keep fp32 moments beside bf16 weights by design, so restore the saved dtypes
+    (a resumed run must continue bit for bit)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            state = self.state[params[index]]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    state[key] = value.to(device=params[index].device, copy=True)
+
+
+class KahanAdamW(_KeepStateDtypes):
     """AdamW (decoupled weight decay, bias correction) with fp32 moments and Kahan updates."""
 
     def __init__(
@@ -71,7 +86,7 @@ class KahanAdamW(torch.optim.Optimizer):
         return loss
 
 
-class KahanSGD(torch.optim.Optimizer):
+class KahanSGD(_KeepStateDtypes):
     """SGD with momentum (torch.optim.SGD's semantics: L2 weight decay folded into the
     gradient, no dampening) with an fp32 momentum buffer and Kahan updates."""
 

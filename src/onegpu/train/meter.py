@@ -28,6 +28,14 @@ class Meter:
         self.loss = float("nan")
         self.t_start = self._t_last = time.perf_counter()
         self.first_step_s = float("nan")
+        self._first = True
+
+    def resume(self, steps: int, counters: dict[str, int]) -> None:
+        """Continue the counts of a resumed run."""
+        self.steps = steps
+        self.tokens = int(counters.get("tokens", 0))
+        self.skipped = int(counters.get("skipped", 0))
+        self._skipped.fill_(self.skipped)
 
     def add(self, out: StepOutput, tokens: int) -> None:
         """Account one step (device-side adds only)."""
@@ -38,7 +46,8 @@ class Meter:
         self._tokens += tokens
         self.steps += 1
         self.tokens += tokens
-        if self.steps == 1:  # the first step, compilation and warm-up included
+        if self._first:  # the first step, compilation and warm-up included
+            self._first = False
             if self.step.device.type == "cuda":
                 torch.cuda.synchronize(self.step.device)
             self.first_step_s = time.perf_counter() - self.t_start

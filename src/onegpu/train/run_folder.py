@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -19,14 +21,17 @@ from onegpu.perf.allocator import active_allocator
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json")
 
 
-def resolve_out_dir(out: OutConfig) -> Path:
-    """Check the folder before anything runs: an existing run is never overwritten by accident."""
+def resolve_out_dir(out: OutConfig, *, resuming: bool = False) -> Path:
+    """Check the folder before anything runs: an existing run is never overwritten by accident
+    (a resumed run continues in its own folder)."""
     path = Path(out.dir) if out.dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if path.exists() and not path.is_dir():
         raise ConfigError("out.dir", f"{path} exists and is not a folder; pick a new folder")
-    if path.is_dir() and any(path.iterdir()) and not out.overwrite:
+    if path.is_dir() and any(path.iterdir()) and not (out.overwrite or resuming):
         raise ConfigError(
-            "out.dir", f"{path} is not empty; pick a new folder or pass --out.overwrite true"
+            "out.dir",
+            f"{path} is not empty; pick a new folder, continue it with --train.resume auto, "
+            "or replace it with --out.overwrite true",
         )
     return path
 
@@ -56,22 +61,58 @@ def environment() -> dict[str, Any]:
 
 
 class RunFolder:
-    def __init__(self, path: Path, cfg: Config):
+    """Opened once the run has started (built, data ready): only then is an old run replaced.
+
+    `resume_step`: continue the run in the folder from that step: metric rows after it are
+    dropped (they belong to steps about to be redone), the rest is kept."""
+
+    def __init__(self, path: Path, cfg: Config, *, resume_step: int | None = None):
         self.path = path
+        self.checkpoints = path / "checkpoints"
         path.mkdir(parents=True, exist_ok=True)
-        (path / "checkpoints").mkdir(exist_ok=True)
-        for name in RUN_FILES:  # overwrite=true: start the files afresh
-            (path / name).unlink(missing_ok=True)
+        if resume_step is None:  # a new run (overwrite=true: the old one goes, checkpoints too)
+            for name in (*RUN_FILES, "model.safetensors"):
+                (path / name).unlink(missing_ok=True)
+            shutil.rmtree(self.checkpoints, ignore_errors=True)
+        else:
+            self._truncate_metrics(resume_step)
+        self.checkpoints.mkdir(exist_ok=True)
         (path / "config.toml").write_text(to_toml(cfg))
         self._metrics = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
 
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                break  # a line cut short by a kill: nothing after it is trusted
+        tmp = path.with_name(f"metrics.jsonl.tmp{os.getpid()}")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+
     def log(self, row: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write(json.dumps(_strict(row), allow_nan=False) + "\n")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         tmp = self.path / f"summary.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        tmp.write_text(json.dumps(_strict(summary), indent=1, allow_nan=False) + "\n")
         os.replace(tmp, self.path / "summary.json")
 
     def close(self) -> None:
         self._metrics.close()
+
+
+def _strict(value: Any) -> Any:
+    """Non-finite floats as null: strict JSON parsers reject NaN and Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,33 +17,44 @@ from onegpu.config import Config, to_dict
 from onegpu.data.loader import DevicePrefetcher, count_targets, make_eval_batches, make_train_loader
 from onegpu.memory.measure import peak_bytes, peak_kind, reset_peak
 from onegpu.perf.devices import peak_flops
+from onegpu.train import checkpoint as ckpt
+from onegpu.train import resume
 from onegpu.train.measure import measure_step
 from onegpu.train.meter import Meter
 from onegpu.train.run_folder import RunFolder, environment, resolve_out_dir
+from onegpu.train.signals import GracefulStop
 
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary also written to summary.json."""
-    out_dir = resolve_out_dir(cfg.out)  # fail before any work if the folder holds a run
+    out_dir = resolve_out_dir(cfg.out, resuming=bool(cfg.train.resume))  # before any work
+    previous = resume.find(cfg, out_dir)  # a bad checkpoint fails before the build
     built = build(cfg)
     cfg, tcfg = built.cfg, built.cfg.train  # the resolved config: what runs
-    run = RunFolder(out_dir, cfg)
-    batches, eval_batches = training_batches(built), validation_batches(built)
+    start = resume.restore(built, previous) if previous else 0
+    run = RunFolder(out_dir, cfg, resume_step=start if previous else None)
+    batches, eval_batches = training_batches(built, start), validation_batches(built)
     meter = Meter(
         built.step,
         built.flops_per_token,
         peak_flops(built.device, built.policy.compute_dtype, built.policy.name),
     )
+    meter.resume(start, previous.state["counters"] if previous else {})
     memory: dict[str, Any] = {}
     val_loss = None
-    print(describe(built, out_dir))
-    torch.manual_seed(tcfg.seed)  # the dropout stream starts from the seed, whatever came before
+    print(describe(built, out_dir, start))
+    resume.start_rng(built, previous)  # the dropout stream: from the seed, or as it was saved
     built.model.train()
     reset_peak(built.device)
-    bar = tqdm(total=tcfg.max_steps, disable=not cfg.out.progress, dynamic_ncols=True, unit="step")
-    interrupted = False
-    try:
-        for step in range(tcfg.max_steps):
+    bar = tqdm(
+        total=tcfg.max_steps,
+        initial=start,
+        disable=not cfg.out.progress,
+        dynamic_ncols=True,
+        unit="step",
+    )
+    with GracefulStop() as stop:
+        for step in range(start, tcfg.max_steps):
             with record_function("data"):
                 x, y, n_tokens = next(batches)
             if step == min(1, tcfg.max_steps - 1) and tcfg.measure_memory:
@@ -51,7 +65,7 @@ def train(cfg: Config) -> dict[str, Any]:
             meter.add(out, x.numel())
             bar.update(1)
             last = step + 1 == tcfg.max_steps
-            if (step + 1) % tcfg.log_every == 0 or last:
+            if (step + 1) % tcfg.log_every == 0 or last or stop.requested:
                 row = meter.flush()
                 run.log(row)
                 bar.set_postfix(progress_fields(row))
@@ -60,13 +74,14 @@ def train(cfg: Config) -> dict[str, Any]:
                 run.log({"step": step + 1, "val_loss": val_loss, "val_ppl": _ppl(val_loss)})
                 bar.write(f"step {step + 1}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
                 meter.restart_clock()  # evaluation time is not training time
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        bar.close()
-    summary = summarize(built, meter, memory, interrupted, val_loss)
-    if cfg.out.save_checkpoint:
-        save_final_checkpoint(run, built, meter.steps)
+            if checkpoint_due(cfg, step + 1, last or stop.requested):
+                save_checkpoint(run, built, meter)
+            if stop.requested:
+                break
+    bar.close()
+    summary = summarize(built, meter, memory, stop.signum, val_loss)
+    if cfg.out.save_checkpoint and not stop.requested and meter.steps == tcfg.max_steps:
+        save_final_weights(run, built)
     run.write_summary(summary)
     run.close()
     return summary
@@ -82,14 +97,16 @@ def _num_workers(cfg: Config, device: torch.device) -> int:
     return 2 if device.type == "cuda" else 0  # on CPU workers compete with compute for cores
 
 
-def training_batches(built: Built) -> DevicePrefetcher:
-    """(inputs, targets, target count) batches, copied to the device one step ahead."""
+def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
+    """(inputs, targets, target count) batches from step `start_step` on, copied to the device
+    one step ahead."""
     cfg = built.cfg
     loader = make_train_loader(
         built.data.train,
         seq_len=cfg.train_seq_len,
         batch_size=cfg.train.batch_size,
         seed=cfg.train.seed,
+        start=start_step * cfg.train.batch_size,
         num_workers=_num_workers(cfg, built.device),
         pin_memory=built.device.type == "cuda",
     )
@@ -109,12 +126,13 @@ def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
     )
 
 
-def describe(built: Built, out_dir) -> str:
+def describe(built: Built, out_dir: Path, start: int) -> str:
     cfg = built.cfg
+    resumed = f" | resumed at step {start}" if start else ""
     return (
         f"onegpu: {built.n_params:,} parameters | {built.device} | {built.policy.name} | "
         f"batch {cfg.train.batch_size}x{cfg.train_seq_len} tokens in {cfg.grad_accum_steps} "
-        f"micro-batch(es) | data {built.data.description} | run folder {out_dir}"
+        f"micro-batch(es) | data {built.data.description} | run folder {out_dir}{resumed}"
     )
 
 
@@ -128,7 +146,7 @@ def progress_fields(row: dict[str, Any]) -> dict[str, str]:
 
 
 def summarize(
-    built: Built, meter: Meter, memory: dict, interrupted: bool, val_loss: float | None
+    built: Built, meter: Meter, memory: dict, signum: int | None, val_loss: float | None
 ) -> dict[str, Any]:
     """summary.json: medians of the steady intervals, memory, and what ran where."""
     cfg, device, peak = built.cfg, built.device, meter.peak
@@ -151,7 +169,8 @@ def summarize(
         "loss": meter.loss,
         "val_loss": val_loss,
         "steps": meter.steps,
-        "interrupted": interrupted,
+        "interrupted": signum is not None,
+        "signal": signal.Signals(signum).name if signum is not None else None,
         "skipped_steps": meter.skipped,
         "train_time_s": meter.elapsed(),
         "flops_per_token": built.flops_per_token,
@@ -165,13 +184,29 @@ def summarize(
     }
 
 
-def save_final_checkpoint(run: RunFolder, built: Built, steps: int) -> None:
-    torch.save(
-        {
-            "model": built.model.state_dict(),
-            "optimizer": built.optimizer.state_dict(),
-            "step": steps,
-            "config": to_dict(built.cfg),
-        },
-        run.path / "checkpoints" / "final.pt",
-    )
+def checkpoint_due(cfg: Config, step: int, final: bool) -> bool:
+    """At the end, on interruption, and every checkpoint.every steps."""
+    if not cfg.out.save_checkpoint:
+        return False
+    every = cfg.checkpoint.every
+    return final or (every > 0 and step % every == 0)
+
+
+def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path:
+    """Write the checkpoint of the state after `meter.steps` steps, crash-safely, then prune."""
+    state = resume.state_of(built, step=meter.steps, tokens=meter.tokens, skipped=meter.skipped)
+    path = run.checkpoints / ckpt.checkpoint_name(meter.steps)
+    ckpt.write_atomic(path, state)
+    c = built.cfg.checkpoint
+    ckpt.prune(run.checkpoints, keep_last=c.keep_last, keep_every=c.keep_every)
+    return path
+
+
+def save_final_weights(run: RunFolder, built: Built) -> None:
+    """The trained weights alone, as safetensors (what other tools load), written atomically."""
+    from safetensors.torch import save_model
+
+    path = run.path / "model.safetensors"
+    tmp = path.with_name(f"{ckpt.TMP_PREFIX}{path.name}.{os.getpid()}")
+    save_model(built.model, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)

@@ -1,0 +1,43 @@
+"""SIGTERM and SIGINT stop a run gracefully: the step in flight finishes, a checkpoint and the
+summary are written, and the process exits 128 + the signal's number (143, 130), as shells and
+schedulers expect of a run that did not finish. A second signal stops at once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class GracefulStop:
+    """`with GracefulStop() as stop: ... if stop.requested: break`."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # asked twice: stop now
+            self._restore()
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():  # handlers live there only
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
