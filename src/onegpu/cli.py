@@ -53,11 +53,18 @@ def _config_from(ns: argparse.Namespace, unknown: list[str]):
 def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
     from onegpu.train.trainer import train
 
-    summary = train(_config_from(ns, unknown))
+    cfg = _config_from(ns, unknown)
+    summary = train(cfg)
     if summary["interrupted"]:  # stopped by a signal: checkpoint and summary are written
         print(f"onegpu: stopped by {summary['signal']} after step {summary['steps']}; "
               "continue with --train.resume auto", file=sys.stderr)  # fmt: skip
         return 128 + signal.Signals[summary["signal"]].value
+    if summary["diverged"]:
+        print(f"onegpu: stopped at step {summary['steps']}: "
+              f"{cfg.train.max_consecutive_skips} updates in a row had a non-finite loss or "
+              "gradient (skipped, so the weights and the last checkpoint are from before); "
+              "lower optim.lr, or raise optim.warmup_steps or optim.grad_clip", file=sys.stderr)  # fmt: skip
+        return 1
     keys = (
         "params",
         "tokens",
@@ -75,6 +82,10 @@ def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
 def cmd_profile(ns: argparse.Namespace, unknown: list[str]) -> int:
     from onegpu.tools.profile import profile
 
+    if ns.steps < 1:
+        raise ConfigError("--steps", f"must be at least 1 profiled step, got {ns.steps}")
+    if ns.warmup < 0:
+        raise ConfigError("--warmup", f"must be >= 0, got {ns.warmup}")
     result = profile(_config_from(ns, unknown), steps=ns.steps, warmup=ns.warmup)
     print(result["summary"].split("top operations")[0].rstrip())
     out = result["out_dir"]
@@ -101,6 +112,8 @@ def cmd_bench(ns: argparse.Namespace, unknown: list[str]) -> int:
             f"needs more than {WARM_STEPS} (steps 1-{WARM_STEPS} warm up and are profiled), "
             f"got {ns.steps}",
         )
+    if ns.repeats < 1:
+        raise ConfigError("--repeats", f"must be at least 1 round, got {ns.repeats}")
     out = Path(ns.out or "bench")
     bench(
         grids=names,
@@ -191,12 +204,19 @@ def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other bad input (not a usage dump)."""
+
+    def error(self, message: str):
+        raise ConfigError("command line", f"{message}; see `{self.prog} --help`")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="onegpu",
         description="Train transformer language models efficiently on one GPU or a CPU.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
         "train",
         allow_abbrev=False,
@@ -283,9 +303,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser()
-    ns, unknown = parser.parse_known_args(argv)
     try:
+        ns, unknown = make_parser().parse_known_args(argv)
         return ns.func(ns, unknown)
     except ConfigError as e:
         print(f"onegpu: error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import difflib
 import inspect
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -375,10 +376,19 @@ def preset_names() -> list[str]:
 
 def load_toml(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        raw = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError("--config", f"file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError("--config", f"{path} is a folder; give a TOML file") from None
+    except OSError as e:
+        raise ConfigError("--config", f"{path} cannot be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a UTF-8 byte-order mark is harmless: drop it
+    except UnicodeDecodeError:
+        raise ConfigError("--config", f"{path} is not UTF-8 text; save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("--config", f"{path} is not valid TOML: {e}") from None
 
@@ -441,8 +451,15 @@ def validate(cfg: Config) -> None:
         ("train.batch_size", t.batch_size),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.log_every", t.log_every),
+        ("train.max_consecutive_skips", t.max_consecutive_skips),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
     ):
         _require(value >= 1, key, f"must be at least 1, got {value}")
+    for key, value in (
+        ("checkpoint.every", cfg.checkpoint.every),
+        ("checkpoint.keep_every", cfg.checkpoint.keep_every),
+    ):
+        _require(value >= 0, key, f"must be >= 0 (0: off), got {value}")
     _require(t.max_steps >= 0, "train.max_steps", f"must be >= 0, got {t.max_steps}")
     _require(
         t.eval_every >= 0,
@@ -494,7 +511,23 @@ def validate(cfg: Config) -> None:
     _require(
         m.pad_vocab_to >= 1, "model.pad_vocab_to", f"must be >= 1 (1: off), got {m.pad_vocab_to}"
     )
-    _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _require(
+        o.lr > 0 and math.isfinite(o.lr), "optim.lr", f"must be a finite number > 0, got {o.lr}"
+    )
+    _require(
+        o.eps > 0 and math.isfinite(o.eps), "optim.eps", f"must be a finite number > 0, got {o.eps}"
+    )
+    _require(
+        m.init_std > 0 and math.isfinite(m.init_std),
+        "model.init_std",
+        f"must be a finite number > 0, got {m.init_std}",
+    )
+    _require(0 <= t.seed < 2**63, "train.seed", f"must be in [0, 2**63), got {t.seed}")
+    _require(
+        d.num_workers >= -1,
+        "data.num_workers",
+        f"must be -1 (automatic), 0 (in the main process) or more, got {d.num_workers}",
+    )
     _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _require(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0: off), got {o.grad_clip}")
@@ -502,19 +535,8 @@ def validate(cfg: Config) -> None:
         0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}"
     )
     _require(0 < o.decay_rate <= 1, "optim.decay_rate", f"must be in (0, 1], got {o.decay_rate}")
-    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
-    c = cfg.checkpoint
-    for key, value in (
-        ("checkpoint.every", c.every),
-        ("checkpoint.keep_every", c.keep_every),
-    ):
-        _require(value >= 0, key, f"must be >= 0 (0: off), got {value}")
-    _require(c.keep_last >= 1, "checkpoint.keep_last", f"must be at least 1, got {c.keep_last}")
-    _require(
-        t.max_consecutive_skips >= 1,
-        "train.max_consecutive_skips",
-        f"must be at least 1, got {t.max_consecutive_skips}",
-    )
+    _require(0 <= o.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
+    _require(0 <= o.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
     _validate_memory(cfg)
     _validate_combinations(cfg)
 

@@ -1,7 +1,7 @@
 """The one training step every command runs: train, profile, plan, tune, bench, memory checks.
 
     micro-batches -> forward (autocast) -> loss / tokens of the whole batch -> backward (scaled)
-    -> unscale -> clip -> optimizer step (skipped on inf/nan under loss scaling) -> zero grads
+    -> unscale -> clip -> optimizer step (skipped on a non-finite loss or gradient) -> zero grads
 
 The step owns everything that differs between techniques at step time (autocast, the loss
 scaler, accumulation, clipping, the optimizer stepped inside backward, the skipped-step flag),
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.profiler import record_function
 
 from onegpu.config import OptimConfig
@@ -35,7 +36,8 @@ class StepOutput:
     grad_norm: torch.Tensor
     """Global L2 norm of the gradients before clipping (device tensor)."""
     skipped: torch.Tensor
-    """True if the update was skipped (inf/nan gradients under fp16 loss scaling) (device)."""
+    """True if the update was skipped: a non-finite loss or gradient (fp16: the loss scaler's
+    overflow test) left parameters and optimizer state untouched (device tensor)."""
     lr: float
     """The learning rate this step used."""
 
@@ -81,7 +83,7 @@ class TrainStep:
         set_lr(self.optimizer, lr)
         loss = self.forward_backward(inputs_BT, targets_BT, n_tokens)
         with record_function("optimizer"):
-            grad_norm, skipped = self._update()
+            grad_norm, skipped = self._update(loss)
         return StepOutput(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr)
 
     def forward_backward(
@@ -101,22 +103,41 @@ class TrainStep:
         assert total is not None  # n_micro >= 1
         return total
 
-    def _clip_and_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _clip_and_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.optim.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        # The scaler skips the update iff some gradient is inf/nan, i.e. iff the global norm is
-        # not finite: the same test, kept on the device (GradScaler.get_scale() would sync).
-        skipped = torch.isfinite(norm).logical_not_() if self.scaler.is_enabled() else None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        if self.scaler.is_enabled():
+            # The scaler skips the update iff some gradient is inf/nan, i.e. iff the global norm
+            # is not finite: the same test, kept on the device (get_scale() would sync).
+            skipped = torch.isfinite(norm).logical_not_()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:  # fp32/bf16: a non-finite loss or gradient must not reach the weights either
+            skipped = torch.isfinite(norm).logical_and_(torch.isfinite(loss)).logical_not_()
+            self._guarded_step(skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        return norm, self._not_skipped(norm) if skipped is None else skipped
+        return norm, skipped
 
-    def _collect_in_backward_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _guarded_step(self, skipped: torch.Tensor) -> None:
+        """Step unless `skipped`: no parameter or optimizer state changes on a skipped step.
+
+        torch's fused optimizers (AdamW, the default) take the flag on the device, as they do
+        from GradScaler (`found_inf`): no sync. The others are asked on the host: one sync per
+        step for them on a GPU (GradScaler does the same for non-fused optimizers)."""
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            self.optimizer.found_inf = skipped.to(torch.float32)
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif is_fake(skipped) or not bool(skipped):  # a planned (fake) step is a normal step
+            self.optimizer.step()
+
+    def _collect_in_backward_norm(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every parameter was stepped inside backward: only the norm is left to collect."""
         norm = self.optimizer.pop_grad_norm()
         return norm, self._not_skipped(norm)

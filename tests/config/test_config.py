@@ -113,3 +113,10 @@ def test_help_shows_each_fields_documentation(capsys):
     out = capsys.readouterr().out
     assert "--model.n_layer" in out and "Number of transformer blocks" in out
     assert "--optim.grad_clip" in out and "global L2 norm" in out
+
+
+def test_a_toml_file_with_a_utf8_byte_order_mark_loads(tmp_path):
+    """Editors on Windows write one; it is not part of the TOML."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[train]\nmax_steps = 3\n")
+    assert load_config("tiny", path).train.max_steps == 3

@@ -114,3 +114,37 @@ def test_a_step_without_loss_scaling_never_flags_a_skip(precision, tiny_cfg):
     out = built.step(x, x, x.numel(), 0)
     assert out.skipped.item() == 0 and out.loss.dim() == 0 and out.grad_norm.item() > 0
     assert built.step.log_extras() == {}
+
+
+@pytest.mark.parametrize(("precision", "optimizer"), [("fp32", "adamw"), ("bf16", "adamw"),
+                                                      ("bf16-pure", "adamw"), ("fp32", "sgd")])  # fmt: skip
+@pytest.mark.parametrize("poison", ["loss", "gradient"])
+def test_a_non_finite_loss_or_gradient_skips_the_update(precision, optimizer, poison, tiny_cfg):
+    tiny_cfg.train.precision, tiny_cfg.optim.name = precision, optimizer
+    built = build(tiny_cfg, torch.device("cpu"), with_data=False)
+    model, step = built.model, built.step
+    x = torch.randint(0, 256, (8, 64))
+    step(x, x, x.numel(), 0)  # optimizer states exist
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {k: _copy(v) for k, v in built.optimizer.state[model.wte.weight].items()}
+    if poison == "loss":  # a non-finite loss with finite gradients (e.g. a huge logit sum)
+        real = step.loss_fn
+        step.loss_fn = lambda m, a, b: (
+            real(m, a, b) + (torch.tensor(math.inf) - real(m, a, b).detach())
+        )
+    else:
+        h = model.blocks[1].attn.qkv.weight.register_hook(lambda g: torch.full_like(g, math.nan))
+    out = step(x, x, x.numel(), 1)
+    step.loss_fn = real if poison == "loss" else step.loss_fn
+    if poison == "gradient":
+        h.remove()
+    assert out.skipped.item()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    for k, v in built.optimizer.state[model.wte.weight].items():
+        assert torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k], k
+    assert not step(x, x, x.numel(), 2).skipped.item()  # and training goes on
+
+
+def _copy(v):
+    return v.clone() if torch.is_tensor(v) else v

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from onegpu.config import load_config
+from onegpu.config import ConfigError, load_config
 from onegpu.step import TrainStep
 from onegpu.train import checkpoint as ckpt
 from onegpu.train.trainer import train
@@ -22,7 +22,7 @@ def _cfg(out, **over):
     values = {
         "train.device": "cpu",
         "train.max_steps": str(STEPS),
-        "train.log_every": "1",
+        "train.log_every": "3",
         "train.eval_every": "4",
         "train.measure_memory": "false",
         "checkpoint.every": "2",
@@ -89,3 +89,79 @@ def test_a_resumed_run_continues_bit_exactly(name, tmp_path, monkeypatch):
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _run_cli(args, **kw):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--train.device", "cpu",
+           "--out.progress", "false", "--train.eval_every", "0", *args]  # fmt: skip
+    env = {**os.environ, "ONEGPU_ALLOCATOR": "system"}
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_finishes_the_step_checkpoints_and_exits_128_plus_its_number(sig, code, tmp_path):
+    import time
+
+    out = tmp_path / "run"
+    proc = _run_cli(["--train.max_steps", "100000", "--train.log_every", "1000", "--out", str(out)])
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)  # the run folder is opened once training has started
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and summary["signal"] == sig.name and summary["steps"] > 0
+    found = ckpt.complete_checkpoints(out / "checkpoints")
+    assert [s for s, _ in found] == [summary["steps"]]
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(rows[-1])["step"] == summary["steps"]  # the partial interval is logged
+    assert "--train.resume auto" in err
+
+
+def test_resume_refuses_a_changed_trajectory_and_bad_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(out, **{"train.max_steps": "2"}))
+    with pytest.raises(ConfigError, match=r"^optim.lr: .*trained with 0.003"):
+        train(_cfg(out, **{"train.resume": "auto", "optim.lr": "0.1"}))
+    with pytest.raises(ConfigError, match=r"^out.dir: .*--train.resume auto"):
+        train(_cfg(out))  # a folder holding a run is never reused by accident
+    bad = tmp_path / "bad.pt"
+    good = ckpt.complete_checkpoints(out / "checkpoints")[-1][1]
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # killed mid-copy
+    with pytest.raises(ConfigError, match=r"^train.resume: .*corrupt or truncated"):
+        train(_cfg(tmp_path / "other", **{"train.resume": str(bad)}))
+    torch.save({"weights": torch.zeros(2)}, bad)
+    with pytest.raises(ConfigError, match=r"^train.resume: .*not an onegpu training checkpoint"):
+        train(_cfg(tmp_path / "other", **{"train.resume": str(bad)}))
+
+
+def test_leftovers_of_a_killed_save_are_removed_and_never_loaded(tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(out, **{"train.max_steps": "4"}))
+    folder = out / "checkpoints"
+    leftover = folder / f"{ckpt.TMP_PREFIX}step-00000006.pt.1234"
+    leftover.write_bytes(b"PK\x03\x04 half a zip")
+    s = train(_cfg(out, **{"train.resume": "auto", "train.max_steps": "6"}))
+    assert s["steps"] == 6 and not leftover.exists()
+    assert [step for step, _ in ckpt.complete_checkpoints(folder)] == [2, 4, 6][-3:]
+
+
+def test_keep_last_and_keep_every(tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(out, **{"train.max_steps": "12", "checkpoint.every": "1",
+                       "checkpoint.keep_last": "2", "checkpoint.keep_every": "5"}))  # fmt: skip
+    assert [s for s, _ in ckpt.complete_checkpoints(out / "checkpoints")] == [5, 10, 11, 12]
+
+
+def test_overwrite_replaces_the_whole_old_run(tmp_path):
+    out = tmp_path / "run"
+    train(_cfg(out, **{"train.max_steps": "6"}))
+    train(_cfg(out, **{"train.max_steps": "2", "out.overwrite": "true"}))
+    assert [s for s, _ in ckpt.complete_checkpoints(out / "checkpoints")] == [2]
+    assert max(json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()) == 2

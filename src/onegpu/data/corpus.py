@@ -73,7 +73,7 @@ def _in_val(name: str, val_fraction: float) -> bool:
 
 
 def _split_single_text(path: Path, val_fraction: float, split: str) -> Iterator[str]:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = path.read_text(encoding="utf-8-sig", errors="replace")
     cut = len(text) - int(len(text) * val_fraction)
     nl = text.find("\n", cut)  # cut at a line boundary
     cut = nl + 1 if nl != -1 and val_fraction > 0 else cut
@@ -103,6 +103,27 @@ def _fingerprint(files: list[Path], root: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _check_text(path: Path, sample: int = 1 << 16) -> None:
+    """Refuse a file that is not UTF-8 text before tokenizing it (read leniently, a binary or
+    Latin-1 file would train silently on replacement characters)."""
+    with open(path, "rb") as f:
+        head = f.read(sample)
+    if b"\x00" in head:
+        raise ConfigError(
+            "data.source",
+            f"{path} looks binary (NUL bytes); give a text/JSONL file, or a nanoGPT .bin token "
+            "file with the .bin suffix",
+        )
+    try:
+        head.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not merely a character cut by the sample's end
+            raise ConfigError(
+                "data.source",
+                f"{path} is not UTF-8 (byte {e.start}); convert it, e.g. iconv -f latin1 -t utf-8",
+            ) from None
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
@@ -129,6 +150,7 @@ def open_corpus(source: str, *, val_fraction: float, text_field: str = "text") -
                 f"folder {source!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES - {''}))})",
             )
         return Corpus("folder", path.resolve(), f"folder-{_fingerprint(files, path)}", val_fraction)
+    _check_text(path)
     if path.suffix.lower() in (".jsonl", ".json"):
         key = f"jsonl-{_fingerprint([path], path.parent)}-{text_field}"
         return Corpus("jsonl", path.resolve(), key, val_fraction, text_field)

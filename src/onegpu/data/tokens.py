@@ -118,8 +118,24 @@ def _tokenize_split(corpus: Corpus, split: str, tok: Tokenizer, out: Path, dtype
     return n
 
 
+def check_cache_writable(data: DataConfig) -> None:
+    root = cache_root(data.cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".onegpu-write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            "data.cache_dir",
+            f"cannot write the token cache in {root} ({e.strerror}); "
+            "set --data.cache_dir (or $ONEGPU_CACHE) to a writable folder",
+        ) from None
+
+
 def prepare_tokens(data: DataConfig, model_vocab: int) -> TokenSplits:
     """Token arrays for the train and validation splits of `data.source`, cached on disk."""
+    check_cache_writable(data)
     source_path = Path(data.source).expanduser()
     if data.source != "stdlib" and (
         source_path.suffix == ".bin"

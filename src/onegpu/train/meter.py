@@ -20,6 +20,8 @@ class Meter:
         device = step.device
         self._loss = torch.zeros((), device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._in_a_row = torch.zeros((), dtype=torch.int64, device=device)  # skipped lately
+        self.skipped_in_a_row = 0
         self._last: StepOutput | None = None
         self.steps = self.tokens = 0  # whole run
         self._steps = self._tokens = 0  # this interval
@@ -30,17 +32,33 @@ class Meter:
         self.first_step_s = float("nan")
         self._first = True
 
-    def resume(self, steps: int, counters: dict[str, int]) -> None:
+    def state_dict(self) -> dict:
+        """The counts and the open log interval (a resumed run logs the same rows)."""
+        return {
+            "tokens": self.tokens,
+            "skipped": self._skipped.clone(),
+            "in_a_row": self._in_a_row.clone(),
+            "interval_loss": self._loss.clone(),
+            "interval_steps": self._steps,
+            "interval_tokens": self._tokens,
+        }
+
+    def resume(self, steps: int, state: dict) -> None:
         """Continue the counts of a resumed run."""
         self.steps = steps
-        self.tokens = int(counters.get("tokens", 0))
-        self.skipped = int(counters.get("skipped", 0))
-        self._skipped.fill_(self.skipped)
+        if not state:
+            return
+        self.tokens = int(state["tokens"])
+        self._skipped.copy_(state["skipped"])
+        self._in_a_row.copy_(state["in_a_row"])
+        self._loss.copy_(state["interval_loss"])
+        self._steps, self._tokens = int(state["interval_steps"]), int(state["interval_tokens"])
 
     def add(self, out: StepOutput, tokens: int) -> None:
         """Account one step (device-side adds only)."""
         self._loss += out.loss
         self._skipped += out.skipped
+        self._in_a_row.add_(out.skipped).mul_(out.skipped)  # +1 when skipped, else back to 0
         self._last = out
         self._steps += 1
         self._tokens += tokens
@@ -57,11 +75,16 @@ class Meter:
         if self.step.device.type == "cuda":
             torch.cuda.synchronize(self.step.device)
         dt = time.perf_counter() - self._t_last
-        loss_sum, skipped, grad_norm = torch.stack(
-            [self._loss.double(), self._skipped.double(), self._last.grad_norm.double()]
+        loss_sum, skipped, in_a_row, grad_norm = torch.stack(
+            [
+                self._loss.double(),
+                self._skipped.double(),
+                self._in_a_row.double(),
+                self._last.grad_norm.double(),
+            ]
         ).tolist()
         self.loss = loss_sum / self._steps
-        self.skipped = int(skipped)
+        self.skipped, self.skipped_in_a_row = int(skipped), int(in_a_row)
         tok_s = self._tokens / dt
         mfu = tok_s * self.flops_per_token / self.peak.flops if self.peak else None
         row = {

@@ -68,7 +68,7 @@ def check_same_run(saved: dict[str, Any], cfg: Config) -> None:
             )
 
 
-def state_of(built: Built, *, step: int, tokens: int, skipped: int) -> dict[str, Any]:
+def state_of(built: Built, *, step: int, meter: dict[str, Any]) -> dict[str, Any]:
     """Everything a continuation needs, as tensors and plain containers."""
     return {
         "format": ckpt.FORMAT,
@@ -78,7 +78,7 @@ def state_of(built: Built, *, step: int, tokens: int, skipped: int) -> dict[str,
         "optimizer": built.optimizer.state_dict(),
         "scaler": built.step.scaler.state_dict(),
         "rng": ckpt.rng_state(),
-        "counters": {"tokens": tokens, "skipped": skipped},
+        "meter": meter,
         "config": to_dict(built.cfg),
     }
 

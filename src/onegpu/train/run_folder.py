@@ -33,7 +33,29 @@ def resolve_out_dir(out: OutConfig, *, resuming: bool = False) -> Path:
             f"{path} is not empty; pick a new folder, continue it with --train.resume auto, "
             "or replace it with --out.overwrite true",
         )
+    check_writable(path, "out.dir")
     return path
+
+
+def check_writable(folder: Path, field: str) -> None:
+    """ConfigError naming `field` unless a file can be created in `folder`. Folders made for the
+    test are removed again: a run refused later leaves nothing behind."""
+    made: list[Path] = []
+    try:
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]
+        for p in reversed(missing):
+            p.mkdir()
+            made.append(p)
+        probe = folder / f".onegpu-write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            field, f"cannot write in {folder} ({e.strerror}); pick a folder you can write to"
+        ) from None
+    finally:
+        for p in reversed(made):
+            p.rmdir()
 
 
 def _git_commit() -> str | None:

@@ -16,6 +16,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.diverged = False  # set by the loop: too many skipped updates in a row
         self._previous: dict[int, object] = {}
 
     @property

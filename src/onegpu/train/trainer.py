@@ -39,7 +39,7 @@ def train(cfg: Config) -> dict[str, Any]:
         built.flops_per_token,
         peak_flops(built.device, built.policy.compute_dtype, built.policy.name),
     )
-    meter.resume(start, previous.state["counters"] if previous else {})
+    meter.resume(start, previous.state["meter"] if previous else {})
     memory: dict[str, Any] = {}
     val_loss = None
     print(describe(built, out_dir, start))
@@ -69,18 +69,20 @@ def train(cfg: Config) -> dict[str, Any]:
                 row = meter.flush()
                 run.log(row)
                 bar.set_postfix(progress_fields(row))
+                if meter.skipped_in_a_row >= tcfg.max_consecutive_skips:
+                    stop.diverged = True  # the weights are those of the last good step
             if tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or last):
                 val_loss = built.step.evaluate(eval_batches)
                 run.log({"step": step + 1, "val_loss": val_loss, "val_ppl": _ppl(val_loss)})
                 bar.write(f"step {step + 1}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
                 meter.restart_clock()  # evaluation time is not training time
-            if checkpoint_due(cfg, step + 1, last or stop.requested):
+            if checkpoint_due(cfg, step + 1, last or stop.requested or stop.diverged):
                 save_checkpoint(run, built, meter)
-            if stop.requested:
+            if stop.requested or stop.diverged:
                 break
     bar.close()
-    summary = summarize(built, meter, memory, stop.signum, val_loss)
-    if cfg.out.save_checkpoint and not stop.requested and meter.steps == tcfg.max_steps:
+    summary = summarize(built, meter, memory, stop, val_loss)
+    if cfg.out.save_checkpoint and meter.steps == tcfg.max_steps and not stop.diverged:
         save_final_weights(run, built)
     run.write_summary(summary)
     run.close()
@@ -146,7 +148,7 @@ def progress_fields(row: dict[str, Any]) -> dict[str, str]:
 
 
 def summarize(
-    built: Built, meter: Meter, memory: dict, signum: int | None, val_loss: float | None
+    built: Built, meter: Meter, memory: dict, stop: GracefulStop, val_loss: float | None
 ) -> dict[str, Any]:
     """summary.json: medians of the steady intervals, memory, and what ran where."""
     cfg, device, peak = built.cfg, built.device, meter.peak
@@ -169,8 +171,9 @@ def summarize(
         "loss": meter.loss,
         "val_loss": val_loss,
         "steps": meter.steps,
-        "interrupted": signum is not None,
-        "signal": signal.Signals(signum).name if signum is not None else None,
+        "interrupted": stop.requested,
+        "signal": signal.Signals(stop.signum).name if stop.requested else None,
+        "diverged": stop.diverged,
         "skipped_steps": meter.skipped,
         "train_time_s": meter.elapsed(),
         "flops_per_token": built.flops_per_token,
@@ -194,7 +197,7 @@ def checkpoint_due(cfg: Config, step: int, final: bool) -> bool:
 
 def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path:
     """Write the checkpoint of the state after `meter.steps` steps, crash-safely, then prune."""
-    state = resume.state_of(built, step=meter.steps, tokens=meter.tokens, skipped=meter.skipped)
+    state = resume.state_of(built, step=meter.steps, meter=meter.state_dict())
     path = run.checkpoints / ckpt.checkpoint_name(meter.steps)
     ckpt.write_atomic(path, state)
     c = built.cfg.checkpoint

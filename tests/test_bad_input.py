@@ -1,0 +1,128 @@
+"""Every bad input ends the same way: one line naming the field (or file) and a fix, exit code 2,
+no traceback, and nothing already written is touched (a watched run folder and data file are
+compared byte for byte after every case)."""
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from onegpu.cli import main
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A run folder holding a finished run, a data file, and files that are wrong as inputs."""
+    root = tmp_path_factory.mktemp("bad-input")
+    run = root / "old-run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (run / "summary.json").write_text('{"steps": 1}\n')
+    (run / "checkpoints" / "step-00000001.pt").write_bytes(b"PK\x03\x04 not really")
+    data = root / "data.txt"
+    data.write_text("hello world\n" * 2000)
+    (root / "empty-dir").mkdir()
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 64)
+    (root / "bad.toml").write_text("[train\nmax_steps = 3\n")
+    (root / "wrong-type.toml").write_text('[train]\nbatch_size = "big"\n')
+    (root / "not-a-table.toml").write_text("train = 3\n")
+    (root / "a-file").write_text("x")
+    (root / "garbage.pt").write_bytes(os.urandom(1000))
+    (root / "not-utf8.txt").write_bytes(b"caf\xe9 " * 1000)
+    return root
+
+
+def W(root: Path) -> dict[str, str]:
+    """Paths used in the cases, keyed by name."""
+    return {k: str(root / v) for k, v in {
+        "run": "old-run", "data": "data.txt", "empty": "empty-dir", "binary": "binary.txt",
+"bad": "bad.toml", "wrong": "wrong-type.toml",
+        "table": "not-a-table.toml", "file": "a-file", "garbage": "garbage.pt",
+        "latin1": "not-utf8.txt", "new": "new-run",
+    }.items()}  # fmt: skip
+
+
+T = ["train", "--preset", "tiny", "--train.device", "cpu", "--out.progress", "false",
+     "--train.max_steps", "2", "--out", "{new}/t"]  # fmt: skip
+CASES = [  # (name, argv with {placeholders}, the field the message must name)
+    ("zero layers", T + ["--model.n_layer", "0"], "model.n_layer"),
+    ("heads not dividing width", T + ["--model.n_head", "3"], "model.d_model"),
+    ("batch not divisible", T + ["--train.batch_size", "10", "--train.micro_batch_size", "4"], "train.batch_size"),
+    ("unknown precision", T + ["--train.precision", "fp8"], "train.precision"),
+    ("unknown checkpointing", T + ["--memory.checkpointing", "blocks"], "memory.checkpointing"),
+    ("every:0", T + ["--memory.checkpointing", "every:0"], "memory.checkpointing"),
+    ("unknown optimizer", T + ["--optim.name", "adam"], "optim.name"),
+    ("negative lr", T + ["--optim.lr", "-1"], "optim.lr"),
+    ("infinite lr", T + ["--optim.lr", "inf"], "optim.lr"),
+    ("nan lr", T + ["--optim.lr", "nan"], "optim.lr"),
+    ("zero eps", T + ["--optim.eps", "0"], "optim.eps"),
+    ("beta2 of 1", T + ["--optim.beta2", "1.0"], "optim.beta2"),
+    ("negative init std", T + ["--model.init_std", "-0.1"], "model.init_std"),
+    ("negative seed", T + ["--train.seed", "-1"], "train.seed"),
+    ("huge seed", T + ["--train.seed", str(2**70)], "train.seed"),
+    ("num_workers below -1", T + ["--data.num_workers", "-2"], "data.num_workers"),
+    ("dropout of 1", T + ["--model.dropout", "1.0"], "model.dropout"),
+    ("val fraction over 1", T + ["--data.val_fraction", "1.5"], "data.val_fraction"),
+    ("seq_len over the context", T + ["--data.seq_len", "100000"], "data.seq_len"),
+    ("no cuda", T + ["--train.device", "cuda"], "train.device"),
+    ("unknown device", T + ["--train.device", "tpu"], "train.device"),
+    ("vocab below bytes", T + ["--model.vocab_size", "100"], "model.vocab_size"),
+    ("bpe vocab too small", T + ["--data.tokenizer", "bpe", "--data.tokenizer_vocab", "100"], "data.tokenizer_vocab"),
+    ("adafactor with bf16-pure", T + ["--train.precision", "bf16-pure", "--optim.name", "adafactor"], "optim.name"),
+    ("in-backward with accumulation", T + ["--optim.in_backward", "true", "--optim.grad_clip", "0"], "optim.in_backward"),
+    ("keep_last 0", T + ["--checkpoint.keep_last", "0"], "checkpoint.keep_last"),
+    ("negative checkpoint.every", T + ["--checkpoint.every", "-1"], "checkpoint.every"),
+    ("not an integer", T + ["--train.max_steps", "abc"], "train.max_steps"),
+    ("not a boolean", T + ["--out.overwrite", "yes"], "out.overwrite"),
+    ("unknown option", T + ["--train.max_step", "3"], "train.max_step"),
+    ("unknown preset", ["train", "--preset", "gpt5"], "--preset"),
+    ("missing config file", T + ["--config", "{new}/missing.toml"], "--config"),
+    ("config is a folder", T + ["--config", "{empty}"], "--config"),
+    ("config not TOML", T + ["--config", "{bad}"], "--config"),
+    ("config value of the wrong type", T + ["--config", "{wrong}"], "train.batch_size"),
+    ("config section not a table", T + ["--config", "{table}"], "train"),
+    ("missing data", T + ["--data.source", "{new}/nothing.txt", "--out", "{new}/a"], "data.source"),
+    ("data folder without text", T + ["--data.source", "{empty}", "--out", "{new}/b"], "data.source"),
+    ("binary data", T + ["--data.source", "{binary}", "--out", "{new}/c"], "data.source"),
+    ("data not UTF-8", T + ["--data.source", "{latin1}", "--out", "{new}/d"], "data.source"),
+    ("out holds a run", T + ["--out", "{run}"], "out.dir"),
+    ("out is a file", T + ["--out", "{file}"], "out.dir"),
+    ("out not writable", T + ["--out", "/proc/onegpu-run"], "out.dir"),
+    ("cache not writable", T + ["--data.cache_dir", "/proc/onegpu-cache", "--out", "{new}/e"], "data.cache_dir"),
+    ("resume from a missing file", T + ["--train.resume", "{new}/none.pt", "--out", "{new}/f"], "train.resume"),
+    ("resume from garbage", T + ["--train.resume", "{garbage}", "--out", "{new}/g"], "train.resume"),
+    ("resume from a foreign file", T + ["--train.resume", "{data}", "--out", "{new}/h"], "train.resume"),
+    ("plan: unknown GPU", ["plan", "--preset", "tiny", "--gpu", "A100-41"], "--gpu"),
+    ("plan: negative budget", ["plan", "--preset", "tiny", "--memory", "-5"], "--memory"),
+    ("profile: zero steps", ["profile", "--preset", "tiny", "--steps", "0", "--out", "{new}/p"], "--steps"),
+    ("bench: zero repeats", ["bench", "--preset", "tiny", "--repeats", "0", "--out", "{new}/q"], "--repeats"),
+    ("bench: unknown grid", ["bench", "--grid", "nope", "--out", "{new}/r"], "--grid"),
+    ("tune on a CPU without a budget", ["tune", "--preset", "tiny", "--train.device", "cpu"], "--memory"),
+    ("no command", [], "command"),
+    ("missing option value", ["train", "--preset"], "--preset"),
+    ("unknown command", ["trian"], "command"),
+]  # fmt: skip
+
+
+def _digest(root: Path) -> dict[str, str]:
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+@pytest.mark.parametrize(("name", "argv", "field"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line_and_exit_2(name, argv, field, world, capsys):
+    watched = {"run": _digest(world / "old-run"), "data": _digest(world)}
+    paths = W(world) | {"new": str(world / "new-run" / name.replace(" ", "-"))}
+    args = [a.format(**paths) for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        raise SystemExit(main(args))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err  # one line: no traceback, no usage dump
+    assert lines[0].startswith("onegpu: error: ") and field in lines[0], lines[0]
+    assert _digest(world / "old-run") == watched["run"]
+    assert {k: v for k, v in _digest(world).items() if not k.startswith("new-run")} == {
+        k: v for k, v in watched["data"].items() if not k.startswith("new-run")
+    }
