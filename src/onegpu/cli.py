@@ -7,6 +7,7 @@ import difflib
 import json
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 
 from onegpu.config import ConfigError, all_fields, all_keys, load_config, preset_names, type_name
@@ -51,10 +52,15 @@ def _config_from(ns: argparse.Namespace, unknown: list[str]):
 
 
 def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
-    from onegpu.train.trainer import train
+    from onegpu.train.trainer import TrainingOutOfMemory, train
 
     cfg = _config_from(ns, unknown)
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except TrainingOutOfMemory as e:
+        from onegpu.tools.oom import explain
+
+        raise ConfigError("out of memory", explain(cfg, e)) from None
     if summary["interrupted"]:  # stopped by a signal: checkpoint and summary are written
         print(f"onegpu: stopped by {summary['signal']} after step {summary['steps']}; "
               "continue with --train.resume auto", file=sys.stderr)  # fmt: skip
@@ -302,7 +308,16 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """onegpu's own warnings as one line, like its errors; others as Python shows them."""
+    if "onegpu" in str(filename):
+        print(f"onegpu: warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     try:
         ns, unknown = make_parser().parse_known_args(argv)
         return ns.func(ns, unknown)

@@ -14,6 +14,7 @@ import difflib
 import inspect
 import math
 import sys
+import warnings
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -539,6 +540,12 @@ def validate(cfg: Config) -> None:
     _require(0 <= o.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
     _validate_memory(cfg)
     _validate_combinations(cfg)
+    if 0 < t.max_steps < o.warmup_steps:  # valid, but almost certainly not what was meant
+        warnings.warn(
+            f"optim.warmup_steps={o.warmup_steps} is longer than the run "
+            f"(train.max_steps={t.max_steps}): the learning rate never reaches optim.lr",
+            stacklevel=2,
+        )
 
 
 def _validate_combinations(cfg: Config) -> None:

@@ -125,3 +125,53 @@ def test_bpe_trains_locally_round_trips_and_caches(tmp_path):
     assert s.tokenizer.decode(s.tokenizer.encode(text)) == text
     assert len(s.tokenizer.encode(text)) < len(text.encode()) / 2  # merges were learned
     assert len(list((tmp_path / "c" / "tokenizers").iterdir())) == 1
+
+
+def test_corrupt_or_half_made_caches_are_rebuilt(tmp_path):
+    import os
+    import subprocess
+
+    from onegpu.data.tokens import cache_root
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    data = DataConfig(source=str(text), cache_dir=str(tmp_path / "cache"))
+    first = np.array(prepare_tokens(data, 256).train)  # a copy: the file is about to be cut
+    folder = next((cache_root(data.cache_dir) / "tokens").iterdir())
+    # a tokenization killed mid-way (its process is gone) left its temporary folder
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = folder.with_name(f"{folder.name}.tmp{dead.pid}")
+    stale.mkdir()
+    (folder / "train.bin").write_bytes(b"\x01\x00" * 3)  # truncated: fewer tokens than counted
+    again = prepare_tokens(data, 256)
+    assert not stale.exists()
+    assert np.array_equal(np.asarray(again.train), first)
+    assert os.listdir(folder.parent) == [folder.name]
+
+
+def test_a_corrupt_cached_tokenizer_is_trained_again(tmp_path):
+    from onegpu.data.tokens import cache_root
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i} of some text to learn merges from\n" for i in range(3000)))
+    data = DataConfig(source=str(text), cache_dir=str(tmp_path / "cache"), tokenizer="bpe",
+                      tokenizer_vocab=300)  # fmt: skip
+    first = np.array(prepare_tokens(data, 300).train)
+    tok_file = next((cache_root(data.cache_dir) / "tokenizers").iterdir())
+    tok_file.write_text("{ not json")
+    (cache_root(data.cache_dir) / "tokens").rename(tmp_path / "old-tokens")  # tokenize again
+    again = prepare_tokens(data, 300)
+    assert np.array_equal(np.asarray(again.train), first)
+
+
+def test_a_warmup_longer_than_the_run_warns_in_one_line(capsys):
+    from onegpu.cli import main
+
+    code = main(["plan", "--preset", "tiny", "--train.max_steps", "5", "--optim.warmup_steps",
+                 "50", "--json"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 0 and err == [
+        "onegpu: warning: optim.warmup_steps=50 is longer than the run (train.max_steps=5): "
+        "the learning rate never reaches optim.lr"
+    ]

@@ -68,14 +68,21 @@ GRID = {
     "randomized-linear": {"memory.randomized_linear": "0.5", "model.dropout": "0.1"},
     "in-backward": {"optim.in_backward": "true", "optim.grad_clip": "0",
                     "train.micro_batch_size": "8"},
+    "adamw8bit-bf16": {"optim.name": "adamw8bit", "train.precision": "bf16"},
+    "attn": {"memory.checkpointing": "attn", "model.dropout": "0.1"},
+    "mlp": {"memory.checkpointing": "mlp", "model.dropout": "0.1"},
+    "attn+mlp": {"memory.checkpointing": "attn+mlp", "model.dropout": "0.1"},
+    "block-chunked": {"memory.checkpointing": "block", "memory.loss_chunk": "96"},
+    "every:2-offload": {"memory.checkpointing": "every:2", "memory.offload_activations": "true"},
+    "gelu-2bit": {"memory.gelu_bits": "2"},
 }  # fmt: skip
 
 
-SLOW = {"bf16-dropout", "sgd-accum", "adafactor-selective", "randomized-linear"}
+FAST = {"fp32", "bf16-pure", "fp16", "in-backward"}
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in GRID]
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in GRID]
 )
 def test_a_resumed_run_continues_bit_exactly(name, tmp_path, monkeypatch):
     over = GRID[name]
@@ -165,3 +172,42 @@ def test_overwrite_replaces_the_whole_old_run(tmp_path):
     train(_cfg(out, **{"train.max_steps": "2", "out.overwrite": "true"}))
     assert [s for s, _ in ckpt.complete_checkpoints(out / "checkpoints")] == [2]
     assert max(json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_out_of_memory_is_answered_with_the_planners_cheapest_fixes(tmp_path, monkeypatch, capsys):
+    """Injected on CPU: the allocator's error at step 3, after a checkpoint at step 2."""
+    from onegpu.cli import main
+
+    real = TrainStep.__call__
+
+    def step(self, inputs, targets, n_tokens, index):
+        if index == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, inputs, targets, n_tokens, index)
+
+    monkeypatch.setattr(TrainStep, "__call__", step)
+    out = tmp_path / "run"
+    code = main(["train", "--preset", "tiny", "--train.device", "cpu", "--out", str(out),
+                 "--out.progress", "false", "--checkpoint.every", "2"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("onegpu: error: out of memory: out of memory at step 3 on cpu")
+    assert "cheapest changes" in err[0] and "--" in err[0]
+    assert [s for s, _ in ckpt.complete_checkpoints(out / "checkpoints")] == [2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_at", [3, 4])  # an epoch is 3 steps: off and on its boundary
+def test_resume_across_epoch_boundaries_continues_the_data_order(stop_at, tmp_path, monkeypatch):
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i:04d}: some words to read\n" for i in range(60)))
+    over = {"data.source": str(text), "data.val_fraction": "0.1", "train.eval_every": "0",
+            "model.dropout": "0.1"}  # fmt: skip
+    train(_cfg(tmp_path / "straight", **over))
+    _stop_after(monkeypatch, stop_at)
+    train(_cfg(tmp_path / "resumed", **over))
+    monkeypatch.undo()
+    train(_cfg(tmp_path / "resumed", **{**over, "train.resume": "auto"}))
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)

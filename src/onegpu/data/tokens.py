@@ -90,7 +90,12 @@ def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokeni
         / f"{corpus.key}-v{corpus.val_fraction}-bpe{vocab}.json"
     )
     if path.exists():
-        return BPETokenizer.load(path, vocab)
+        try:
+            return BPETokenizer.load(path, vocab)
+        except Exception as e:  # a corrupt cache file: the cache is ours to rebuild
+            print(f"onegpu: the cached tokenizer {path} is unreadable ({type(e).__name__}); "
+                  "training it again")  # fmt: skip
+            path.unlink(missing_ok=True)
     print(f"onegpu: training a {vocab}-token byte-level BPE on {corpus.path} (cached at {path})")
     return BPETokenizer.train(corpus.documents("train"), vocab, path)
 
@@ -133,6 +138,36 @@ def check_cache_writable(data: DataConfig) -> None:
         ) from None
 
 
+def _complete(folder: Path, dtype: np.dtype) -> bool:
+    """A token folder is complete when meta.json parses and each split has its counted size."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        return all(
+            (folder / f"{s}.bin").stat().st_size == int(meta[s]) * dtype.itemsize
+            for s in ("train", "val")
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _remove_stale_tmp(folder: Path) -> None:
+    """Temporary folders of tokenizations whose process is gone (killed mid-way)."""
+    for tmp in folder.parent.glob(f"{folder.name}.tmp*") if folder.parent.exists() else []:
+        pid = tmp.name.rsplit(".tmp", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def prepare_tokens(data: DataConfig, model_vocab: int) -> TokenSplits:
     """Token arrays for the train and validation splits of `data.source`, cached on disk."""
     check_cache_writable(data)
@@ -153,13 +188,22 @@ def prepare_tokens(data: DataConfig, model_vocab: int) -> TokenSplits:
         / "tokens"
         / f"{corpus.key}-v{corpus.val_fraction}-{tok.name}-f{FORMAT_VERSION}"
     )
+    _remove_stale_tmp(folder)
+    if folder.exists() and not _complete(folder, dtype):
+        print(f"onegpu: the token cache {folder} is incomplete or corrupt; tokenizing again")
+        shutil.rmtree(folder, ignore_errors=True)
     if not (folder / "meta.json").exists():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        counts = {
-            s: _tokenize_split(corpus, s, tok, tmp / f"{s}.bin", dtype) for s in ("train", "val")
-        }
+        try:
+            counts = {
+                s: _tokenize_split(corpus, s, tok, tmp / f"{s}.bin", dtype)
+                for s in ("train", "val")
+            }
+        except BaseException:  # failed or interrupted: leave no half-made folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         meta = {
             "source": str(corpus.path),
             "kind": corpus.kind,

@@ -99,11 +99,13 @@ def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[
         report["fits"] = need <= capacity
         report["headroom_bytes"] = capacity - need
         if need > capacity:
-            report["fixes"] = _fixes(cfg, capacity - overhead, target, caps)
+            report["fixes"] = fixes_for(cfg, capacity - overhead, target, caps)
     return report
 
 
-def _fixes(cfg: Config, budget: int, target: str, caps: DeviceCaps | None) -> list[dict[str, Any]]:
+def fixes_for(
+    cfg: Config, budget: int, target: str, caps: DeviceCaps | None = None
+) -> list[dict[str, Any]]:
     """Single changes, then the cumulative ones in order, that bring the peak under budget."""
     found, current = [], cfg
     applied: list[str] = []

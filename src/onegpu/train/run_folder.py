@@ -126,7 +126,8 @@ class RunFolder:
         os.replace(tmp, self.path / "summary.json")
 
     def close(self) -> None:
-        self._metrics.close()
+        if not self._metrics.closed:
+            self._metrics.close()
 
 
 def _strict(value: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -53,7 +54,7 @@ def train(cfg: Config) -> dict[str, Any]:
         dynamic_ncols=True,
         unit="step",
     )
-    with GracefulStop() as stop:
+    with GracefulStop() as stop, out_of_memory_report(run, built, meter):
         for step in range(start, tcfg.max_steps):
             with record_function("data"):
                 x, y, n_tokens = next(batches)
@@ -87,6 +88,29 @@ def train(cfg: Config) -> dict[str, Any]:
     run.write_summary(summary)
     run.close()
     return summary
+
+
+class TrainingOutOfMemory(RuntimeError):
+    """The device ran out of memory; the CLI answers with the planner's cheapest fixes."""
+
+    def __init__(self, step: int, device: torch.device, snapshot: Path | None):
+        super().__init__(f"out of memory at step {step + 1} on {device}")
+        self.step, self.device, self.snapshot = step, device, snapshot
+
+
+@contextlib.contextmanager
+def out_of_memory_report(run: RunFolder, built: Built, meter: Meter):
+    """Turn an allocator failure into TrainingOutOfMemory, with a CUDA memory snapshot (for
+    https://pytorch.org/memory_viz) in the run folder; checkpoints already written stay."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        snapshot = None
+        if built.device.type == "cuda":
+            snapshot = run.path / "oom_memory_snapshot.pickle"
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+        run.close()
+        raise TrainingOutOfMemory(meter.steps, built.device, snapshot) from None
 
 
 def _ppl(loss: float) -> float:
