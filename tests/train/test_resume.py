@@ -141,7 +141,7 @@ def test_resume_refuses_a_changed_trajectory_and_bad_checkpoints(tmp_path):
     bad = tmp_path / "bad.pt"
     good = ckpt.complete_checkpoints(out / "checkpoints")[-1][1]
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # killed mid-copy
-    with pytest.raises(ConfigError, match=r"^train.resume: .*corrupt or truncated"):
+    with pytest.raises(ConfigError, match=r"^train.resume: .*corrupt, truncated"):
         train(_cfg(tmp_path / "other", **{"train.resume": str(bad)}))
     torch.save({"weights": torch.zeros(2)}, bad)
     with pytest.raises(ConfigError, match=r"^train.resume: .*not an onegpu training checkpoint"):
@@ -201,8 +201,13 @@ def test_out_of_memory_is_answered_with_the_planners_cheapest_fixes(tmp_path, mo
 def test_resume_across_epoch_boundaries_continues_the_data_order(stop_at, tmp_path, monkeypatch):
     text = tmp_path / "small.txt"
     text.write_text("".join(f"line {i:04d}: some words to read\n" for i in range(60)))
-    over = {"data.source": str(text), "data.val_fraction": "0.1", "train.eval_every": "0",
-            "model.dropout": "0.1"}  # fmt: skip
+    over = {
+        "data.source": str(text),
+        "data.val_fraction": "0.1",
+        "train.eval_every": "0",
+        "model.dropout": "0.1",
+        "train.log_every": "1",
+    }  # a SIGTERM logs its partial interval
     train(_cfg(tmp_path / "straight", **over))
     _stop_after(monkeypatch, stop_at)
     train(_cfg(tmp_path / "resumed", **over))

@@ -14,6 +14,7 @@ no pickled objects.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 from dataclasses import dataclass
@@ -135,28 +136,43 @@ class Checkpoint:
         return int(self.state["step"])
 
 
-def _allow_optimizer_tensor_types() -> None:
+def _allow_optimizer_tensor_types() -> bool:
     """torchao's 8-bit optimizer states are tensor subclasses: allow exactly those classes."""
     try:
         from torchao.optim.subclass_8bit import OptimState8bit
     except ImportError:
-        return
+        return False
     torch.serialization.add_safe_globals([OptimState8bit])
+    return True
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # 8-bit AdamW states: allow their class (importing torchao only when one is there)
+        if "OptimState8bit" in str(e) and _allow_optimizer_tensor_types():
+            return torch.load(path, map_location="cpu", weights_only=True)
+        raise
 
 
 def load(path: Path, field: str = "train.resume") -> Checkpoint:
     """A checkpoint file, or ConfigError naming `field` if it is missing, truncated or foreign."""
     if not path.is_file():
         raise ConfigError(field, f"{path} is not a checkpoint file; give a step-*.pt file or auto")
-    _allow_optimizer_tensor_types()
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, not a torch file, pickled objects
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        state = _torch_load(path)
+    except pickle.UnpicklingError:
         raise ConfigError(
             field,
-            f"{path} cannot be read as a checkpoint ({reason}); it is corrupt or truncated: "
-            "resume from an older one or start afresh",
+            f"{path} is not a checkpoint of tensors: it is corrupt, or holds pickled Python "
+            "objects (unsafe to load); resume from an onegpu checkpoint or start afresh",
+        ) from None
+    except Exception as e:  # a truncated zip, not a torch file at all
+        raise ConfigError(
+            field,
+            f"{path} cannot be read as a checkpoint: it is corrupt, truncated or not a "
+            f"checkpoint file ({type(e).__name__}); resume from an older one or start afresh",
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
         raise ConfigError(
