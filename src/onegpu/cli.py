@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import signal
 import sys
 import warnings
@@ -332,7 +333,13 @@ def entry() -> None:
 
     if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile", "tune"):
         maybe_reexec_with_tcmalloc(sys.argv[1:])
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`onegpu plan --gpu list | head`): fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
