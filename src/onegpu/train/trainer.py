@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +220,20 @@ def checkpoint_due(cfg: Config, step: int, final: bool) -> bool:
     return final or (every > 0 and step % every == 0)
 
 
-def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path:
-    """Write the checkpoint of the state after `meter.steps` steps, crash-safely, then prune."""
+def weights_finite(built: Built) -> bool:
+    """Checked before anything is saved (one host read per save, not per step)."""
+    params = [p.detach() for p in built.model.parameters()]
+    return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
+
+def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path | None:
+    """Write the checkpoint of the state after `meter.steps` steps, crash-safely, then prune.
+    Weights that are not finite are never saved: the newer checkpoints stay the last good."""
+    if not weights_finite(built):
+        warnings.warn(
+            f"step {meter.steps}: non-finite weights, checkpoint not written", stacklevel=1
+        )
+        return None
     state = resume.state_of(built, step=meter.steps, meter=meter.state_dict())
     path = run.checkpoints / ckpt.checkpoint_name(meter.steps)
     ckpt.write_atomic(path, state)
@@ -230,9 +243,13 @@ def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path:
 
 
 def save_final_weights(run: RunFolder, built: Built) -> None:
-    """The trained weights alone, as safetensors (what other tools load), written atomically."""
+    """The trained weights alone, as safetensors (what other tools load), written atomically;
+    never non-finite weights."""
     from safetensors.torch import save_model
 
+    if not weights_finite(built):
+        warnings.warn("non-finite weights: model.safetensors not written", stacklevel=1)
+        return
     path = run.path / "model.safetensors"
     tmp = path.with_name(f"{ckpt.TMP_PREFIX}{path.name}.{os.getpid()}")
     save_model(built.model, str(tmp), metadata={"format": "pt"})
