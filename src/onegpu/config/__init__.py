@@ -1,0 +1,66 @@
+"""Every option of onegpu, in one typed place: dataclasses, presets, TOML files, overrides.
+
+Precedence is preset < TOML file < command line. Validation happens before anything runs or is
+written, and raises `ConfigError` naming the field and a fix. Pure data: the bottom layer.
+`options.py` holds the sections, `loading.py` presets/TOML/overrides, `validation.py` the checks.
+"""
+
+from onegpu.config.loading import (
+    all_fields,
+    all_keys,
+    apply_values,
+    field_docs,
+    load_config,
+    load_toml,
+    preset_names,
+    preset_values,
+    to_toml,
+    type_name,
+    with_overrides,
+)
+from onegpu.config.options import (
+    CHECKPOINTING_MODES,
+    SECTIONS,
+    CheckpointConfig,
+    Checkpointing,
+    Config,
+    ConfigError,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimConfig,
+    OutConfig,
+    TrainConfig,
+    parse_checkpointing,
+    to_dict,
+)
+from onegpu.config.validation import validate
+
+__all__ = [
+    "CHECKPOINTING_MODES",
+    "SECTIONS",
+    "CheckpointConfig",
+    "Checkpointing",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OutConfig",
+    "TrainConfig",
+    "all_fields",
+    "all_keys",
+    "apply_values",
+    "field_docs",
+    "load_config",
+    "load_toml",
+    "parse_checkpointing",
+    "preset_names",
+    "preset_values",
+    "to_dict",
+    "to_toml",
+    "type_name",
+    "validate",
+    "with_overrides",
+]

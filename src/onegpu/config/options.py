@@ -1,0 +1,253 @@
+"""The options themselves: one small dataclass per section, each field documented by the
+string below it (`onegpu train --help` shows those strings). Pure data: nothing here builds."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_type_hints
+
+if sys.version_info >= (3, 11):
+    pass
+else:  # pragma: no cover - exercised on Python 3.10 only
+    pass
+
+
+class ConfigError(ValueError):
+    """Bad user input: the CLI prints the message and exits with code 2."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field_name = field_name
+
+
+Precision = Literal["auto", "fp32", "tf32", "bf16", "bf16-pure", "fp16"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    n_layer: int = 6
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; d_model must be divisible by it."""
+    d_model: int = 256
+    """Width of the residual stream."""
+    seq_len: int = 256
+    """Context length of the model: the number of learned positions."""
+    vocab_size: int = 256
+    """Rows of the embedding and output layers; may exceed the tokenizer's vocabulary (padding)."""
+    pad_vocab_to: int = 64
+    """Round the embedding and output rows up to a multiple of this (matrix units like it:
+    GPT-2's 50,257 -> 50,304, as HF's single-GPU guide advises). Padded rows are never inputs and their logits are
+    masked to -inf, so the model computes exactly the same function (1: no padding)."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of d_model."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention weights and residual branches (0 turns it off)."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorms (GPT-2 has them)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output layer (GPT-2 does)."""
+    attention: Literal["auto", "sdpa", "flash", "efficient", "math", "plain"] = "auto"
+    """'auto': the fastest exact one here (sdpa on GPUs; on CPUs sdpa or plain, timed once and
+    cached); 'sdpa': torch scaled_dot_product_attention, which picks its fastest kernel;
+    'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device has
+    none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference."""
+    softmax_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the attention scores and softmax in 'plain' attention (Lippe's tutorial keeps it fp32)."""
+    init_std: float = 0.02
+    """Standard deviation of the GPT-2 initialisation (residual projections are scaled down)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: str = "stdlib"
+    """'stdlib' (the running Python's standard-library sources, on every machine), or a path: a
+    .txt file, a folder of text files, a .jsonl file, a nanoGPT .bin token file, or a folder
+    holding train.bin (and val.bin)."""
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    """'byte': UTF-8 bytes, vocab 256; 'bpe': byte-level BPE trained locally on the training split."""
+    tokenizer_vocab: int = 0
+    """Vocabulary size of a trained BPE tokenizer (0: model.vocab_size)."""
+    seq_len: int = 0
+    """Training sequence length (0: model.seq_len); must not exceed model.seq_len."""
+    val_fraction: float = 0.05
+    """Share of documents (files, JSONL records) held out for validation; tail share for one file."""
+    text_field: str = "text"
+    """Field of each JSONL record that holds the text."""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of pre-tokenized .bin files (nanoGPT writes uint16)."""
+    num_workers: int = -1
+    """DataLoader worker processes (-1: 0 on CPU, where they only add overhead; 2 on CUDA)."""
+    cache_dir: str = ""
+    """Where token files and trained tokenizers are cached (empty: $ONEGPU_CACHE or ~/.cache/onegpu)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    batch_size: int = 16
+    """Sequences per optimizer step (the global batch)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; batch_size / micro_batch_size micro-batches are accumulated."""
+    max_steps: int = 200
+    """Optimizer steps to run."""
+    precision: Precision = "auto"
+    """'fp32', 'tf32' (CUDA Ampere+), 'bf16' (autocast, fp32 master weights), 'bf16-pure' (bf16
+    weights and gradients; fp32 optimizer moments, Kahan-compensated updates), 'fp16' (autocast +
+    loss scaling), or 'auto': bf16 where the device runs it natively, else fp32."""
+    log_every: int = 10
+    """Read metrics from the device every this many steps (the only host syncs of the loop)."""
+    eval_every: int = 50
+    """Evaluate on the validation split every this many steps and at the end (0: never)."""
+    eval_batches: int = 8
+    """Batches of train.micro_batch_size sequences per evaluation."""
+    seed: int = 1337
+    """Seed of weight init, data order and dropout."""
+    device: str = "auto"
+    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'."""
+    compile: Literal["none", "default", "max-autotune", "regional"] = "none"
+    """torch.compile: 'default' or 'max-autotune' compile the whole forward and loss;
+    'regional' compiles one transformer block and reuses it for every layer, so compile time
+    stays flat in depth (like JAX's scan over layers). Compile time is reported apart."""
+    measure_memory: bool = True
+    """Profile the second step's allocations to split peak memory into parameters, gradients,
+    optimizer states, activations and the rest (summary.json 'memory'); costs one slow step."""
+    resume: str = ""
+    """Continue a run: 'auto' (from the newest complete checkpoint in the run folder; none there:
+    start afresh) or the path of a checkpoint file. Empty: a new run."""
+    max_consecutive_skips: int = 20
+    """Stop the run (with a checkpoint from before the divergence) after this many updates in a
+    row were skipped for non-finite loss or gradients."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    name: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
+    """Optimizer: 'adamw' (fused where available; 8 bytes of state per parameter), 'adamw8bit'
+    (torchao's block-wise 8-bit moments, ~2 bytes), 'adafactor' (factored second moment, no
+    first moment), 'sgd' (momentum optim.beta1; 4 bytes)."""
+    lr: float = 1e-3
+    """Peak learning rate, reached after warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not biases, norms, embeddings)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay (also SGD momentum)."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    schedule: Literal["cosine", "exp", "constant"] = "cosine"
+    """Learning-rate schedule after warmup: cosine to min_lr_ratio*lr, exponential decay
+    by decay_rate per step (optax's warmup_exponential_decay_schedule), or constant."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 over this many steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of lr."""
+    decay_rate: float = 0.99
+    """Per-step multiplier of the exponential schedule."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm (0: off)."""
+    in_backward: bool = False
+    """Step each parameter inside backward as soon as its gradient is ready, then free the
+    gradient, so full gradients never coexist. Needs no accumulation and optim.grad_clip 0."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryConfig:
+    checkpointing: str = "none"
+    """Activation checkpointing: none, attn, mlp, attn+mlp, block, every:K, or selective (save
+    matmul outputs, recompute element-wise ops). Gradients are unchanged, dropout included."""
+    offload_activations: bool = False
+    """Keep saved activations (including checkpoints) in host memory until backward needs them."""
+    loss_chunk: int = 0
+    """Compute output layer + cross-entropy in chunks of this many tokens so the full
+    [tokens, vocab] logits never exist (0: off)."""
+    gelu_bits: int = 0
+    """Few-bit GELU backward (Novikov et al., "Few-Bit Backward"): save a k-bit code of GELU's input instead of the input,
+    k in 1..4 (0: exact GELU)."""
+    randomized_linear: float = 0.0
+    """Randomized backward of block linear layers (Bershatsky et al.): save a random projection keeping
+    this fraction of the rows of the input; unbiased weight gradients (0: off)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end and on interruption)."""
+    keep_last: int = 3
+    """Keep the newest this many checkpoints; older ones are deleted once a newer one is
+    complete."""
+    keep_every: int = 0
+    """Never delete checkpoints of steps that are multiples of this (0: none kept apart)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OutConfig:
+    dir: str = ""
+    """Run folder (empty: runs/<date-time>). Must be new or empty unless out.overwrite is true."""
+    overwrite: bool = False
+    """Allow writing into a folder that already holds a run."""
+    progress: bool = True
+    """Show a progress bar."""
+    save_checkpoint: bool = True
+    """Save checkpoints to DIR/checkpoints/ (at the end, on interruption and every
+    checkpoint.every steps) and the final weights as DIR/model.safetensors."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    out: OutConfig = field(default_factory=OutConfig)
+
+    @property
+    def train_seq_len(self) -> int:
+        return self.data.seq_len or self.model.seq_len
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.batch_size // self.train.micro_batch_size
+
+    def sections(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+SECTIONS: dict[str, type] = get_type_hints(Config)
+"""Section name -> its dataclass, in declaration order."""
+
+
+CHECKPOINTING_MODES = ("none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective")
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """`memory.checkpointing` parsed: which sub-modules recompute in backward."""
+
+    kind: Literal["none", "attn", "mlp", "attn+mlp", "block", "every", "selective"]
+    every: int = 1
+    """For kind 'every': checkpoint blocks 0, K, 2K, ..."""
+
+
+def parse_checkpointing(mode: str) -> Checkpointing:
+    """The typed form of `memory.checkpointing` ('every:K' -> kind 'every', every=K)."""
+    if mode.startswith("every:"):
+        k = mode.split(":", 1)[1]
+        if not k.isdigit() or int(k) < 1:
+            raise ConfigError(
+                "memory.checkpointing", f"{mode!r}: K must be a positive integer, e.g. every:2"
+            )
+        return Checkpointing(kind="every", every=int(k))
+    if mode not in CHECKPOINTING_MODES or mode == "every:K":
+        raise ConfigError(
+            "memory.checkpointing", f"{mode!r} is not one of {', '.join(CHECKPOINTING_MODES)}"
+        )
+    return Checkpointing(kind=mode)  # type: ignore[arg-type]
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {s: dataclasses.asdict(obj) for s, obj in cfg.sections().items()}
