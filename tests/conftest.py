@@ -32,3 +32,71 @@ def tiny_cfg():
     from onegpu.config import load_config
 
     return load_config("tiny", overrides={"train.device": "cpu", "out.progress": "false"})
+
+
+# ---------------------------------------------------------------------------- Hugging Face folders
+
+HF_ARCHS = ("llama", "qwen2", "gpt2", "mistral", "phi")
+
+
+def make_hf_config(arch: str, vocab: int = 320, layers: int = 2):
+    """A tiny configuration of a transformers architecture (no dropout: exact comparisons)."""
+    import transformers
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+    )
+    if arch == "gpt2":
+        return transformers.GPT2Config(
+            n_embd=64, n_layer=layers, n_head=4, vocab_size=vocab, n_positions=128,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+    if arch == "phi":
+        return transformers.PhiConfig(**common, resid_pdrop=0.0, embd_pdrop=0.0)
+    if arch == "bert":
+        return transformers.BertConfig(
+            hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            intermediate_size=128, vocab_size=vocab, max_position_embeddings=128,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+            architectures=["BertForSequenceClassification"],
+        )  # fmt: skip
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[arch]
+    return cls(**common, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory):
+    """hf_folder(arch, weights=True): a saved tiny model folder (config.json + safetensors),
+    made once per session."""
+    import transformers
+
+    made: dict = {}
+
+    def make(arch: str, weights: bool = True):
+        key = (arch, weights)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"hf-{arch}-{'w' if weights else 'cfg'}")
+            cfg = make_hf_config(arch)
+            if weights:
+                torch.manual_seed(1)
+                auto = (
+                    transformers.AutoModelForSequenceClassification
+                    if arch == "bert"
+                    else transformers.AutoModelForCausalLM
+                )
+                auto.from_config(cfg).save_pretrained(path)
+            else:
+                cfg.save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return make

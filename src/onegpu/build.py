@@ -21,9 +21,17 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
+from onegpu.data.tokenizer import FileTokenizer
 from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import GPT, SDPA_BACKENDS, count_params
+from onegpu.models.hf import (
+    HFModel,
+    build_hf_model,
+    logit_transform,
+    open_hf_folder,
+    resolve_model_config,
+)
 from onegpu.optim import build_optimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
@@ -33,7 +41,7 @@ from onegpu.techniques.attention import resolve_attention
 from onegpu.techniques.checkpointing import apply_checkpointing, selective_cache_tensors
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum
 from onegpu.techniques.compile import apply_compile
-from onegpu.techniques.loss import LossFn, token_loss_sum
+from onegpu.techniques.loss import LossFn, classification_loss_sum, token_loss_sum
 from onegpu.techniques.offload import with_offload
 from onegpu.techniques.precision import (
     DeviceCaps,
@@ -95,12 +103,16 @@ def resolve(cfg: Config, device: torch.device, caps: DeviceCaps | None = None) -
     by default, or from the GPU table when planning for a GPU that is not here)."""
     caps = caps or device_caps(device)
     policy = resolve_precision(cfg.train.precision, caps)
-    attention = resolve_attention(
-        cfg.model, device, policy.compute_dtype, cfg.train.micro_batch_size
-    )
+    model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
+    if cfg.model.hf and cfg.model.attention == "auto":
+        attention = "sdpa"  # the CPU timing compares our plain kernel, not the model's eager one
+    else:
+        attention = resolve_attention(
+            model_cfg, device, policy.compute_dtype, cfg.train.micro_batch_size
+        )
     config = dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, attention=attention),
+        model=dataclasses.replace(model_cfg, attention=attention),
         train=dataclasses.replace(cfg.train, precision=policy.name),
     )
     return Resolved(
@@ -126,7 +138,7 @@ def apply_techniques(
     # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).
     model = apply_checkpointing(model, resolved.checkpointing)
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for.
-    loss_fn = chunked_token_loss_sum(mem.loss_chunk) if mem.loss_chunk else token_loss_sum
+    loss_fn = choose_loss(model, mem.loss_chunk)
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes.
     loss_fn = apply_compile(model, loss_fn, cfg.train.compile)
@@ -137,6 +149,45 @@ def apply_techniques(
     if mem.offload_activations:
         loss_fn = with_offload(loss_fn, device)
     return model, loss_fn
+
+
+def choose_loss(model: nn.Module, loss_chunk: int) -> LossFn:
+    """The model's loss: next-token cross-entropy (chunked through the head's weight if asked
+    for), or a classifier's cross-entropy over its labels."""
+    if isinstance(model, HFModel) and model.is_classifier:
+        if loss_chunk:
+            raise ConfigError(
+                "memory.loss_chunk",
+                "a sequence classifier has no vocabulary-sized logits to chunk; set it to 0",
+            )
+        return classification_loss_sum
+    if not loss_chunk:
+        return token_loss_sum
+    if isinstance(model, HFModel) and (transform := logit_transform(model)):
+        raise ConfigError(
+            "memory.loss_chunk",
+            f"the model changes its logits after the output layer ({transform} in its "
+            "config.json), which the chunked loss would skip; set it to 0",
+        )
+    return chunked_token_loss_sum(loss_chunk)
+
+
+def make_model(cfg: Config) -> nn.Module:
+    """The architecture, unmaterialised, under the caller's device context."""
+    return build_hf_model(cfg.model) if cfg.model.hf else GPT(cfg.model)
+
+
+def data_tokenizer(cfg: Config):
+    """A model folder's own tokenizer, when it has one (else data.tokenizer's)."""
+    if not cfg.model.hf:
+        return None
+    folder = open_hf_folder(cfg.model.hf, cfg.model.hf_head)
+    if folder.tokenizer is None:
+        return None
+    eos = getattr(folder.config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return FileTokenizer(folder.tokenizer, eos)
 
 
 def materialize(model: nn.Module, device: torch.device, *, seed: int, dtype: torch.dtype):
@@ -203,7 +254,7 @@ def build(
     cfg = resolved.config
     data = None
     if with_data:
-        data = prepare_tokens(cfg.data, cfg.model.vocab_size)
+        data = prepare_tokens(cfg.data, cfg.model.vocab_size, data_tokenizer(cfg))
         _check_data_sizes(cfg, data)
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -219,7 +270,7 @@ def build(
         # real: on the meta device, materialised after the techniques; fake: on fake tensors
         # directly (moving meta parameters into a FakeTensorMode cannot swap them)
         with torch.device("cpu" if fake else "meta"):
-            model = GPT(cfg.model)
+            model = make_model(cfg)
         model, loss_fn = apply_techniques(model, cfg, resolved, device)
         optimizer = build_optimizer(
             model, cfg.optim, device, param_dtype=resolved.precision.param_dtype

@@ -20,6 +20,7 @@ from onegpu.config.loading import (
 )
 from onegpu.config.options import (
     CHECKPOINTING_MODES,
+    HF_FIXED_FIELDS,
     SECTIONS,
     CheckpointConfig,
     Checkpointing,
@@ -38,6 +39,7 @@ from onegpu.config.validation import validate
 
 __all__ = [
     "CHECKPOINTING_MODES",
+    "HF_FIXED_FIELDS",
     "SECTIONS",
     "CheckpointConfig",
     "Checkpointing",

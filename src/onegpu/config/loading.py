@@ -19,7 +19,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
-from onegpu.config.options import SECTIONS, Config, ConfigError
+from onegpu.config.options import HF_FIXED_FIELDS, SECTIONS, Config, ConfigError
 from onegpu.config.validation import validate
 
 # ---------------------------------------------------------------------------- field metadata
@@ -212,12 +212,31 @@ def load_config(
     preset = preset or doc.get("preset") or DEFAULT_PRESET
     if preset:
         apply_values(cfg, preset_values(preset), f"preset {preset}")
+    given = {}
     if file:
-        apply_values(cfg, flatten_toml(doc, str(file)), str(file))
+        given = flatten_toml(doc, str(file))
+        apply_values(cfg, given, str(file))
     if overrides:
         apply_values(cfg, overrides)
+        given = {**given, **overrides}
+    check_hf_fields(cfg, given)
     validate(cfg)
     return cfg
+
+
+def check_hf_fields(cfg: Config, given: dict[str, Any]) -> None:
+    """With model.hf, the folder's config.json is the architecture: a [model] field it fixes,
+    given in a file or on the command line, is refused (a preset's are simply replaced)."""
+    if not cfg.model.hf:
+        return
+    for key in given:
+        section, _, name = key.partition(".")
+        if section == "model" and name in HF_FIXED_FIELDS:
+            raise ConfigError(
+                key,
+                f"fixed by the config.json of model.hf={cfg.model.hf!r}; remove it (edit the "
+                "folder's config.json to change the architecture)",
+            )
 
 
 def with_overrides(cfg: Config, values: dict[str, str]) -> Config:

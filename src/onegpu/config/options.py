@@ -58,6 +58,14 @@ class ModelConfig:
     """Dtype of the attention scores and softmax in 'plain' attention (Lippe's tutorial keeps it fp32)."""
     init_std: float = 0.02
     """Standard deviation of the GPT-2 initialisation (residual projections are scaled down)."""
+    hf: str = ""
+    """A local Hugging Face model folder to train instead of onegpu's GPT: its config.json sets
+    the architecture (fields of [model] it fixes are refused), model.safetensors (optional) the
+    starting weights, tokenizer.json (optional) the tokenizer of the data. Nothing is
+    downloaded. model.seq_len sets the training context (at most the model's positions)."""
+    hf_head: Literal["auto", "causal-lm", "sequence-classification"] = "auto"
+    """The head of a model.hf model: 'auto' reads config.json's architectures (a
+    ...ForSequenceClassification is a classifier, anything else a causal LM)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,6 +228,21 @@ class Config:
 SECTIONS: dict[str, type] = get_type_hints(Config)
 """Section name -> its dataclass, in declaration order."""
 
+
+HF_FIXED_FIELDS = (
+    "n_layer",
+    "n_head",
+    "d_model",
+    "vocab_size",
+    "pad_vocab_to",
+    "mlp_ratio",
+    "dropout",
+    "bias",
+    "tie_embeddings",
+    "softmax_dtype",
+    "init_std",
+)
+"""[model] fields that a model.hf folder's config.json fixes: refused when given beside it."""
 
 CHECKPOINTING_MODES = ("none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective")
 

@@ -73,7 +73,9 @@ def validate(cfg: Config) -> None:
     _require(
         0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}"
     )
-    if d.tokenizer == "byte":
+    if m.hf:  # the vocabulary is the folder's: checked when the build reads it
+        pass
+    elif d.tokenizer == "byte":
         _require(
             m.vocab_size >= 256,
             "model.vocab_size",

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from onegpu.config import ConfigError
+
 
 class Tokenizer(Protocol):
     name: str
@@ -85,3 +87,26 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+class FileTokenizer(BPETokenizer):
+    """A model folder's own tokenizer.json (any `tokenizers` model: BPE, Unigram, WordPiece).
+    Its name carries a hash of the file, so token caches never mix two tokenizers."""
+
+    def __init__(self, path: Path, eot_id: int | None):
+        import hashlib
+
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise ConfigError(
+                "model.hf", f"{path} is not a readable tokenizer.json ({str(e).splitlines()[0]})"
+            ) from None
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        digest = hashlib.sha1(path.read_bytes()).hexdigest()[:12]
+        self.name = f"file-{digest}"
+        self.eot_id = eot_id if eot_id is not None else 0
+        self.path = path

@@ -82,6 +82,12 @@ def _load_pretokenized(path: Path, data: DataConfig, vocab_size: int) -> TokenSp
 
 def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokenizer:
     if data.tokenizer == "byte":
+        if model_vocab < 256:
+            raise ConfigError(
+                "data.tokenizer",
+                f"the byte tokenizer needs 256 ids, the model has {model_vocab}; use a model "
+                "folder with a tokenizer.json",
+            )
         return ByteTokenizer()
     vocab = data.tokenizer_vocab or model_vocab
     path = (
@@ -168,8 +174,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def prepare_tokens(data: DataConfig, model_vocab: int) -> TokenSplits:
-    """Token arrays for the train and validation splits of `data.source`, cached on disk."""
+def prepare_tokens(
+    data: DataConfig, model_vocab: int, tokenizer: Tokenizer | None = None
+) -> TokenSplits:
+    """Token arrays for the train and validation splits of `data.source`, cached on disk.
+    `tokenizer` (a model folder's own) replaces the one `data.tokenizer` names."""
     check_cache_writable(data)
     source_path = Path(data.source).expanduser()
     if data.source != "stdlib" and (
@@ -181,7 +190,13 @@ def prepare_tokens(data: DataConfig, model_vocab: int) -> TokenSplits:
         return _load_pretokenized(source_path, data, model_vocab)
 
     corpus = open_corpus(data.source, val_fraction=data.val_fraction, text_field=data.text_field)
-    tok = _tokenizer_for(corpus, data, model_vocab)
+    tok = tokenizer or _tokenizer_for(corpus, data, model_vocab)
+    if tok.vocab_size > model_vocab:
+        raise ConfigError(
+            "data.tokenizer",
+            f"the {tok.name} tokenizer has {tok.vocab_size} ids, more than the model's "
+            f"{model_vocab} embedding rows; use a tokenizer that fits the model",
+        )
     dtype = token_dtype(tok.vocab_size)
     folder = (
         cache_root(data.cache_dir)

@@ -12,8 +12,13 @@ from torch import nn
 
 
 def matmul_params(model: nn.Module) -> int:
-    """Weights that take part in a matmul (a tied output layer counts: it is a matmul)."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    """Weights that take part in a matmul (a tied output layer counts: it is a matmul);
+    transformers' GPT-2 keeps its linear layers as `Conv1D` modules."""
+    return sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+    )
 
 
 def attention_flops_per_token(n_layer: int, seq_len: int, d_model: int) -> int:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onegpu.config import ConfigError
+
 # ---------------------------------------------------------------------------- few-bit GELU
 
 
@@ -33,15 +35,23 @@ def gelu_tanh_derivative(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * c * (1 + 3 * 0.044715 * x**2)
 
 
-@functools.lru_cache(maxsize=8)
-def gelu_derivative_levels(bits: int) -> tuple[np.ndarray, np.ndarray, float]:
+def gelu_erf_derivative(x: np.ndarray) -> np.ndarray:
+    """d/dx x * Phi(x) = Phi(x) + x * phi(x) (the exact GELU of BERT and others)."""
+    erf = np.vectorize(math.erf)
+    return 0.5 * (1 + erf(x / math.sqrt(2))) + x * np.exp(-0.5 * x**2) / math.sqrt(2 * math.pi)
+
+
+@functools.lru_cache(maxsize=16)
+def gelu_derivative_levels(
+    bits: int, approximate: str = "tanh"
+) -> tuple[np.ndarray, np.ndarray, float]:
     """Breakpoints (2^bits - 1) and levels (2^bits) of a piecewise-constant approximation q of
     GELU'(x) minimising E[(GELU'(x) - q(x))^2] for x ~ N(0, 1) (pre-activations are roughly
     normal), by Lloyd iterations on a fine grid; and sup |GELU'(x) - q(x)| over the real line
     (tails included), the per-element bound on the relative gradient error."""
     n = 2**bits
     grid = np.linspace(-10, 10, 40001)
-    g = gelu_tanh_derivative(grid)
+    g = gelu_tanh_derivative(grid) if approximate == "tanh" else gelu_erf_derivative(grid)
     w = np.exp(-0.5 * grid**2)
     breaks = np.quantile(
         np.random.default_rng(0).standard_normal(200_000), np.linspace(0, 1, n + 1)[1:-1]
@@ -86,33 +96,36 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 class _FewBitGELU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bits: int, breaks: torch.Tensor, levels: torch.Tensor):
+    def forward(ctx, x, bits: int, breaks: torch.Tensor, levels: torch.Tensor, approximate: str):
         codes = torch.bucketize(x.detach().float(), breaks, right=True)
         ctx.save_for_backward(pack_bits(codes, bits), levels)
         ctx.bits, ctx.shape = bits, x.shape
-        return F.gelu(x, approximate="tanh")
+        return F.gelu(x, approximate=approximate)
 
     @staticmethod
     def backward(ctx, grad_y):
         packed, levels = ctx.saved_tensors
         codes = unpack_bits(packed, ctx.bits, grad_y.numel()).view(ctx.shape)
-        return grad_y * levels[codes].to(grad_y.dtype), None, None, None
+        return grad_y * levels[codes].to(grad_y.dtype), None, None, None, None
 
 
 class FewBitGELU(nn.Module):
-    def __init__(self, bits: int):
+    """GELU (`approximate` 'tanh' as GPT-2, or 'none': the exact erf form) whose backward keeps
+    a `bits`-bit code of the input."""
+
+    def __init__(self, bits: int, approximate: str = "tanh"):
         super().__init__()
-        self.bits = bits
-        breaks, levels, self.max_derivative_error = gelu_derivative_levels(bits)
+        self.bits, self.approximate = bits, approximate
+        breaks, levels, self.max_derivative_error = gelu_derivative_levels(bits, approximate)
         self._breaks, self._levels = torch.from_numpy(breaks), torch.from_numpy(levels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._breaks.device != x.device:  # plain tensors, not buffers: meta-build friendly
             self._breaks, self._levels = self._breaks.to(x.device), self._levels.to(x.device)
-        return _FewBitGELU.apply(x, self.bits, self._breaks, self._levels)
+        return _FewBitGELU.apply(x, self.bits, self._breaks, self._levels, self.approximate)
 
     def extra_repr(self) -> str:
-        return f"bits={self.bits}"
+        return f"bits={self.bits}, approximate={self.approximate!r}"
 
 
 # ---------------------------------------------------------------------------- randomized linear
@@ -173,13 +186,57 @@ class RandomizedLinear(nn.Linear):
 # ---------------------------------------------------------------------------- applying
 
 
+# transformers' GELU modules (transformers/activations.py) -> the F.gelu form they compute
+_HF_GELUS = {
+    "GELUActivation": "none",
+    "NewGELUActivation": "tanh",
+    "GELUTanh": "tanh",
+    "PytorchGELUTanh": "tanh",
+    "FastGELUActivation": "tanh",
+}
+
+
+def gelu_form(module: nn.Module) -> str | None:
+    """'tanh' or 'none' if `module` is a GELU whose forward F.gelu reproduces, else None."""
+    if type(module) is nn.GELU:
+        return module.approximate
+    return _HF_GELUS.get(type(module).__name__)
+
+
+def _activation_names(model: nn.Module) -> str:
+    names = {type(m).__name__ for b in model.blocks for m in b.modules() if not list(m.children())}
+    acts = sorted(n for n in names if any(a in n.lower() for a in ("gelu", "silu", "relu", "act")))
+    return ", ".join(acts) or "none found"
+
+
 def apply_approx_grads(model: nn.Module, *, gelu_bits: int, randomized_linear: float) -> nn.Module:
-    """Swap GELUs and block linears in place (parameter names unchanged)."""
+    """Swap the blocks' GELUs and linear layers in place (parameter names unchanged); a model
+    without them is refused (ConfigError), never silently left exact."""
+    swapped_gelu = swapped_linear = 0
     for block in model.blocks:
-        if gelu_bits:
-            block.mlp.act = FewBitGELU(gelu_bits)
-        if randomized_linear:
-            for lin in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj):
-                lin.__class__ = RandomizedLinear
-                lin.keep = randomized_linear
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                form = gelu_form(child)
+                if gelu_bits and form is not None:
+                    setattr(parent, name, FewBitGELU(gelu_bits, form))
+                    swapped_gelu += 1
+                elif randomized_linear and type(child) is nn.Linear:
+                    child.__class__ = RandomizedLinear
+                    child.keep = randomized_linear
+                    swapped_linear += 1
+    if gelu_bits and not swapped_gelu:
+        raise ConfigError(
+            "memory.gelu_bits",
+            f"the model's blocks have no GELU (activations: {_activation_names(model)}); "
+            "few-bit backward is built for GELU: set it to 0",
+        )
+    if randomized_linear and not swapped_linear:
+        kinds = sorted(
+            {type(m).__name__ for b in model.blocks for m in b.modules() if hasattr(m, "weight")}
+        )
+        raise ConfigError(
+            "memory.randomized_linear",
+            f"the model's blocks have no nn.Linear layers (weighted layers: {', '.join(kinds)}); "
+            "set it to 0",
+        )
     return model

@@ -2,7 +2,8 @@
 
 `memory.checkpointing` (parsed into `config.Checkpointing`):
   none        keep every activation
-  attn, mlp   recompute that residual branch of each block in backward (its LayerNorm included)
+  attn, mlp   recompute that residual branch of each block in backward (in our GPT its
+              LayerNorm included; in transformers' decoder layers the norm sits outside)
   attn+mlp    both branches (the "remat of MLP and attention" of Lippe's UvA tutorial "Profiling
               and Scaling Single-GPU Transformer Models"): keeps only the residual stream
   block       recompute whole blocks: keeps one [B, T, D] input per block
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from onegpu.config import Checkpointing
+from onegpu.config import Checkpointing, ConfigError
 
 _aten = torch.ops.aten
 # Outputs worth keeping: the FLOP-heavy ops. Everything else is recomputed.
@@ -82,11 +83,34 @@ def checkpoint_module(module: nn.Module, *, context_fn: Callable | None = None) 
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
 
     @functools.wraps(inner)
-    def forward(*args):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    def forward(*args, **call_kwargs):
+        return checkpoint(
+            inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs, **call_kwargs
+        )
 
     module.forward = forward
     return module
+
+
+BRANCH_NAMES = {
+    "attn": ("attn", "self_attn", "attention", "self_attention"),
+    "mlp": ("mlp", "feed_forward", "ffn"),
+}
+"""What blocks call their two residual branches: ours, and transformers' decoder layers."""
+
+
+def block_branch(block: nn.Module, kind: str) -> nn.Module:
+    """A block's attention ('attn') or MLP ('mlp') sub-module, or ConfigError."""
+    for name in BRANCH_NAMES[kind]:
+        branch = getattr(block, name, None)
+        if isinstance(branch, nn.Module):
+            return branch
+    children = ", ".join(n for n, _ in block.named_children())
+    raise ConfigError(
+        "memory.checkpointing",
+        f"{type(block).__name__} has no {kind} sub-module (it has: {children}); "
+        "use block, every:K or selective",
+    )
 
 
 def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> nn.Module:
@@ -95,9 +119,9 @@ def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> nn.Module:
         return model
     for i, block in enumerate(model.blocks):
         if mode.kind in ("attn", "attn+mlp"):
-            checkpoint_module(block.attn)
+            checkpoint_module(block_branch(block, "attn"))
         if mode.kind in ("mlp", "attn+mlp"):
-            checkpoint_module(block.mlp)
+            checkpoint_module(block_branch(block, "mlp"))
         if mode.kind == "block" or (mode.kind == "every" and i % mode.every == 0):
             checkpoint_module(block)
         if mode.kind == "selective":

@@ -32,3 +32,14 @@ def token_loss_sum(
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def classification_loss_sum(
+    model: nn.Module, idx_BT: torch.Tensor, labels_B1: torch.Tensor
+) -> torch.Tensor:
+    """Sum of a sequence classifier's cross-entropy over its labels (one per sequence, in the
+    targets' first column), in fp32: the step divides by the number of labels in the batch."""
+    logits_BC = model(idx_BT).float()
+    return F.cross_entropy(
+        logits_BC, labels_B1[:, 0], ignore_index=IGNORE_INDEX, reduction="sum"
+    )
