@@ -201,6 +201,45 @@ def cmd_tune(ns: argparse.Namespace, unknown: list[str]) -> int:
     return 0 if result["best"] else 2
 
 
+def _no_unknown(command: str, unknown: list[str]) -> None:
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown option for `onegpu {command}`; see --help")
+
+
+def cmd_export(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from onegpu.tools.export import export
+
+    _no_unknown("export", unknown)
+    result = export(ns.run_dir, ns.out, overwrite=ns.overwrite)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from onegpu.tools.generate import generate
+
+    _no_unknown("generate", unknown)
+    text = generate(
+        ns.source,
+        ns.prompt,
+        max_new_tokens=ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        seed=ns.seed,
+    )
+    print(ns.prompt + text)
+    return 0
+
+
+def cmd_plot(ns: argparse.Namespace, unknown: list[str]) -> int:
+    from onegpu.tools.plot import plot_runs
+
+    _no_unknown("plot", unknown)
+    out = plot_runs(ns.run_dirs, ns.out)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
     if unknown:
         raise ConfigError(unknown[0], "unknown option for `onegpu info`")
@@ -300,6 +339,25 @@ def make_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(p)
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser(
+        "export", help="a run's weights as a Hugging Face folder (from_pretrained loads it)"
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (its final or newest weights)")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="the Hugging Face folder")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty folder")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("generate", help="sample text from a run or a Hugging Face folder")
+    p.add_argument("source", metavar="RUN_DIR_OR_HF_FOLDER")
+    p.add_argument("--prompt", default="", help="the text to continue (default: empty)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="default: 100")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="0: no cut (default: 50)")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same text (default: 0)")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("plot", help="loss against steps and tokens for one or more runs (PNG)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default="loss.png", help="the PNG to write (default: loss.png)")
+    p.set_defaults(func=cmd_plot)
     p = sub.add_parser(
         "info", help="device, torch version, supported dtypes, measured matmul peaks"
     )

@@ -261,9 +261,14 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: Config) -> str:
+    """The config as a TOML file that loads back to it. With model.hf the fields its
+    config.json fixes are left out (they come from the folder; giving them is refused)."""
     lines: list[str] = []
     for section, obj in cfg.sections().items():
         lines.append(f"[{section}]")
-        lines.extend(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj))
+        for f in fields(obj):
+            if section == "model" and cfg.model.hf and f.name in HF_FIXED_FIELDS:
+                continue
+            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
         lines.append("")
     return "\n".join(lines)

@@ -198,6 +198,10 @@ class OutConfig:
     """Allow writing into a folder that already holds a run."""
     progress: bool = True
     """Show a progress bar."""
+    tensorboard: bool = False
+    """Also write the logged metrics (loss, lr, grad norm, tokens/s, MFU, memory, val loss) as
+    TensorBoard events in DIR/tensorboard/ (needs the tensorboard package: `tensorboard
+    --logdir DIR`)."""
     save_checkpoint: bool = True
     """Save checkpoints to DIR/checkpoints/ (at the end, on interruption and every
     checkpoint.every steps) and the final weights as DIR/model.safetensors."""

@@ -40,6 +40,30 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if i != self.eot_id).decode("utf-8", errors="replace")
 
+    def to_tokenizers(self):
+        """The same mapping as a `tokenizers.Tokenizer` (id = byte value; no merges), so that
+        exported byte-level models load with transformers' AutoTokenizer."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (the ByteLevel alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
 
 class BPETokenizer:
     """A `tokenizers` byte-level BPE (GPT-2's pre-tokenizer and byte alphabet)."""
@@ -87,6 +111,9 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def to_tokenizers(self):
+        return self._tok
 
 
 class FileTokenizer(BPETokenizer):

@@ -1,6 +1,8 @@
-"""Load GPT-2 weights in Hugging Face's layout (local files only: nothing is downloaded).
+"""GPT-2 weights between Hugging Face's layout and our GPT, both ways (local files only).
 
-HF's GPT-2 stores linear layers as Conv1D with [in, out] weights; ours are nn.Linear [out, in].
+Our GPT is GPT-2's architecture: HF's GPT2LMHeadModel with the same weights computes the same
+function (tested to 1e-5 in fp32). HF's GPT-2 stores linear layers as Conv1D with [in, out]
+weights; ours are nn.Linear [out, in].
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import re
 
 import torch
 
+from onegpu.config import ConfigError
 from onegpu.models.gpt import GPT
 
 _RENAMES = [
@@ -57,3 +60,85 @@ def load_hf_gpt2(model: GPT, hf_state: dict[str, torch.Tensor]) -> GPT:
         raise KeyError(f"GPT-2 weights do not fit: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model
+
+
+def gpt2_config_kwargs(model: GPT, *, eos_token_id: int | None = None) -> dict:
+    """transformers.GPT2Config arguments for our GPT (ConfigError, naming the option, for what
+    GPT-2's architecture cannot express)."""
+    cfg = model.cfg
+    if model.lm_head.bias is not None:
+        raise ConfigError(
+            "model.bias",
+            "this model's untied output layer has a bias, which GPT-2's lm_head lacks; it "
+            "cannot be exported as GPT2LMHeadModel",
+        )
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.seq_len,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_inner=cfg.mlp_ratio * cfg.d_model,
+        activation_function="gelu_new",  # GELU, tanh form: ours
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        layer_norm_epsilon=1e-5,  # nn.LayerNorm's default, which our blocks use
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        architectures=["GPT2LMHeadModel"],
+    )
+    if eos_token_id is not None:
+        kwargs.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+    return kwargs
+
+
+def hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our GPT's weights in GPT2LMHeadModel's layout: vocabulary padding dropped, Linear
+    weights transposed into Conv1D's [in, out], and zeros for the biases of a bias-free model
+    (GPT-2 always has them; zero biases compute the same function)."""
+    ours = {k: v.detach().float() for k, v in model.state_dict().items()}
+    back = {new: old for old, new in _inverse_names(ours)}
+    out: dict[str, torch.Tensor] = {}
+    V, D = model.cfg.vocab_size, model.cfg.d_model
+    for hf_key, our_key in back.items():
+        value = ours[our_key]
+        if our_key in ("wte.weight", "lm_head.weight"):
+            value = value[:V]
+        out[hf_key] = value.t().contiguous() if _CONV1D.search(hf_key) else value.contiguous()
+    for i in range(model.cfg.n_layer):  # GPT-2 has every bias: zeros where ours has none
+        h = f"transformer.h.{i}"
+        F_ = model.cfg.mlp_ratio * D
+        for key, size in (
+            (f"{h}.ln_1.bias", D), (f"{h}.ln_2.bias", D), (f"{h}.attn.c_attn.bias", 3 * D),
+            (f"{h}.attn.c_proj.bias", D), (f"{h}.mlp.c_fc.bias", F_), (f"{h}.mlp.c_proj.bias", D),
+        ):  # fmt: skip
+            out.setdefault(key, torch.zeros(size))
+    out.setdefault("transformer.ln_f.bias", torch.zeros(D))
+    if model.cfg.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _inverse_names(ours: dict[str, torch.Tensor]):
+    """(our key, HF key) for every weight of our GPT."""
+    patterns = [
+        (r"^wte\.", "transformer.wte."),
+        (r"^wpe\.", "transformer.wpe."),
+        (r"^norm_f\.", "transformer.ln_f."),
+        (r"^blocks\.(\d+)\.attn\.norm\.", r"transformer.h.\1.ln_1."),
+        (r"^blocks\.(\d+)\.attn\.qkv\.", r"transformer.h.\1.attn.c_attn."),
+        (r"^blocks\.(\d+)\.attn\.proj\.", r"transformer.h.\1.attn.c_proj."),
+        (r"^blocks\.(\d+)\.mlp\.norm\.", r"transformer.h.\1.ln_2."),
+        (r"^blocks\.(\d+)\.mlp\.fc\.", r"transformer.h.\1.mlp.c_fc."),
+        (r"^blocks\.(\d+)\.mlp\.proj\.", r"transformer.h.\1.mlp.c_proj."),
+        (r"^lm_head\.", "lm_head."),
+    ]
+    for key in ours:
+        for pattern, repl in patterns:
+            new, n = re.subn(pattern, repl, key)
+            if n:
+                yield key, new
+                break
+        else:
+            raise KeyError(f"unexpected weight {key!r} in onegpu's GPT")

@@ -59,9 +59,10 @@ def _transformers():
         import transformers
     except ImportError:
         raise ConfigError(
-            "model.hf", "needs the transformers package; pip install 'onegpu[hf]'"
+            "model.hf", "needs the transformers package; pip install 'transformers>=4.56'"
         ) from None
     transformers.logging.set_verbosity_error()  # its notes on configs are not ours to print
+    transformers.logging.disable_progress_bar()
     return transformers
 
 

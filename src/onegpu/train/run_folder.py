@@ -19,6 +19,14 @@ from onegpu.config import Config, ConfigError, OutConfig, to_toml
 from onegpu.perf.allocator import active_allocator
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json")
+# A model.hf folder's files other than weights, kept in the run folder's model/
+MODEL_FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def resolve_out_dir(out: OutConfig, *, resuming: bool = False) -> Path:
@@ -101,6 +109,23 @@ class RunFolder:
         self.checkpoints.mkdir(exist_ok=True)
         (path / "config.toml").write_text(to_toml(cfg))
         self._metrics = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._tensorboard = TensorBoardSink(path / "tensorboard") if cfg.out.tensorboard else None
+
+    def write_model_files(self, cfg: Config, tokenizer: Any | None) -> None:
+        """What export and generate need besides the weights, so that they work after the
+        model folder or the token cache is gone: `model/` holds a model.hf folder's
+        config and tokenizer files; `tokenizer.json` the data's tokenizer (with its
+        end-of-text id in `tokenizer_eot.txt`)."""
+        if cfg.model.hf:
+            target = self.path / "model"
+            target.mkdir(exist_ok=True)
+            for name in MODEL_FOLDER_FILES:
+                src = Path(cfg.model.hf).expanduser() / name
+                if src.is_file():
+                    shutil.copyfile(src, target / name)
+        if tokenizer is not None and hasattr(tokenizer, "to_tokenizers"):
+            tokenizer.to_tokenizers().save(str(self.path / "tokenizer.json"))
+            (self.path / "tokenizer_eot.txt").write_text(f"{tokenizer.eot_id}\n")
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.path / "metrics.jsonl"
@@ -119,6 +144,8 @@ class RunFolder:
 
     def log(self, row: dict[str, Any]) -> None:
         self._metrics.write(json.dumps(_strict(row), allow_nan=False) + "\n")
+        if self._tensorboard is not None:
+            self._tensorboard.log(row)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         tmp = self.path / f"summary.json.tmp{os.getpid()}"
@@ -128,6 +155,48 @@ class RunFolder:
     def close(self) -> None:
         if not self._metrics.closed:
             self._metrics.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+class TensorBoardSink:
+    """The rows of metrics.jsonl as TensorBoard scalars (x axis: the optimizer step), under the
+    groups TensorBoard shows side by side: train/, eval/, speed/, memory/. A resumed run
+    appends to the same folder; TensorBoard keeps the newest value of a repeated step."""
+
+    TAGS = {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "loss_scale": "train/loss_scale",
+        "skipped_steps": "train/skipped_steps",
+        "val_loss": "eval/loss",
+        "val_ppl": "eval/perplexity",
+        "tokens_per_s": "speed/tokens_per_s",
+        "mfu": "speed/mfu",
+        "step_time_s": "speed/step_time_s",
+        "peak_mem_bytes": "memory/peak_bytes",
+    }
+
+    def __init__(self, folder: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError(
+                "out.tensorboard", "needs the tensorboard package: pip install tensorboard"
+            ) from None
+        self._writer = SummaryWriter(log_dir=str(folder))
+
+    def log(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        for key, tag in self.TAGS.items():
+            value = row.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._writer.add_scalar(tag, value, step)
+        self._writer.flush()  # one flush per logged row: a killed run loses nothing logged
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _strict(value: Any) -> Any:

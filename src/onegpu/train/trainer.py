@@ -35,6 +35,7 @@ def train(cfg: Config) -> dict[str, Any]:
     cfg, tcfg = built.cfg, built.cfg.train  # the resolved config: what runs
     start = resume.restore(built, previous) if previous else 0
     run = RunFolder(out_dir, cfg, resume_step=start if previous else None)
+    run.write_model_files(cfg, built.data.tokenizer)
     batches, eval_batches = training_batches(built, start), validation_batches(built)
     meter = Meter(
         built.step,

@@ -1,0 +1,121 @@
+"""`onegpu export RUN_DIR --out FOLDER`: a run's weights as a Hugging Face model folder that
+`AutoModelForCausalLM.from_pretrained(FOLDER)` loads: `config.json`, `model.safetensors` and the
+tokenizer when the run had one.
+
+A `--model.hf` run is written as its own architecture; onegpu's GPT as `GPT2LMHeadModel` (the
+same architecture: models/convert.py). After writing, the folder is loaded back with
+transformers and its logits are compared with the run's model on a random batch: the figure is
+printed and returned, so every export states its own parity.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onegpu.config import ConfigError
+from onegpu.models.convert import gpt2_config_kwargs, hf_gpt2_state_dict
+from onegpu.models.gpt import GPT
+from onegpu.models.hf import HFModel
+from onegpu.tools.trained import Trained, load_trained
+from onegpu.train.run_folder import MODEL_FOLDER_FILES
+
+
+def export(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
+    """Write the folder; returns what was written and the parity figures."""
+    out = Path(out).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError("--out", f"{out} exists and is not empty; choose a new folder")
+    trained = load_trained(run_dir)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    if isinstance(trained.model, HFModel):
+        hf = _as_hf_model(trained)
+    elif isinstance(trained.model, GPT):
+        hf = _as_gpt2(trained)
+    else:  # pragma: no cover - every model onegpu builds is one of the two
+        raise ConfigError("RUN_DIR", f"cannot export a {type(trained.model).__name__}")
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out, safe_serialization=True)
+    tokenizer = _write_tokenizer(trained, out)
+    parity = check_parity(trained, out)
+    return {
+        "out": str(out),
+        "architecture": type(hf).__name__,
+        "weights_from": trained.weights,
+        "tokenizer": tokenizer,
+        **parity,
+    }
+
+
+def _as_hf_model(trained: Trained) -> torch.nn.Module:
+    """The run's transformers model itself, fp32, with the trained weights."""
+    hf = trained.model.hf.float()
+    hf.config.use_cache = True  # for whoever loads it to generate
+    return hf
+
+
+def _as_gpt2(trained: Trained) -> torch.nn.Module:
+    import transformers
+
+    tok = trained.tokenizer
+    eos = tok.eot_id if tok is not None else None
+    config = transformers.GPT2Config(**gpt2_config_kwargs(trained.model, eos_token_id=eos))
+    hf = transformers.GPT2LMHeadModel(config)
+    missing, unexpected = hf.load_state_dict(hf_gpt2_state_dict(trained.model), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:  # a bug in the converter, never the user's input
+        raise RuntimeError(f"GPT-2 export: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
+def _write_tokenizer(trained: Trained, out: Path) -> str | None:
+    """The model folder's own tokenizer files, else the run's data tokenizer as a
+    PreTrainedTokenizerFast."""
+    src = trained.source / "model"
+    if (src / "tokenizer.json").is_file():
+        for name in MODEL_FOLDER_FILES:
+            if name.startswith(("tokenizer", "special")) and (src / name).is_file():
+                shutil.copyfile(src / name, out / name)
+        return "the model folder's"
+    run_tok = trained.source / "tokenizer.json"
+    if not run_tok.is_file():
+        return None
+    import transformers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(run_tok))
+    eot = trained.tokenizer.eot_id if trained.tokenizer is not None else 0
+    eot_token = tok.id_to_token(eot)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eot_token, bos_token=eot_token
+    )
+    fast.save_pretrained(out)
+    return "the run's data tokenizer"
+
+
+@torch.no_grad()
+def check_parity(trained: Trained, folder: Path, *, batch: int = 2, seed: int = 0) -> dict:
+    """Max |logit difference| between the run's model and the exported folder loaded back by
+    transformers, in fp32, on random tokens."""
+    import transformers
+
+    auto = (
+        transformers.AutoModelForSequenceClassification
+        if getattr(trained.model, "is_classifier", False)
+        else transformers.AutoModelForCausalLM
+    )
+    back = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    vocab = trained.cfg.model.vocab_size
+    T = min(trained.cfg.model.seq_len, 64)
+    idx = torch.randint(0, vocab, (batch, T), generator=torch.Generator().manual_seed(seed))
+    ours = trained.model(idx)[..., :vocab] if not getattr(trained.model, "is_classifier", False) else trained.model(idx)
+    theirs = back(input_ids=idx).logits
+    diff = (ours - theirs).abs().max().item()
+    return {"parity_max_abs_logit_diff": diff, "parity_logit_scale": ours.abs().max().item()}
