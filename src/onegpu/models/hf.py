@@ -16,9 +16,11 @@ the folder's safetensors weights when there are any. No network: `local_files_on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,10 @@ class HFFolder:
 
 
 def _transformers():
+    # transformers may import torchao, which logs that its CUDA-only kernels do not load on a
+    # CPU machine (and torch notes its enum registrations): noise, not our user's concern
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         import transformers
     except ImportError:
@@ -219,12 +225,14 @@ class HFModel(nn.Module):
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states of the decoder (the head is applied by the loss)."""
         decoder = self.hf.get_decoder()
-        return decoder(input_ids=idx_BT, use_cache=False).last_hidden_state
+        with _planned_as_run(idx_BT):
+            return decoder(input_ids=idx_BT, use_cache=False).last_hidden_state
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Logits: [B, T, V] for a causal LM, [B, classes] for a classifier."""
         kwargs = {} if self.is_classifier else {"use_cache": False}
-        return self.hf(input_ids=idx_BT, **kwargs).logits
+        with _planned_as_run(idx_BT):
+            return self.hf(input_ids=idx_BT, **kwargs).logits
 
     def padding_params(self) -> int:
         return 0
@@ -249,6 +257,29 @@ class HFModel(nn.Module):
         fake = any(is_fake(p) for p in self.hf.parameters())  # a plan reads no weights
         if self.folder.weights and not fake:
             load_safetensors_into(self.hf, self.folder.weights)
+
+
+@contextlib.contextmanager
+def _planned_as_run(idx: torch.Tensor):
+    """transformers treats fake tensors as graph tracing, where it cannot read the position ids
+    to rule out packed sequences, so it builds an explicit [B, 1, T, T] mask (and repeats the
+    key/value heads of grouped-query attention for it). The planner's fake step must take the
+    path of a real step: onegpu's inputs are never packed (positions 0..T-1 in every row, what
+    a real step finds by reading them), so while a fake step runs that finding is given."""
+    if not is_fake(idx):
+        yield
+        return
+    import transformers.masking_utils as masking
+
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:  # pragma: no cover - a transformers without the check
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 def _classifier_out(hf: nn.Module) -> nn.Module:

@@ -222,6 +222,21 @@ def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None
     return plan
 
 
+def _block_prefixes(model: nn.Module) -> dict[str, str]:
+    """Module name of each block -> 'blocks.N' (a transformers model's blocks live deeper,
+    e.g. hf.model.layers.N)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(b)]: f"blocks.{i}" for i, b in enumerate(model.blocks) if id(b) in names}
+
+
+def _block_of(module: str, prefixes: dict[str, str]) -> str:
+    for prefix, block in prefixes.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return block
+    head = module.split(".")[0]
+    return "loss" if not head else "embeddings/head" if head == "hf" else head
+
+
 def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) -> MemoryPlan:
     """The breakdown at the peak under the measured names, and the saved bytes by kind/block."""
     params = list({id(p): p for p in built.model.parameters()}.values())
@@ -245,12 +260,11 @@ def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) 
     memory["peak"] = sum(memory.values())
     by_kind: dict[str, int] = defaultdict(int)
     by_block: dict[str, int] = defaultdict(int)
+    prefixes = _block_prefixes(built.model)
     for serial, (nbytes, dtype, module) in saved.items():
         op, made_in = tracker.made_by.get(serial, ("", module))
         by_kind[_kind(op, made_in or module, dtype)] += nbytes // n_micro
-        parts = (module or made_in).split(".")
-        block = ".".join(parts[:2]) if parts[0] == "blocks" else (parts[0] or "loss")
-        by_block[block] += nbytes // n_micro
+        by_block[_block_of(module or made_in, prefixes)] += nbytes // n_micro
     return MemoryPlan(
         memory=memory,
         peak_phase="backward/optimizer" if tracker.peak_in_backward else "forward",

@@ -1,0 +1,50 @@
+"""The planner on transformers models: saved bytes exact and the peak within 5% of a real
+step, for each architecture tested, with the planner's fake build of the folder's config."""
+
+import pytest
+from conftest import HF_ARCHS
+
+from onegpu.config import load_config
+from onegpu.tools.planner import plan_memory
+from onegpu.train.measure import measure_real_step
+
+
+def _cfg(folder, **over):
+    values = {
+        "model.hf": str(folder),
+        "model.seq_len": "64",
+        "train.device": "cpu",
+        "train.precision": "fp32",
+        "train.batch_size": "8",
+        "train.micro_batch_size": "8",
+        **over,
+    }
+    return load_config("tiny", overrides=values)
+
+
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_plan_equals_a_real_step(arch, hf_folder):
+    cfg = _cfg(hf_folder(arch))
+    plan = plan_memory(cfg)
+    built, measured = measure_real_step(cfg)
+    assert plan.n_params == built.n_params
+    assert plan.saved_per_micro_batch == measured["saved_activations_per_micro_batch"]
+    assert plan.memory["peak"] == pytest.approx(measured["peak"], rel=0.05)
+    assert set(plan.saved_by_block) >= {"blocks.0", "blocks.1"}
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"memory.checkpointing": "block"},
+        {"memory.checkpointing": "selective"},
+        {"memory.loss_chunk": "128"},
+        {"train.precision": "bf16"},
+    ],
+)
+def test_plan_with_techniques_on_llama(over, hf_folder):
+    cfg = _cfg(hf_folder("llama"), **over)
+    plan = plan_memory(cfg)
+    _, measured = measure_real_step(cfg)
+    assert plan.saved_per_micro_batch == measured["saved_activations_per_micro_batch"]
+    assert plan.memory["peak"] == pytest.approx(measured["peak"], rel=0.05)
