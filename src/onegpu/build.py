@@ -217,6 +217,9 @@ class Built:
     data: TokenSplits | None
     n_params: int
     flops_per_token: int
+    classes: int
+    """Labels of a sequence classifier (its targets: data.loader.classification_targets);
+    0 for a language model."""
     fake_mode: contextlib.AbstractContextManager
     """Enter it to run the step of a fake build (a null context for a real one)."""
 
@@ -295,6 +298,7 @@ def build(
         data=data,
         n_params=count_params(model),
         flops_per_token=flops_per_token(model, cfg.train_seq_len),
+        classes=model.lm_head.out_features if getattr(model, "is_classifier", False) else 0,
         fake_mode=fake_mode,
     )
 

@@ -323,7 +323,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grid",
         default="all",
-        help="all, or a comma-separated list of: hf, seed000 (Lippe), seed003 (Optimising the Training Loop)",
+        help="all, or a comma-separated list of: hf (HF's single-GPU guide on the GPT), hf-bert "
+        "(the guide's rows on a scaled-down BERT classifier, as the guide measured), seed000 "
+        "(Lippe), seed003 (Optimising the Training Loop)",
     )
     p.add_argument(
         "--grid-file",

@@ -71,9 +71,10 @@ class ModelConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (the running Python's standard-library sources, on every machine), or a path: a
-    .txt file, a folder of text files, a .jsonl file, a nanoGPT .bin token file, or a folder
-    holding train.bin (and val.bin)."""
+    """'stdlib' (the running Python's standard-library sources, on every machine), 'synthetic'
+    (uniform random tokens, HF's guide's dummy data: speed and memory measurements,
+    classifiers), or a path: a .txt file, a folder of text files, a .jsonl file, a nanoGPT .bin
+    token file, or a folder holding train.bin (and val.bin)."""
     tokenizer: Literal["byte", "bpe"] = "byte"
     """'byte': UTF-8 bytes, vocab 256; 'bpe': byte-level BPE trained locally on the training split."""
     tokenizer_vocab: int = 0

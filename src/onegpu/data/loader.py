@@ -19,12 +19,36 @@ IGNORE_INDEX = -100
 """Target value excluded from the loss (padding); torch's cross_entropy default."""
 
 
-class PackedSequences(Dataset):
-    """Window i = tokens[i*T : i*T + T + 1], returned as (inputs, targets) int64 tensors."""
+def classification_targets(inputs_BT: torch.Tensor, classes: int) -> torch.Tensor:
+    """Targets of a sequence classifier in the step's [B, T] layout: each sequence's label in
+    column 0, IGNORE_INDEX elsewhere, so the step's target count is the number of labels. The
+    label is the first input token's id modulo `classes` (see classification_example)."""
+    targets = torch.full_like(inputs_BT, IGNORE_INDEX)
+    targets[..., 0] = inputs_BT[..., 0] % classes
+    return targets
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+
+def classification_example(
+    window_T: torch.Tensor, classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A labelled sequence from a window of tokens: its first token becomes one of `classes`
+    ids and is the label (a [CLS] position that carries its class). HF's guide measures on
+    random labels, which no model can learn; this task is learnt in a few dozen steps by a
+    classifier that reads its first position, so a falling loss shows that training works,
+    while speed and memory are those of random data."""
+    x = window_T.clone()
+    x[0] = x[0] % classes
+    return x, classification_targets(x, classes)
+
+
+class PackedSequences(Dataset):
+    """Window i = tokens[i*T : i*T + T + 1], returned as (inputs, targets) int64 tensors
+    (`classes` > 0: a classifier's targets, see classification_targets)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, classes: int = 0):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.classes = classes
         self.n = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -33,6 +57,8 @@ class PackedSequences(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.seq_len
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        if self.classes:
+            return classification_example(window[:-1], self.classes)
         return window[:-1], window[1:]
 
 
@@ -66,9 +92,10 @@ def make_train_loader(
     num_workers: int,
     pin_memory: bool,
     start: int = 0,
+    classes: int = 0,
 ) -> DataLoader:
     """Endless shuffled batches, starting after `start` samples (a resumed run's position)."""
-    data = PackedSequences(tokens, seq_len)
+    data = PackedSequences(tokens, seq_len, classes)
     return DataLoader(
         data,
         batch_size=batch_size,
@@ -80,9 +107,11 @@ def make_train_loader(
     )
 
 
-def make_eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int) -> list:
+def make_eval_batches(
+    tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int, classes: int = 0
+) -> list:
     """The first n_batches batches of the validation split: the same every evaluation."""
-    data = PackedSequences(tokens, seq_len)
+    data = PackedSequences(tokens, seq_len, classes)
     n = min(len(data), batch_size * n_batches)
     return [
         tuple(torch.stack(t) for t in zip(*(data[i] for i in range(s, min(s + batch_size, n)))))

@@ -80,6 +80,18 @@ def _load_pretokenized(path: Path, data: DataConfig, vocab_size: int) -> TokenSp
     return TokenSplits(train, val, None, f"{path} ({data.bin_dtype} tokens)")
 
 
+SYNTHETIC_TOKENS = (1 << 20, 1 << 16)  # train, validation
+
+
+def synthetic_tokens(vocab_size: int) -> TokenSplits:
+    """Uniform random token ids from a fixed seed: the dummy data of HF's single-GPU guide,
+    for measuring speed and memory (and for classifiers, whose labels the loader derives)."""
+    rng = np.random.default_rng(0)
+    dtype = token_dtype(vocab_size)
+    train, val = (rng.integers(0, vocab_size, n).astype(dtype) for n in SYNTHETIC_TOKENS)
+    return TokenSplits(train, val, None, f"synthetic (uniform over {vocab_size} ids)")
+
+
 def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokenizer:
     if data.tokenizer == "byte":
         if model_vocab < 256:
@@ -179,6 +191,8 @@ def prepare_tokens(
 ) -> TokenSplits:
     """Token arrays for the train and validation splits of `data.source`, cached on disk.
     `tokenizer` (a model folder's own) replaces the one `data.tokenizer` names."""
+    if data.source == "synthetic":
+        return synthetic_tokens(model_vocab)
     check_cache_writable(data)
     source_path = Path(data.source).expanduser()
     if data.source != "stdlib" and (

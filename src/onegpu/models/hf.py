@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +78,13 @@ def open_hf_folder(path: str, head: str = "auto") -> HFFolder:
     """Read a local folder's config.json and find its weights and tokenizer (ConfigError, naming
     model.hf and the fix, for anything missing or unreadable)."""
     folder = Path(path).expanduser()
+    if not folder.is_dir() and path in packaged_models():
+        folder = Path(str(resources.files("onegpu") / "presets" / "models" / path))
     if not folder.is_dir():
         raise ConfigError(
             "model.hf",
             f"{path!r} is not a folder; give a local folder holding a Hugging Face config.json "
-            "(nothing is downloaded)",
+            f"(nothing is downloaded) or a packaged one: {', '.join(packaged_models())}",
         )
     if not (folder / "config.json").is_file():
         raise ConfigError(
@@ -105,6 +108,12 @@ def open_hf_folder(path: str, head: str = "auto") -> HFFolder:
         tokenizer=tokenizer if tokenizer.is_file() else None,
         head=head,
     )
+
+
+def packaged_models() -> list[str]:
+    """Model configurations shipped with onegpu (`--model.hf NAME`): architectures only."""
+    root = resources.files("onegpu") / "presets" / "models"
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
 
 
 def _weight_files(folder: Path) -> tuple[Path, ...]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.config import Config
+from onegpu.data.loader import classification_targets
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import LiveTensorBytes, storage_id
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
@@ -215,6 +216,8 @@ def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None
     with built.fake_mode:
         tokens = torch.zeros(B, T + 1, dtype=torch.long)
         x, y = tokens[:, :-1], tokens[:, 1:]
+        if built.classes:
+            y = classification_targets(x, built.classes)
         built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first real step does
         followed = _follow_step(built, target, x, y)
     plan = _label(built, cfg.optim.name, followed, n_micro)

@@ -13,6 +13,7 @@ import torch
 
 from onegpu.build import Built, build
 from onegpu.config import Config
+from onegpu.data.loader import classification_targets, count_targets
 from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.step import StepOutput
@@ -46,6 +47,9 @@ def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any]]:
     built = build(cfg, with_data=False)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train_seq_len + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
-    built.step(x, y, y.numel(), 0)
-    _, memory = measure_step(built, x, y, y.numel(), 1)
+    if built.classes:
+        y = classification_targets(x, built.classes)
+    n = count_targets(y)
+    built.step(x, y, n, 0)
+    _, memory = measure_step(built, x, y, n, 1)
     return built, memory

@@ -137,6 +137,7 @@ def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
         start=start_step * cfg.train.batch_size,
         num_workers=_num_workers(cfg, built.device),
         pin_memory=built.device.type == "cuda",
+        classes=built.classes,
     )
     return DevicePrefetcher(((x, y, count_targets(y)) for x, y in loader), built.device)
 
@@ -151,6 +152,7 @@ def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
         seq_len=built.cfg.train_seq_len,
         batch_size=t.micro_batch_size,
         n_batches=t.eval_batches,
+        classes=built.classes,
     )
 
 
