@@ -40,6 +40,7 @@ def test_packed_windows_are_shifted_targets_and_cover_each_epoch_once():
     assert sorted(starts.tolist()) == [16 * i for i in range(10)]
 
 
+@pytest.mark.slow  # reads every standard-library file
 def test_stdlib_split_is_deterministic_and_disjoint():
     corpus = open_corpus("stdlib", val_fraction=0.05)
     names = [n for n, _ in corpus._named_documents()]

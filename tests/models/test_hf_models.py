@@ -88,7 +88,7 @@ def test_techniques_keep_loss_and_gradients(arch, hf_folder):
         torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_bf16_tracks_fp32(arch, hf_folder):
     folder = hf_folder(arch)
     x, y = _batch()

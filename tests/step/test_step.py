@@ -46,7 +46,9 @@ def _reads_of_a_run(tmp_path, precision: str, steps: int) -> int:
     return reads.count
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "precision", ["fp32", *(pytest.param(p, marks=pytest.mark.slow) for p in ("bf16", "fp16"))]
+)
 def test_the_training_loop_reads_the_device_only_at_log_steps(precision, tmp_path):
     """The whole loop (data, step, metrics), not only the step: a run of 12 steps and one of 4,
     each with one log step, read the device equally often. A read inside any step would make

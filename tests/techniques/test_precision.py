@@ -20,6 +20,7 @@ def _run(tmp_path, precision, steps=30, **extra):
     return trainer.train(load_config("tiny", overrides=over))
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_track_fp32_loss(tmp_path):
     """Same seed, data and init: after 30 steps mixed precision stays within 0.02 nats of fp32
     (measured here: differences under 0.001), and all three learn (loss falls from ~5.5)."""

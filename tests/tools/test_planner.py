@@ -17,11 +17,15 @@ def _cfg(**over):
     return load_config("tiny", overrides=values)
 
 
+FAST_STATES = {("fp32", "adamw"), ("bf16", "adafactor"), ("bf16-pure", "sgd")}
+
+
 @pytest.mark.parametrize(
     ("precision", "optimizer"),
-    [(p, o) for p in ("fp32", "bf16", "bf16-pure") for o in ("adamw", "sgd", "adafactor")
+    [(p, o) if (p, o) in FAST_STATES else pytest.param(p, o, marks=pytest.mark.slow)
+     for p in ("fp32", "bf16", "bf16-pure") for o in ("adamw", "sgd", "adafactor")
      if (p, o) != ("bf16-pure", "adafactor")]  # refused combination (test_config)
-    + [("fp32", "adamw8bit")],  # one case: its first real step compiles (~20 s on a CPU)
+    + [pytest.param("fp32", "adamw8bit", marks=pytest.mark.slow)],  # compiles (~20 s on a CPU)
 )  # fmt: skip
 def test_planned_state_bytes_are_exact(precision, optimizer):
     cfg = _cfg(**{"train.precision": precision, "optim.name": optimizer})
@@ -33,7 +37,9 @@ def test_planned_state_bytes_are_exact(precision, optimizer):
 
 
 @pytest.mark.parametrize(
-    "mode", ["none", "attn", "mlp", "attn+mlp", "block", "every:2", "selective"]
+    "mode",
+    ["none", "attn+mlp", "selective"]
+    + [pytest.param(m, marks=pytest.mark.slow) for m in ("attn", "mlp", "block", "every:2")],
 )
 def test_planned_saved_activations_equal_a_real_step(mode):
     cfg = _cfg(**{"memory.checkpointing": mode, "train.precision": "fp32"})
@@ -47,10 +53,10 @@ def test_planned_saved_activations_equal_a_real_step(mode):
     [
         {"train.precision": "fp32"},
         {"train.precision": "bf16"},
-        {"train.precision": "bf16-pure"},
-        {"memory.checkpointing": "block"},
+        pytest.param({"train.precision": "bf16-pure"}, marks=pytest.mark.slow),
+        pytest.param({"memory.checkpointing": "block"}, marks=pytest.mark.slow),
         {"memory.loss_chunk": "128"},
-        {"train.micro_batch_size": "8"},
+        pytest.param({"train.micro_batch_size": "8"}, marks=pytest.mark.slow),
         {"optim.name": "sgd", "model.n_layer": "3"},
     ],
 )

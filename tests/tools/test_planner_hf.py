@@ -33,6 +33,7 @@ def test_plan_equals_a_real_step(arch, hf_folder):
     assert set(plan.saved_by_block) >= {"blocks.0", "blocks.1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "over",
     [
