@@ -28,6 +28,7 @@ from onegpu.models.gpt import GPT, SDPA_BACKENDS, count_params
 from onegpu.models.hf import (
     HFModel,
     build_hf_model,
+    default_attention,
     logit_transform,
     open_hf_folder,
     resolve_model_config,
@@ -105,7 +106,8 @@ def resolve(cfg: Config, device: torch.device, caps: DeviceCaps | None = None) -
     policy = resolve_precision(cfg.train.precision, caps)
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
     if cfg.model.hf and cfg.model.attention == "auto":
-        attention = "sdpa"  # the CPU timing compares our plain kernel, not the model's eager one
+        # the CPU timing compares our plain kernel, not the model's eager one
+        attention = default_attention(cfg.model)
     else:
         attention = resolve_attention(
             model_cfg, device, policy.compute_dtype, cfg.train.micro_batch_size

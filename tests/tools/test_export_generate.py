@@ -98,6 +98,7 @@ def test_gpt2_weights_round_trip_through_the_converters():
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow
 def test_a_gpt2_folder_trains_with_model_hf(hf_folder, tmp_path):
     run = _train(tmp_path / "run", **{"model.hf": hf_folder("gpt2"), "model.seq_len": 32})
     rows = [line for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]

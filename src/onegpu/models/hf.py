@@ -170,6 +170,24 @@ def resolve_model_config(m: ModelConfig) -> ModelConfig:
     )
 
 
+def default_attention(m: ModelConfig) -> str:
+    """What `model.attention auto` means for a folder: 'sdpa' where its transformers class
+    supports SDPA, else 'plain' (transformers' eager attention; e.g. Gemma-2's soft-capped
+    attention scores)."""
+    folder = open_hf_folder(m.hf, m.hf_head)
+    transformers = _transformers()
+    auto = (
+        transformers.AutoModelForSequenceClassification
+        if folder.head == "sequence-classification"
+        else transformers.AutoModelForCausalLM
+    )
+    try:
+        cls = auto._model_mapping[type(folder.config)]
+    except KeyError:
+        return "sdpa"  # unknown here: from_config will say what is wrong
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "plain"
+
+
 def _attn_implementation(attention: str) -> str:
     """onegpu's model.attention -> transformers' attn_implementation. The SDPA kernels are
     chosen by the step's sdpa_kernel context, as for our GPT; 'plain' is transformers'
@@ -375,8 +393,15 @@ def build_hf_model(cfg: ModelConfig) -> HFModel:
             **{dtype_kw: torch.float32},
         )
     except ValueError as e:
+        reason = str(e).splitlines()[0]
+        if "attention implementation" in reason:
+            raise ConfigError(
+                "model.attention",
+                f"{type(config).__name__}'s transformers class has no SDPA attention; use "
+                "--model.attention plain (transformers' eager attention) or auto",
+            ) from None
         raise ConfigError(
-            "model.hf", f"{folder.path}: {str(e).splitlines()[0]} (is it a {folder.head} model?)"
+            "model.hf", f"{folder.path}: {reason} (is it a {folder.head} model?)"
         ) from None
     model = HFModel(hf, cfg, folder)
     check_head(model)

@@ -40,6 +40,4 @@ def classification_loss_sum(
     """Sum of a sequence classifier's cross-entropy over its labels (one per sequence, in the
     targets' first column), in fp32: the step divides by the number of labels in the batch."""
     logits_BC = model(idx_BT).float()
-    return F.cross_entropy(
-        logits_BC, labels_B1[:, 0], ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    return F.cross_entropy(logits_BC, labels_B1[:, 0], ignore_index=IGNORE_INDEX, reduction="sum")

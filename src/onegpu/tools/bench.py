@@ -191,8 +191,8 @@ def run_row(
 
 
 def _model_line(summary: dict[str, Any]) -> str:
-    m = summary["config"]["model"]
-    where = f" ({m['hf']})" if m.get("hf") else ""
+    m, d = summary["config"]["model"], summary["config"]["data"]
+    where = f" ({m['hf']}, seq {d['seq_len'] or m['seq_len']})" if m.get("hf") else ""
     return (
         f"{m['n_layer']} layers x d{m['d_model']}, {m['n_head']} heads, vocab {m['vocab_size']}"
         f"{where}"
@@ -268,12 +268,13 @@ def _mib(b: int | None) -> str:
 def markdown(rows: list[dict[str, Any]], cfg, steps: int, repeats: int, command: str) -> str:
     m = cfg.model
     model = f"{m.n_layer} layers x d{m.d_model}, {m.n_head} heads, vocab {m.vocab_size}"
-    models = {r.get("model") for r in rows} - {None, model}
+    models = sorted({r.get("model") for r in rows} - {None, model})
+    shown = models if models and all(r.get("model") != model for r in rows) else [model, *models]
     lines = [
         "# onegpu bench",
         "",
-        f"Model: {' / '.join([model, *sorted(models)])}, "
-        f"seq {cfg.train_seq_len}; batch {cfg.train.batch_size} sequences per step; "
+        f"Model: {' / '.join(shown)}, "
+        f"seq {cfg.train_seq_len} unless stated; batch {cfg.train.batch_size} sequences per step; "
         f"{steps} steps per row (median of steps {WARM_STEPS + 1}..{steps}); medians of "
         f"{repeats} interleaved round(s).  ",
         f"Device: {rows[0]['device'] if rows else '?'}; {platform.machine()}, "

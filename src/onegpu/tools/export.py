@@ -115,7 +115,11 @@ def check_parity(trained: Trained, folder: Path, *, batch: int = 2, seed: int = 
     vocab = trained.cfg.model.vocab_size
     T = min(trained.cfg.model.seq_len, 64)
     idx = torch.randint(0, vocab, (batch, T), generator=torch.Generator().manual_seed(seed))
-    ours = trained.model(idx)[..., :vocab] if not getattr(trained.model, "is_classifier", False) else trained.model(idx)
+    ours = (
+        trained.model(idx)[..., :vocab]
+        if not getattr(trained.model, "is_classifier", False)
+        else trained.model(idx)
+    )
     theirs = back(input_ids=idx).logits
     diff = (ours - theirs).abs().max().item()
     return {"parity_max_abs_logit_diff": diff, "parity_logit_scale": ours.abs().max().item()}

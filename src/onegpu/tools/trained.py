@@ -44,7 +44,7 @@ def load_trained(path: str | Path, device: torch.device | None = None) -> Traine
 
 
 def _plain(cfg: Config, device: torch.device) -> tuple[Config, nn.Module]:
-    if cfg.model.attention == "auto":  # no timing for a few forward passes
+    if cfg.model.attention == "auto" and not cfg.model.hf:  # no timing for a few forwards
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="sdpa"))
     cfg = resolve(cfg, device).config
     with torch.device("meta"):

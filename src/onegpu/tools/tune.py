@@ -50,7 +50,7 @@ def candidates(cfg: Config, device_type: str, with_compile: bool) -> list[dict[s
         "memory.checkpointing": ["none", "selective", "attn+mlp", "block"],
         "train.precision": lowp,
         "optim.name": ["adamw", "adamw8bit"],
-        "memory.loss_chunk": ["0", "1024"] if cfg.model.vocab_size > 4096 else ["0"],
+        "memory.loss_chunk": ["0", "1024"] if _vocab_size(cfg) > 4096 else ["0"],
         "memory.offload_activations": ["false", "true"] if device_type == "cuda" else ["false"],
         "train.compile": ["none", "regional"] if with_compile else ["none"],
     }
@@ -64,6 +64,15 @@ def candidates(cfg: Config, device_type: str, with_compile: bool) -> list[dict[s
             continue
         out.append(change)
     return out
+
+
+def _vocab_size(cfg: Config) -> int:
+    """The model's vocabulary (a model.hf folder's, not the preset's)."""
+    if cfg.model.hf:
+        from onegpu.models.hf import resolve_model_config
+
+        return resolve_model_config(cfg.model).vocab_size
+    return cfg.model.vocab_size
 
 
 def bf16_native_cpu() -> bool:
@@ -110,7 +119,10 @@ def tune(
     planned, fitting = [], []
     for members in groups.values():
         for change in sorted(members, key=lambda c: -int(c["train.micro_batch_size"])):
-            peak = plan_memory(with_overrides(cfg, change), target).memory["peak"]
+            try:
+                peak = plan_memory(with_overrides(cfg, change), target).memory["peak"]
+            except ConfigError:  # a technique this model cannot take (e.g. no GELU, no MLP)
+                break
             planned.append((change, peak))
             if peak <= budget_bytes:
                 fitting.append((change, peak))
