@@ -189,5 +189,8 @@ def test_every_optimizer_and_precision_steps_a_hf_model(over, hf_folder):
     outs = [built.step(x, y, count_targets(y), i + 20) for i in range(4)]  # past warmup
     assert all(torch.isfinite(o.loss) for o in outs)
     assert not all(bool(o.skipped) for o in outs)  # fp16 may skip while its scale settles
-    changed = [n for n, p in built.model.named_parameters() if not torch.equal(p, before[n])]
-    assert len(changed) == len(before)
+    # every matrix moved (under bf16-pure a norm's gain of 1.0 may not yet: its small updates
+    # wait in the Kahan compensation until they reach a bf16 step, by design)
+    matrices = {n for n, p in built.model.named_parameters() if p.dim() == 2}
+    changed = {n for n, p in built.model.named_parameters() if not torch.equal(p, before[n])}
+    assert matrices <= changed
