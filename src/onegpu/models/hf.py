@@ -57,7 +57,8 @@ class HFFolder:
         return getattr(self.config, "max_position_embeddings", None)
 
 
-def _transformers():
+def require_transformers():
+    """transformers, imported quietly; ConfigError if it is not installed."""
     # transformers may import torchao, which logs that its CUDA-only kernels do not load on a
     # CPU machine (and torch notes its enum registrations): noise, not our user's concern
     for name in ("torchao", "torch.utils._pytree"):
@@ -90,7 +91,7 @@ def open_hf_folder(path: str, head: str = "auto") -> HFFolder:
         raise ConfigError(
             "model.hf", f"{folder} has no config.json; save one with model.config.save_pretrained()"
         )
-    transformers = _transformers()
+    transformers = require_transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -175,7 +176,7 @@ def default_attention(m: ModelConfig) -> str:
     supports SDPA, else 'plain' (transformers' eager attention; e.g. Gemma-2's soft-capped
     attention scores)."""
     folder = open_hf_folder(m.hf, m.hf_head)
-    transformers = _transformers()
+    transformers = require_transformers()
     auto = (
         transformers.AutoModelForSequenceClassification
         if folder.head == "sequence-classification"
@@ -377,7 +378,7 @@ def build_hf_model(cfg: ModelConfig) -> HFModel:
     """The folder's architecture, built under the caller's device context (meta for a real
     build, fake CPU for a plan), in fp32, not yet initialised."""
     folder = open_hf_folder(cfg.hf, cfg.hf_head)
-    transformers = _transformers()
+    transformers = require_transformers()
     config = folder.config
     config.use_cache = False
     auto = (

@@ -19,7 +19,7 @@ import torch
 from onegpu.config import ConfigError
 from onegpu.models.convert import gpt2_config_kwargs, hf_gpt2_state_dict
 from onegpu.models.gpt import GPT
-from onegpu.models.hf import HFModel
+from onegpu.models.hf import HFModel, require_transformers
 from onegpu.tools.trained import Trained, load_trained
 from onegpu.train.run_folder import MODEL_FOLDER_FILES
 
@@ -29,11 +29,8 @@ def export(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> 
     out = Path(out).expanduser()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError("--out", f"{out} exists and is not empty; choose a new folder")
+    require_transformers()  # imported quietly, or a clear error if it is missing
     trained = load_trained(run_dir)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
     if isinstance(trained.model, HFModel):
         hf = _as_hf_model(trained)
     elif isinstance(trained.model, GPT):
