@@ -14,18 +14,33 @@ import torch
 from onegpu.config import ConfigError
 from onegpu.models.gpt import GPT
 
-_RENAMES = [
-    (r"^transformer\.wte\.", "wte."),
-    (r"^transformer\.wpe\.", "wpe."),
-    (r"^transformer\.ln_f\.", "norm_f."),
-    (r"^transformer\.h\.(\d+)\.ln_1\.", r"blocks.\1.attn.norm."),
-    (r"^transformer\.h\.(\d+)\.attn\.c_attn\.", r"blocks.\1.attn.qkv."),
-    (r"^transformer\.h\.(\d+)\.attn\.c_proj\.", r"blocks.\1.attn.proj."),
-    (r"^transformer\.h\.(\d+)\.ln_2\.", r"blocks.\1.mlp.norm."),
-    (r"^transformer\.h\.(\d+)\.mlp\.c_fc\.", r"blocks.\1.mlp.fc."),
-    (r"^transformer\.h\.(\d+)\.mlp\.c_proj\.", r"blocks.\1.mlp.proj."),
-    (r"^lm_head\.", "lm_head."),
+# (HF GPT2LMHeadModel prefix, our prefix); {i} is a block index. Read both ways.
+_NAMES = [
+    ("transformer.wte.", "wte."),
+    ("transformer.wpe.", "wpe."),
+    ("transformer.ln_f.", "norm_f."),
+    ("transformer.h.{i}.ln_1.", "blocks.{i}.attn.norm."),
+    ("transformer.h.{i}.attn.c_attn.", "blocks.{i}.attn.qkv."),
+    ("transformer.h.{i}.attn.c_proj.", "blocks.{i}.attn.proj."),
+    ("transformer.h.{i}.ln_2.", "blocks.{i}.mlp.norm."),
+    ("transformer.h.{i}.mlp.c_fc.", "blocks.{i}.mlp.fc."),
+    ("transformer.h.{i}.mlp.c_proj.", "blocks.{i}.mlp.proj."),
+    ("lm_head.", "lm_head."),
 ]
+
+
+def _rules(to_ours: bool) -> list[tuple[str, str]]:
+    """(regex, replacement) pairs renaming HF keys to ours, or ours to HF's."""
+    rules = []
+    for hf, ours in _NAMES:
+        src, dst = (hf, ours) if to_ours else (ours, hf)
+        pattern = "^" + re.escape(src).replace(r"\{i\}", r"(\d+)")
+        rules.append((pattern, dst.replace("{i}", r"\1")))
+    return rules
+
+
+_RENAMES = _rules(to_ours=True)
+_INVERSE = _rules(to_ours=False)
 _CONV1D = re.compile(r"(c_attn|c_proj|c_fc)\.weight$")
 
 
@@ -122,20 +137,8 @@ def hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def _inverse_names(ours: dict[str, torch.Tensor]):
     """(our key, HF key) for every weight of our GPT."""
-    patterns = [
-        (r"^wte\.", "transformer.wte."),
-        (r"^wpe\.", "transformer.wpe."),
-        (r"^norm_f\.", "transformer.ln_f."),
-        (r"^blocks\.(\d+)\.attn\.norm\.", r"transformer.h.\1.ln_1."),
-        (r"^blocks\.(\d+)\.attn\.qkv\.", r"transformer.h.\1.attn.c_attn."),
-        (r"^blocks\.(\d+)\.attn\.proj\.", r"transformer.h.\1.attn.c_proj."),
-        (r"^blocks\.(\d+)\.mlp\.norm\.", r"transformer.h.\1.ln_2."),
-        (r"^blocks\.(\d+)\.mlp\.fc\.", r"transformer.h.\1.mlp.c_fc."),
-        (r"^blocks\.(\d+)\.mlp\.proj\.", r"transformer.h.\1.mlp.c_proj."),
-        (r"^lm_head\.", "lm_head."),
-    ]
     for key in ours:
-        for pattern, repl in patterns:
+        for pattern, repl in _INVERSE:
             new, n = re.subn(pattern, repl, key)
             if n:
                 yield key, new
