@@ -92,3 +92,20 @@ def test_plan_command_json_gpu_table_and_budgets(capsys):
     tight = json.loads(capsys.readouterr().out)
     assert tight["fits"] is False and tight["fixes"]
     assert tight["fixes"][-1]["peak_with_previous"] < report["memory"]["peak"]
+
+
+def test_fixes_that_do_not_lower_the_peak_are_not_offered():
+    """Micro-batch 1 of 16 tokens, width 128, vocab 4096: the chunked loss's fp32 [V, D] weight
+    gradient buffer outweighs the [16, V] logits it saves, so it is no fix here."""
+    from onegpu.tools.plan import fixes_for
+
+    cfg = _cfg(**{"model.vocab_size": "4096", "model.d_model": "128", "model.seq_len": "16",
+                  "train.batch_size": "1", "train.micro_batch_size": "1"})  # fmt: skip
+    base = plan_memory(cfg).memory["peak"]
+    chunked = plan_memory(_cfg(**{"model.vocab_size": "4096", "model.d_model": "128",
+                                  "model.seq_len": "16", "train.batch_size": "1",
+                                  "train.micro_batch_size": "1", "memory.loss_chunk": "1024"}))  # fmt: skip
+    assert chunked.memory["peak"] >= base  # the premise
+    found = fixes_for(cfg, budget=base // 4, target="cpu", base_peak=base)
+    assert found and "chunked loss" not in [f["change"] for f in found]
+    assert all(f["peak_alone"] < base for f in found)

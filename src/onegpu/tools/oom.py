@@ -22,7 +22,7 @@ def explain(cfg: Config, err: TrainingOutOfMemory) -> str:
     if err.device.type == "cuda":
         capacity = torch.cuda.get_device_properties(err.device).total_memory - CUDA_OVERHEAD_BYTES
         budget = min(capacity, budget) if peak <= capacity else capacity
-    found = fixes_for(cfg, budget, target)
+    found = fixes_for(cfg, budget, target, base_peak=peak)
     steps = [f"{f['change']} ({' '.join(f'--{k} {v}' for k, v in f['overrides'].items())})"
              for f in found]  # fmt: skip
     advice = (

@@ -99,19 +99,31 @@ def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[
         report["fits"] = need <= capacity
         report["headroom_bytes"] = capacity - need
         if need > capacity:
-            report["fixes"] = fixes_for(cfg, capacity - overhead, target, caps)
+            report["fixes"] = fixes_for(
+                cfg, capacity - overhead, target, caps, base_peak=mem["peak"]
+            )
     return report
 
 
 def fixes_for(
-    cfg: Config, budget: int, target: str, caps: DeviceCaps | None = None
+    cfg: Config,
+    budget: int,
+    target: str,
+    caps: DeviceCaps | None = None,
+    *,
+    base_peak: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Single changes, then the cumulative ones in order, that bring the peak under budget."""
+    """Single changes, then the cumulative ones in order, that bring the peak under budget. A
+    change that does not lower `base_peak` (the configuration's own planned peak) alone is left
+    out: e.g. the chunked loss at a huge vocabulary and micro-batch 1, where its fp32 weight
+    gradient buffer outweighs the logits it saves."""
     found, current = [], cfg
     applied: list[str] = []
     for name, change in FIXES:
         try:
             alone = plan_memory(_with(cfg, change), target, caps).memory["peak"]
+            if base_peak is not None and alone >= base_peak:
+                continue
             current = _with(current, change)
             together = plan_memory(current, target, caps).memory["peak"]
         except ConfigError:
