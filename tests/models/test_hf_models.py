@@ -194,3 +194,23 @@ def test_every_optimizer_and_precision_steps_a_hf_model(over, hf_folder):
     matrices = {n for n, p in built.model.named_parameters() if p.dim() == 2}
     changed = {n for n, p in built.model.named_parameters() if not torch.equal(p, before[n])}
     assert matrices <= changed
+
+
+def test_forward_and_backward_never_read_the_device(hf_folder):
+    """transformers' packed-sequence check would read the position ids back (a host-device
+    sync per forward on a GPU); onegpu answers it without running it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                CountReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    built = _built(hf_folder("llama"))
+    x, y = _batch()
+    with CountReads():
+        built.loss_fn(built.model, x, y).backward()
+    assert CountReads.reads == 0

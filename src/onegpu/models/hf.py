@@ -253,13 +253,13 @@ class HFModel(nn.Module):
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states of the decoder (the head is applied by the loss)."""
         decoder = self.hf.get_decoder()
-        with _planned_as_run(idx_BT):
+        with _never_packed():
             return decoder(input_ids=idx_BT, use_cache=False).last_hidden_state
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Logits: [B, T, V] for a causal LM, [B, classes] for a classifier."""
         kwargs = {} if self.is_classifier else {"use_cache": False}
-        with _planned_as_run(idx_BT):
+        with _never_packed():
             return self.hf(input_ids=idx_BT, **kwargs).logits
 
     def padding_params(self) -> int:
@@ -288,26 +288,28 @@ class HFModel(nn.Module):
 
 
 @contextlib.contextmanager
-def _planned_as_run(idx: torch.Tensor):
-    """transformers treats fake tensors as graph tracing, where it cannot read the position ids
-    to rule out packed sequences, so it builds an explicit [B, 1, T, T] mask (and repeats the
-    key/value heads of grouped-query attention for it). The planner's fake step must take the
-    path of a real step: onegpu's inputs are never packed (positions 0..T-1 in every row, what
-    a real step finds by reading them), so while a fake step runs that finding is given."""
-    if not is_fake(idx):
-        yield
-        return
+def _never_packed():
+    """onegpu's rows are never packed sequences with restarting positions (positions are
+    0..T-1 in every row), so transformers' check for them is answered without running it. The
+    check reads the position ids back (`.all()` on a tensor): a host-device sync in every
+    forward on a GPU; and on the planner's fake tensors it cannot run at all, so transformers
+    would take another path there (an explicit [B, 1, T, T] mask, grouped-query key/value heads
+    repeated) and the plan would not be the real step's."""
     import transformers.masking_utils as masking
 
     original = getattr(masking, "find_packed_sequence_indices", None)
     if original is None:  # pragma: no cover - a transformers without the check
         yield
         return
-    masking.find_packed_sequence_indices = lambda position_ids: None
+    masking.find_packed_sequence_indices = _not_packed
     try:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+
+
+def _not_packed(position_ids: torch.Tensor) -> None:
+    return None
 
 
 def _classifier_out(hf: nn.Module) -> nn.Module:
