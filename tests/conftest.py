@@ -39,6 +39,20 @@ def tiny_cfg():
 HF_ARCHS = ("llama", "qwen2", "gpt2", "mistral", "phi")
 
 
+def hf_overrides(folder, seq_len: int = 32, **over) -> dict[str, str]:
+    """Command-line overrides of a small exact CPU run of a model folder (fp32, batch 8)."""
+    base = {
+        "model.hf": str(folder),
+        "model.seq_len": str(seq_len),
+        "train.device": "cpu",
+        "train.precision": "fp32",
+        "train.batch_size": "8",
+        "train.micro_batch_size": "8",
+        "out.progress": "false",
+    }
+    return base | {k: str(v) for k, v in over.items()}
+
+
 def make_hf_config(arch: str, vocab: int = 320, layers: int = 2):
     """A tiny configuration of a transformers architecture (no dropout: exact comparisons)."""
     import transformers

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import hf_overrides
 
 from onegpu.build import build
 from onegpu.config import ConfigError, load_config
@@ -14,17 +15,8 @@ from onegpu.train.trainer import train
 
 
 def _cfg(folder, **over):
-    base = {
-        "model.hf": str(folder),
-        "model.seq_len": "32",
-        "data.source": "synthetic",
-        "train.device": "cpu",
-        "train.precision": "fp32",
-        "train.batch_size": "8",
-        "train.micro_batch_size": "8",
-        "out.progress": "false",
-    }
-    return load_config("tiny", overrides=base | {k: str(v) for k, v in over.items()})
+    overrides = hf_overrides(folder, **{"data.source": "synthetic", **over})
+    return load_config("tiny", overrides=overrides)
 
 
 def _batch():

@@ -4,7 +4,7 @@
 import pytest
 import torch
 import transformers
-from conftest import HF_ARCHS
+from conftest import HF_ARCHS, hf_overrides
 
 from onegpu.build import build
 from onegpu.config import ConfigError, load_config
@@ -12,16 +12,7 @@ from onegpu.data.loader import IGNORE_INDEX, count_targets
 
 
 def _cfg(folder, **over):
-    base = {
-        "model.hf": str(folder),
-        "model.seq_len": "32",
-        "train.device": "cpu",
-        "train.precision": "fp32",
-        "train.batch_size": "8",
-        "train.micro_batch_size": "8",
-        "out.progress": "false",
-    }
-    return load_config("tiny", overrides=base | {k: str(v) for k, v in over.items()})
+    return load_config("tiny", overrides=hf_overrides(folder, **over))
 
 
 def _built(folder, **over):

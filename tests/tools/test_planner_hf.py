@@ -2,7 +2,7 @@
 step, for each architecture tested, with the planner's fake build of the folder's config."""
 
 import pytest
-from conftest import HF_ARCHS
+from conftest import HF_ARCHS, hf_overrides
 
 from onegpu.config import load_config
 from onegpu.tools.planner import plan_memory
@@ -10,16 +10,7 @@ from onegpu.train.measure import measure_real_step
 
 
 def _cfg(folder, **over):
-    values = {
-        "model.hf": str(folder),
-        "model.seq_len": "64",
-        "train.device": "cpu",
-        "train.precision": "fp32",
-        "train.batch_size": "8",
-        "train.micro_batch_size": "8",
-        **over,
-    }
-    return load_config("tiny", overrides=values)
+    return load_config("tiny", overrides=hf_overrides(folder, seq_len=64, **over))
 
 
 @pytest.mark.parametrize("arch", HF_ARCHS)

@@ -38,31 +38,14 @@ VANILLA = {"train.precision": "fp32"}
 # The guide measured on bert-large with a classification head and random data: the same
 # architecture scaled down to train on a CPU (a packaged config, 12.8M parameters), seq 128.
 BERT = {"model.hf": "bert-cls-mini", "data.source": "synthetic", "model.seq_len": "128"}
-GRIDS: dict[str, list[Row]] = {
-    "hf-bert": [
-        ("vanilla (fp32)", {**BERT}),
-        ("+ grad accumulation x4", {**BERT, "train.micro_batch_size": "/4"}),
-        ("+ gradient checkpointing", {**BERT, "memory.checkpointing": "block"}),
-        ("+ mixed precision (bf16)", {**BERT, "train.precision": "bf16"}),
-        ("+ adafactor", {**BERT, "optim.name": "adafactor", "optim.lr": "1e-2"}),
-        ("+ 8-bit adamw", {**BERT, "optim.name": "adamw8bit"}),
-        ("+ compile", {**BERT, "train.compile": "default"}),
-        (
-            "everything",
-            {
-                **BERT,
-                "train.micro_batch_size": "/4",
-                "memory.checkpointing": "block",
-                "train.precision": "bf16",
-                "optim.name": "adamw8bit",
-                "train.compile": "default",
-            },
-        ),
-    ],
-    "hf": [
+
+
+def _guide_rows(model: dict[str, str], checkpointing_name: str) -> list[Row]:
+    """The guide's rows on `model` (extra overrides of every row)."""
+    rows: list[Row] = [
         ("vanilla (fp32)", {}),
         ("+ grad accumulation x4", {"train.micro_batch_size": "/4"}),
-        ("+ checkpointing (block)", {"memory.checkpointing": "block"}),
+        (checkpointing_name, {"memory.checkpointing": "block"}),
         ("+ mixed precision (bf16)", {"train.precision": "bf16"}),
         ("+ adafactor", {"optim.name": "adafactor", "optim.lr": "1e-2"}),
         ("+ 8-bit adamw", {"optim.name": "adamw8bit"}),
@@ -77,7 +60,13 @@ GRIDS: dict[str, list[Row]] = {
                 "train.compile": "default",
             },
         ),
-    ],
+    ]
+    return [(name, {**model, **overrides}) for name, overrides in rows]
+
+
+GRIDS: dict[str, list[Row]] = {
+    "hf-bert": _guide_rows(BERT, "+ gradient checkpointing"),
+    "hf": _guide_rows({}, "+ checkpointing (block)"),
     # Lippe's "Profiling and Scaling Single-GPU Transformer Models" (bf16 where its runs were)
     "seed000": [
         ("fp32", {}),
