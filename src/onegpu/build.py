@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,13 @@ from torch.nn.attention import sdpa_kernel
 from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
 from onegpu.data.tokenizer import FileTokenizer
 from onegpu.data.tokens import TokenSplits, prepare_tokens
+from onegpu.distributed import DistContext, single_process
+from onegpu.distributed.parallelize import (
+    apply_ddp,
+    apply_fsdp,
+    fsdp_mixed_precision,
+    materialize_sharded,
+)
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import GPT, SDPA_BACKENDS, count_params
 from onegpu.models.hf import (
@@ -55,6 +63,8 @@ from onegpu.techniques.precision import (
 # Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the
 # planner counts their states from their allocation rules (optim/state_bytes.py).
 FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit")
+# Optimizers whose step is tested over FSDP2's sharded parameters (DTensors).
+FSDP_OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +79,13 @@ class Resolved:
     config: Config
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """`train.device` as a device; under torchrun (`local_rank` given), 'auto' and 'cuda' mean
+    this process's GPU, cuda:LOCAL_RANK."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and local_rank is not None:
+        name = f"cuda:{local_rank}"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -126,11 +140,26 @@ def resolve(cfg: Config, device: torch.device, caps: DeviceCaps | None = None) -
     )
 
 
+@dataclass(slots=True)
+class Applied:
+    """What apply_techniques returns: the materialised model, the loss a step calls, and the
+    context that holds back DDP's all-reduce in the micro-batches before the last (None: none)."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
+
+
 def apply_techniques(
-    model: nn.Module, cfg: Config, resolved: Resolved, device: torch.device
-) -> tuple[nn.Module, LossFn]:
+    model: nn.Module,
+    cfg: Config,
+    resolved: Resolved,
+    device: torch.device,
+    ctx: DistContext | None = None,
+) -> Applied:
     """Every technique, in the one documented order (docs/architecture.md), on a model built
-    on the meta device. Returns the materialised model and the loss function a step calls."""
+    on the meta device; under torchrun (`ctx`), FSDP2 or DDP last of all, as torchtitan does."""
+    ctx = ctx or single_process()
     mem, policy = cfg.memory, resolved.precision
     # 1. Approximate-gradient layers first: they swap layers inside the blocks, before anything
     #    wraps the blocks.
@@ -144,13 +173,48 @@ def apply_techniques(
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes.
     loss_fn = apply_compile(model, loss_fn, cfg.train.compile)
-    # 5. Materialise and initialise in fp32, so every precision starts from the same weights,
-    #    then store the weights in the policy's dtype (bf16 for bf16-pure).
-    model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype)
+    if ctx.strategy == "fsdp":
+        # 5'. FSDP2: shard every block, then the root, still on the meta device; then each
+        #     process materialises its shards with the single-process initial weights.
+        model = _shard(model, cfg, resolved, device, ctx)
+    else:
+        # 5. Materialise and initialise in fp32, so every precision starts from the same
+        #    weights, then store the weights in the policy's dtype (bf16 for bf16-pure).
+        model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype)
     # 6. Offloading last, outermost: its hooks also see what checkpoints and the chunked loss save.
     if mem.offload_activations:
         loss_fn = with_offload(loss_fn, device)
-    return model, loss_fn
+    # 7. DDP around the model and its whole loss (its all-reduce follows what runs in forward).
+    if ctx.strategy == "ddp":
+        loss_fn, no_sync = apply_ddp(model, loss_fn, device)
+        return Applied(model, loss_fn, no_sync)
+    return Applied(model, loss_fn)
+
+
+def _shard(
+    model: nn.Module, cfg: Config, resolved: Resolved, device: torch.device, ctx: DistContext
+) -> nn.Module:
+    policy, d = resolved.precision, cfg.dist
+    if policy.param_dtype != torch.float32:  # bf16-pure: the shards are stored in bf16
+        model = model.to(policy.param_dtype)
+    model = apply_fsdp(
+        model,
+        reshard_after_forward=d.reshard_after_forward,
+        cpu_offload=d.cpu_offload,
+        pin_memory=device.type == "cuda",
+        mixed_precision=fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype),
+    )
+
+    def reference() -> nn.Module:  # the single-process initial weights, on rank 0's host
+        with torch.device("meta"):
+            full = make_model(cfg)
+        full = apply_approx_grads(
+            full, gelu_bits=cfg.memory.gelu_bits, randomized_linear=cfg.memory.randomized_linear
+        )
+        return materialize(full, torch.device("cpu"), seed=cfg.train.seed, dtype=policy.param_dtype)
+
+    shard_device = torch.device("cpu") if d.cpu_offload else device
+    return materialize_sharded(model, shard_device, ctx, reference)
 
 
 def choose_loss(model: nn.Module, loss_chunk: int) -> LossFn:
@@ -224,6 +288,8 @@ class Built:
     0 for a language model."""
     fake_mode: contextlib.AbstractContextManager
     """Enter it to run the step of a fake build (a null context for a real one)."""
+    dist: DistContext
+    """This process in a torchrun job (strategy 'none': a single-process run)."""
 
     @property
     def device(self) -> torch.device:
@@ -247,6 +313,7 @@ def build(
     with_data: bool = True,
     caps: DeviceCaps | None = None,
     fake: bool = False,
+    dist_ctx: DistContext | None = None,
 ) -> Built:
     """Resolve, prepare data, build the model with its techniques, the optimizer and the step.
 
@@ -254,12 +321,18 @@ def build(
     planner); compile is left out (it changes kernels, not what a step keeps alive). Raises
     ConfigError, before anything is written, for anything this device or data cannot do.
     """
-    device = device or resolve_device(cfg.train.device)
+    ctx = dist_ctx or single_process()
+    device = device or resolve_device(
+        cfg.train.device, ctx.local_rank if ctx.enabled else None
+    )
     resolved = resolve(cfg, device, caps)
     cfg = resolved.config
+    check_distributed(cfg, ctx)
     data = None
     if with_data:
-        data = prepare_tokens(cfg.data, cfg.model.vocab_size, data_tokenizer(cfg))
+        data = ctx.main_first(  # rank 0 tokenizes and caches; the others read its cache
+            lambda: prepare_tokens(cfg.data, cfg.model.vocab_size, data_tokenizer(cfg))
+        )
         _check_data_sizes(cfg, data)
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -276,9 +349,13 @@ def build(
         # directly (moving meta parameters into a FakeTensorMode cannot swap them)
         with torch.device("cpu" if fake else "meta"):
             model = make_model(cfg)
-        model, loss_fn = apply_techniques(model, cfg, resolved, device)
+        applied = apply_techniques(model, cfg, resolved, device, ctx)
+        model, loss_fn = applied.model, applied.loss_fn
         optimizer = build_optimizer(
-            model, cfg.optim, device, param_dtype=resolved.precision.param_dtype
+            model,
+            cfg.optim,
+            torch.device("cpu") if cfg.dist.cpu_offload and ctx.enabled else device,
+            param_dtype=resolved.precision.param_dtype,
         )
     step = TrainStep(
         model=model,
@@ -288,7 +365,9 @@ def build(
         device=device,
         optim=cfg.optim,
         max_steps=cfg.train.max_steps,
-        n_micro=cfg.grad_accum_steps,
+        n_micro=cfg.grad_accum_steps // ctx.world_size,
+        dist=ctx,
+        no_sync=applied.no_sync,
     )
     return Built(
         cfg=resolved.config,
@@ -302,7 +381,54 @@ def build(
         flops_per_token=flops_per_token(model, cfg.train_seq_len),
         classes=model.lm_head.out_features if getattr(model, "is_classifier", False) else 0,
         fake_mode=fake_mode,
+        dist=ctx,
     )
+
+
+def check_distributed(cfg: Config, ctx: DistContext) -> None:
+    """What several processes need of the config; ConfigError naming the field otherwise."""
+    t, d = cfg.train, cfg.dist
+    if not ctx.enabled:
+        if d.cpu_offload:
+            raise ConfigError(
+                "dist.cpu_offload",
+                "offloads FSDP's shards, so it needs dist.strategy fsdp under torchrun "
+                "(`torchrun --nproc-per-node 1 -m onegpu train --dist.strategy fsdp ...` on one "
+                "device); for activations use memory.offload_activations",
+            )
+        return
+    n = ctx.world_size
+    if t.batch_size % (t.micro_batch_size * n):
+        raise ConfigError(
+            "train.batch_size",
+            f"the global batch {t.batch_size} does not split into {n} processes x micro-batches "
+            f"of {t.micro_batch_size}; use a multiple of {t.micro_batch_size * n}",
+        )
+    if t.compile in ("default", "max-autotune"):
+        raise ConfigError(
+            "train.compile",
+            f"{t.compile!r} compiles the whole step, which does not trace FSDP/DDP's "
+            "communication here; use 'regional' (per-block compile, as torchtitan does)",
+        )
+    if cfg.optim.in_backward:
+        raise ConfigError(
+            "optim.in_backward",
+            "is not supported with several processes (gradients are reduced after backward); "
+            "turn it off",
+        )
+    if ctx.strategy == "fsdp" and t.precision == "fp16":
+        raise ConfigError(
+            "train.precision",
+            "fp16 loss scaling over FSDP shards is not supported; use bf16 (no loss scaling)",
+        )
+    if ctx.strategy == "fsdp" and cfg.optim.name not in FSDP_OPTIMIZERS:
+        raise ConfigError(
+            "optim.name",
+            f"{cfg.optim.name} is not supported over FSDP shards; use "
+            f"{' or '.join(FSDP_OPTIMIZERS)}, or dist.strategy ddp",
+        )
+    if d.cpu_offload and ctx.strategy != "fsdp":
+        raise ConfigError("dist.cpu_offload", "offloads FSDP's shards; use dist.strategy fsdp")
 
 
 def _plannable(cfg: Config) -> Config:

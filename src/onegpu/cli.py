@@ -82,7 +82,8 @@ def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
         "val_loss",
         "train_time_s",
     )
-    print(json.dumps({k: summary[k] for k in keys}, indent=1))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({k: summary[k] for k in keys}, indent=1))
     return 0
 
 
@@ -383,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns, unknown = make_parser().parse_known_args(argv)
         return ns.func(ns, unknown)
     except ConfigError as e:
-        print(f"onegpu: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: one message, not one per process
+            print(f"onegpu: error: {e}", file=sys.stderr)
         return 2
 
 

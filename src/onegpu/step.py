@@ -13,16 +13,21 @@ tensors, read by the caller once per log step. Phases are annotated with `record
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.profiler import record_function
 
 from onegpu.config import OptimConfig
 from onegpu.data.loader import count_targets
+from onegpu.distributed import DistContext, single_process
+from onegpu.distributed.parallelize import full_tensor
 from onegpu.optim import lr_at, set_lr
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.techniques.loss import LossFn
@@ -48,6 +53,12 @@ class TrainStep:
     Exact accumulation: each micro-batch's summed loss is divided by `n_tokens`, the number of
     target tokens in the whole batch, so the accumulated gradient equals the full-batch mean-loss
     gradient even with padding and uneven micro-batches (never an average of micro-batch means).
+
+    Under torchrun each process runs its share of the global batch (`n_micro` micro-batches)
+    and `n_tokens` still counts the whole global batch's targets: FSDP/DDP average the
+    processes' gradients, so each divides its summed loss by n_tokens / world_size, and the
+    average is the full-batch gradient. DDP's all-reduce is held back (`no_sync`) until the last
+    micro-batch; FSDP reduce-scatters every micro-batch, so no process ever holds whole gradients.
     """
 
     def __init__(
@@ -61,8 +72,12 @@ class TrainStep:
         optim: OptimConfig,
         max_steps: int,
         n_micro: int,
+        dist: DistContext | None = None,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.dist = dist or single_process()
+        self.no_sync = no_sync
         self.policy, self.device = policy, device
         self.optim, self.max_steps, self.n_micro = optim, max_steps, n_micro
         # A disabled scaler (every precision but fp16) passes values through unchanged.
@@ -91,16 +106,21 @@ class TrainStep:
     ) -> torch.Tensor:
         """Accumulate the batch's gradients over the micro-batches; returns its mean loss."""
         total: torch.Tensor | None = None
-        denom = max(n_tokens, 1)
-        for x_bT, y_bT in zip(
-            inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True
-        ):
-            with record_function("forward"), self.policy.autocast(inputs_BT.device):
-                loss = self.loss_fn(self.model, x_bT, y_bT) / denom
-            with record_function("backward"):
-                self.scaler.scale(loss).backward()
+        world = self.dist.world_size
+        denom = max(n_tokens, 1) / world if world > 1 else max(n_tokens, 1)
+        micro = list(zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True))
+        for i, (x_bT, y_bT) in enumerate(micro):
+            hold = self.no_sync is not None and i < len(micro) - 1
+            with self.no_sync() if hold else contextlib.nullcontext():
+                with record_function("forward"), self.policy.autocast(inputs_BT.device):
+                    loss = self.loss_fn(self.model, x_bT, y_bT) / denom
+                with record_function("backward"):
+                    self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None  # n_micro >= 1
+        if world > 1:  # the mean over processes of their (world-scaled) shares: the batch's loss
+            dist.all_reduce(total)
+            total = total / world
         return total
 
     def _clip_and_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +130,7 @@ class TrainStep:
             norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = full_tensor(norm)  # FSDP: the norm over every shard (one all-reduce)
         if self.scaler.is_enabled():
             # The scaler skips the update iff some gradient is inf/nan, i.e. iff the global norm
             # is not finite: the same test, kept on the device (get_scale() would sync).

@@ -4,14 +4,8 @@ string below it (`onegpu train --help` shows those strings). Pure data: nothing 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on Python 3.10 only
-    pass
 
 
 class ConfigError(ValueError):
@@ -192,6 +186,26 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DistConfig:
+    strategy: Literal["auto", "none", "fsdp", "ddp"] = "auto"
+    """Several processes under `torchrun`: 'fsdp' shards parameters, gradients and optimizer
+    states over the processes (FSDP2, `fully_shard` per block, then the root); 'ddp' keeps a
+    full copy per process and all-reduces gradients; 'auto': fsdp when torchrun starts more than
+    one process (WORLD_SIZE > 1), none otherwise; 'none': one process, no process group."""
+    reshard_after_forward: bool = True
+    """FSDP: free each block's gathered parameters after its forward and gather them again in
+    backward (ZeRO-3: least memory); false keeps them to backward (ZeRO-2: one all-gather less
+    per block per micro-batch, a block's full parameters more memory per block)."""
+    cpu_offload: bool = False
+    """FSDP: keep the sharded parameters, gradients and optimizer states in host memory (FSDP2's
+    CPUOffloadPolicy, ZeRO-Offload's counterpart); the optimizer steps on the CPU, each block's
+    parameters are copied to the device for its forward and backward (pinned where an
+    accelerator exists)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend: 'auto' is nccl on CUDA, gloo on CPU."""
+
+
+@dataclass(kw_only=True, slots=True)
 class OutConfig:
     dir: str = ""
     """Run folder (empty: runs/<date-time>). Must be new or empty unless out.overwrite is true."""
@@ -216,6 +230,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     out: OutConfig = field(default_factory=OutConfig)
 
     @property

@@ -72,9 +72,14 @@ def _from_run(run: Path, device: torch.device) -> Trained:
             raise ConfigError(
                 "RUN_DIR", f"{run} has no model.safetensors and no complete checkpoint"
             )
-        state = ckpt.load(found[-1][1], field="RUN_DIR").state["model"]
-        model.load_state_dict({k: v.float() for k, v in state.items()})
-        weights = str(found[-1][1])
+        newest = ckpt.load(found[-1][1], field="RUN_DIR")
+        if newest.sharded:  # written by several processes: read the whole tensors from DCP
+            from onegpu.distributed.dcp import load_model
+
+            load_model(newest.path, model)
+        else:
+            model.load_state_dict({k: v.float() for k, v in newest.state["model"].items()})
+        weights = str(newest.path)
     if isinstance(model, HFModel) or hasattr(model, "tie_weights"):
         model.tie_weights()
     return Trained(cfg, model, _run_tokenizer(run), run, weights)

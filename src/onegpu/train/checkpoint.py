@@ -9,6 +9,12 @@ torchtitan uses for its `.metadata`): a save killed at any moment leaves either 
 checkpoints alone or a `.tmp-*` leftover, removed at the next start, never a half file under a
 checkpoint's name. Loading uses `torch.load(weights_only=True)`: tensors and plain containers,
 no pickled objects.
+
+A run of several processes (torchrun) writes a folder instead, `DIR/checkpoints/step-00000050/`:
+every process writes its shards of model and optimizer through Distributed Checkpoint into
+`.tmp-step-00000050/`, rank 0 adds `train_state.pt` (everything else above, with every
+process's RNG states) and renames the folder into place once all of it is on disk: the same
+all-or-nothing rule, for a sharded save. Either kind resumes at any world size.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +34,27 @@ import torch
 from onegpu.config import ConfigError
 
 FORMAT = 1
-_NAME = re.compile(r"^step-(\d{8})\.pt$")
+_NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
 TMP_PREFIX = ".tmp-"
+TRAIN_STATE = "train_state.pt"
+"""A sharded checkpoint's file of everything but the model and optimizer shards."""
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}.pt"
+def checkpoint_name(step: int, sharded: bool = False) -> str:
+    return f"step-{step:08d}" if sharded else f"step-{step:08d}.pt"
+
+
+def _is_complete(path: Path) -> bool:
+    if path.is_dir():  # a sharded checkpoint only ever appears complete (renamed into place)
+        return (path / TRAIN_STATE).is_file() and (path / ".metadata").is_file()
+    return path.is_file() and path.suffix == ".pt"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -57,11 +79,20 @@ def write_atomic(path: Path, state: dict[str, Any]) -> None:
     _fsync_dir(path.parent)
 
 
+def write_train_state_atomic(folder: Path, state: dict[str, Any]) -> None:
+    """A sharded checkpoint's last piece: train_state.pt into the (temporary) folder, then the
+    folder renamed to `folder`'s name and the parent fsynced."""
+    tmp_folder = folder.with_name(TMP_PREFIX + folder.name)
+    write_atomic(tmp_folder / TRAIN_STATE, state)
+    os.replace(tmp_folder, folder)
+    _fsync_dir(folder.parent)
+
+
 def remove_partial(folder: Path) -> list[Path]:
-    """Delete leftovers of saves that were killed; returns what was removed."""
-    removed = [p for p in folder.glob(f"{TMP_PREFIX}*") if p.is_file()]
+    """Delete leftovers of saves that were killed (files and sharded folders); returns them."""
+    removed = list(folder.glob(f"{TMP_PREFIX}*"))
     for p in removed:
-        p.unlink(missing_ok=True)
+        _remove(p)
     return removed
 
 
@@ -69,7 +100,11 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint in `folder`, oldest first."""
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.iterdir()
+        if (m := _NAME.match(p.name)) and _is_complete(p)
+    ]
     return sorted(found)
 
 
@@ -80,7 +115,7 @@ def prune(folder: Path, *, keep_last: int, keep_every: int) -> None:
     for step, path in ckpts:
         if step in newest or (keep_every and step % keep_every == 0):
             continue
-        path.unlink(missing_ok=True)
+        _remove(path)
 
 
 # ---------------------------------------------------------------------------- RNG states
@@ -135,6 +170,11 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.state["step"])
 
+    @property
+    def sharded(self) -> bool:
+        """A folder written by several processes: model and optimizer are in DCP shards."""
+        return self.path.is_dir()
+
 
 def _allow_optimizer_tensor_types() -> bool:
     """torchao's 8-bit optimizer states are tensor subclasses: allow exactly those classes."""
@@ -157,9 +197,24 @@ def _torch_load(path: Path) -> Any:
 
 
 def load(path: Path, field: str = "train.resume") -> Checkpoint:
-    """A checkpoint file, or ConfigError naming `field` if it is missing, truncated or foreign."""
+    """A checkpoint (file or sharded folder), or ConfigError naming `field` if it is missing,
+    truncated or foreign."""
+    if path.is_dir():
+        if not _is_complete(path):
+            raise ConfigError(
+                field,
+                f"{path} is not a complete sharded checkpoint (no {TRAIN_STATE} or .metadata); "
+                "resume from another one or auto",
+            )
+        return Checkpoint(path, _load_state(path / TRAIN_STATE, field, sharded=True))
     if not path.is_file():
-        raise ConfigError(field, f"{path} is not a checkpoint file; give a step-*.pt file or auto")
+        raise ConfigError(
+            field, f"{path} is not a checkpoint; give a step-* file or folder, or auto"
+        )
+    return Checkpoint(path, _load_state(path, field, sharded=False))
+
+
+def _load_state(path: Path, field: str, *, sharded: bool) -> dict[str, Any]:
     try:
         state = _torch_load(path)
     except pickle.UnpicklingError:
@@ -174,8 +229,9 @@ def load(path: Path, field: str = "train.resume") -> Checkpoint:
             f"{path} cannot be read as a checkpoint: it is corrupt, truncated or not a "
             f"checkpoint file ({type(e).__name__}); resume from an older one or start afresh",
         ) from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
+    holds = "world_size" if sharded else "model"
+    if not isinstance(state, dict) or state.get("format") != FORMAT or holds not in state:
         raise ConfigError(
             field, f"{path} is not an onegpu training checkpoint (format {FORMAT} expected)"
         )
-    return Checkpoint(path, state)
+    return state

@@ -5,11 +5,18 @@ folder with none starts afresh); `train.resume PATH` from that file. Bit-exact o
 model, optimizer, scaler, data position and every RNG come back as they were. Settings that
 change the trajectory (model, data, tokenizer, sequence length, batch, seed, optimizer,
 precision, techniques) are refused, naming the field; `train.max_steps`, logging, evaluation,
-checkpoint and output settings may change.
+checkpoint, output and [dist] settings may change.
+
+The world size may change too: a sharded checkpoint (written by N processes) or a single
+file resumes on any number of processes, the shards re-cut on load (Distributed Checkpoint),
+the data continuing at the same global sample. Each process's RNG state comes back when the
+world size is the same; otherwise the generators restart from (seed, step), which only
+dropout and randomized layers draw from (a warning says so when they are on).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +24,7 @@ import torch
 
 from onegpu.build import Built
 from onegpu.config import Config, ConfigError, to_dict
+from onegpu.distributed import DistContext, dcp, single_process
 from onegpu.train import checkpoint as ckpt
 
 # Fields a resumed run may change: they do not alter what the next step computes.
@@ -31,18 +39,22 @@ MAY_CHANGE = {
     "data.num_workers",
     "data.cache_dir",
 }
-MAY_CHANGE_SECTIONS = {"out", "checkpoint"}
+MAY_CHANGE_SECTIONS = {"out", "checkpoint", "dist"}
 
 
-def find(cfg: Config, out_dir: Path) -> ckpt.Checkpoint | None:
+def find(
+    cfg: Config, out_dir: Path, ctx: DistContext | None = None
+) -> ckpt.Checkpoint | None:
     """The checkpoint `train.resume` names (None: start afresh)."""
     how = cfg.train.resume
+    ctx = ctx or single_process()
     if not how:
         return None
     if how == "auto":
         folder = out_dir / "checkpoints"
-        if folder.is_dir():
+        if folder.is_dir() and ctx.is_main:
             ckpt.remove_partial(folder)
+        ctx.barrier()
         found = ckpt.complete_checkpoints(folder)
         return ckpt.load(found[-1][1]) if found else None
     return ckpt.load(Path(how).expanduser())
@@ -83,6 +95,24 @@ def state_of(built: Built, *, step: int, meter: dict[str, Any]) -> dict[str, Any
     }
 
 
+def train_state_of(
+    built: Built, *, step: int, meter: dict[str, Any], rngs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A sharded checkpoint's train_state.pt: all but model and optimizer, with every
+    process's RNG states (rank order)."""
+    return {
+        "format": ckpt.FORMAT,
+        "step": step,
+        "samples": step * built.cfg.train.batch_size,
+        "scaler": built.step.scaler.state_dict(),
+        "rng": rngs,
+        "meter": meter,
+        "config": to_dict(built.cfg),
+        "world_size": built.dist.world_size,
+        "strategy": built.dist.strategy,
+    }
+
+
 def restore(built: Built, previous: ckpt.Checkpoint) -> int:
     """Model, optimizer and scaler as they were; returns the step to continue from. (RNG
     states are restored by `start_rng`, right before the first step, after anything else has
@@ -90,8 +120,13 @@ def restore(built: Built, previous: ckpt.Checkpoint) -> int:
     state = previous.state
     check_same_run(state["config"], built.cfg)
     try:
-        built.model.load_state_dict(state["model"])
-        built.optimizer.load_state_dict(state["optimizer"])
+        if previous.sharded:  # any world size, re-cut on load
+            dcp.load(previous.path, built.model, built.optimizer)
+        elif built.dist.strategy == "fsdp":  # one process's file into shards
+            dcp.load_full(built.model, built.optimizer, state["model"], state["optimizer"])
+        else:
+            built.model.load_state_dict(state["model"])
+            built.optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise ConfigError(
             "train.resume", f"{previous.path} does not fit this model or optimizer ({e})"
@@ -105,5 +140,18 @@ def start_rng(built: Built, previous: ckpt.Checkpoint | None) -> None:
     """The generators the steps draw from: seeded afresh, or as the checkpoint saved them."""
     if previous is None:
         torch.manual_seed(built.cfg.train.seed)
-    else:
-        ckpt.set_rng_state(previous.state["rng"])
+        return
+    rngs = previous.state["rng"] if previous.sharded else [previous.state["rng"]]
+    ctx = built.dist
+    if len(rngs) == ctx.world_size:
+        ckpt.set_rng_state(rngs[ctx.rank])
+        return
+    torch.manual_seed(built.cfg.train.seed + previous.step)
+    m = built.cfg.memory
+    if built.cfg.model.dropout or m.randomized_linear:
+        warnings.warn(
+            f"the checkpoint was written by {len(rngs)} process(es), this run has "
+            f"{ctx.world_size}: dropout and randomized layers draw new random streams from here "
+            "on (the same run would draw others)",
+            stacklevel=1,
+        )

@@ -94,11 +94,20 @@ class RunFolder:
     """Opened once the run has started (built, data ready): only then is an old run replaced.
 
     `resume_step`: continue the run in the folder from that step: metric rows after it are
-    dropped (they belong to steps about to be redone), the rest is kept."""
+    dropped (they belong to steps about to be redone), the rest is kept. Under torchrun only
+    rank 0 writes (`main`); the others know the paths (they write checkpoint shards) and
+    nothing else."""
 
-    def __init__(self, path: Path, cfg: Config, *, resume_step: int | None = None):
+    def __init__(
+        self, path: Path, cfg: Config, *, resume_step: int | None = None, main: bool = True
+    ):
         self.path = path
         self.checkpoints = path / "checkpoints"
+        self.main = main
+        self._metrics = None
+        self._tensorboard = None
+        if not main:
+            return
         path.mkdir(parents=True, exist_ok=True)
         if resume_step is None:  # a new run (overwrite=true: the old one goes, checkpoints too)
             for name in (*RUN_FILES, "model.safetensors"):
@@ -143,17 +152,21 @@ class RunFolder:
         os.replace(tmp, path)
 
     def log(self, row: dict[str, Any]) -> None:
+        if not self.main:
+            return
         self._metrics.write(json.dumps(_strict(row), allow_nan=False) + "\n")
         if self._tensorboard is not None:
             self._tensorboard.log(row)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        if not self.main:
+            return
         tmp = self.path / f"summary.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(_strict(summary), indent=1, allow_nan=False) + "\n")
         os.replace(tmp, self.path / "summary.json")
 
     def close(self) -> None:
-        if not self._metrics.closed:
+        if self._metrics is not None and not self._metrics.closed:
             self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()

@@ -23,6 +23,13 @@ class GracefulStop:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def agree(self, signums: list[int]) -> None:
+        """Under torchrun: every process's signal number (0: none), so that all stop after
+        the same step when any of them was asked to (torchrun forwards a SIGTERM to each,
+        but they may receive it during different steps)."""
+        if self.signum is None and any(signums):
+            self.signum = next(s for s in signums if s)
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # asked twice: stop now
             self._restore()

@@ -1,10 +1,17 @@
-"""The training loop: build, then steps; metrics are read from the device once per log step."""
+"""The training loop: build, then steps; metrics are read from the device once per log step.
+
+Under torchrun every process runs this loop on its share of each global batch; rank 0 alone
+writes the run folder (metrics, summary, final weights), every process writes its checkpoint
+shards, and the processes agree on every step whether a signal asked them to stop.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
+import shutil
 import signal
 import warnings
 from pathlib import Path
@@ -14,9 +21,12 @@ import torch
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from onegpu.build import Built, build
+from onegpu.build import Built, build, make_model, resolve_device
 from onegpu.config import Config, to_dict
 from onegpu.data.loader import DevicePrefetcher, count_targets, make_eval_batches, make_train_loader
+from onegpu.distributed import DistContext, dcp, init_distributed
+from onegpu.distributed.context import shutdown
+from onegpu.distributed.parallelize import local_tensor
 from onegpu.memory.measure import peak_bytes, peak_kind, reset_peak
 from onegpu.perf.devices import peak_flops
 from onegpu.train import checkpoint as ckpt
@@ -29,30 +39,41 @@ from onegpu.train.signals import GracefulStop
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary also written to summary.json."""
-    out_dir = resolve_out_dir(cfg.out, resuming=bool(cfg.train.resume))  # before any work
-    previous = resume.find(cfg, out_dir)  # a bad checkpoint fails before the build
-    built = build(cfg)
+    ctx = init_distributed(cfg.dist, resolve_device(cfg.train.device).type)
+    try:
+        return _train(cfg, ctx)
+    finally:
+        shutdown(ctx)
+
+
+def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
+    # the folder is checked before any work (by rank 0; every process gets its answer)
+    out_dir = ctx.on_main(lambda: resolve_out_dir(cfg.out, resuming=bool(cfg.train.resume)))
+    previous = resume.find(cfg, out_dir, ctx)  # a bad checkpoint fails before the build
+    built = build(cfg, dist_ctx=ctx)
     cfg, tcfg = built.cfg, built.cfg.train  # the resolved config: what runs
     start = resume.restore(built, previous) if previous else 0
-    run = RunFolder(out_dir, cfg, resume_step=start if previous else None)
+    run = RunFolder(out_dir, cfg, resume_step=start if previous else None, main=ctx.is_main)
     run.write_model_files(cfg, built.data.tokenizer)
     batches, eval_batches = training_batches(built, start), validation_batches(built)
-    meter = Meter(
-        built.step,
-        built.flops_per_token,
-        peak_flops(built.device, built.policy.compute_dtype, built.policy.name),
-    )
+    peak = peak_flops(built.device, built.policy.compute_dtype, built.policy.name)
+    if peak and ctx.world_size > 1:  # MFU over all devices
+        peak = dataclasses.replace(
+            peak, flops=peak.flops * ctx.world_size, source=f"{peak.source} x {ctx.world_size}"
+        )
+    meter = Meter(built.step, built.flops_per_token, peak)
     meter.resume(start, previous.state["meter"] if previous else {})
     memory: dict[str, Any] = {}
     val_loss = None
-    print(describe(built, out_dir, start))
+    if ctx.is_main:
+        print(describe(built, out_dir, start))
     resume.start_rng(built, previous)  # the dropout stream: from the seed, or as it was saved
     built.model.train()
     reset_peak(built.device)
     bar = tqdm(
         total=tcfg.max_steps,
         initial=start,
-        disable=not cfg.out.progress,
+        disable=not cfg.out.progress or not ctx.is_main,
         dynamic_ncols=True,
         unit="step",
     )
@@ -60,13 +81,15 @@ def train(cfg: Config) -> dict[str, Any]:
         for step in range(start, tcfg.max_steps):
             with record_function("data"):
                 x, y, n_tokens = next(batches)
-            if step == min(1, tcfg.max_steps - 1) and tcfg.measure_memory:
+            if step == min(1, tcfg.max_steps - 1) and tcfg.measure_memory and not ctx.enabled:
                 # the second step: optimizer states exist, as in every later step
                 out, memory = measure_step(built, x, y, n_tokens, step)
             else:
                 out = built.step(x, y, n_tokens, step)
-            meter.add(out, x.numel())
+            meter.add(out, x.numel() * ctx.world_size)  # every process runs an equal share
             bar.update(1)
+            if ctx.enabled:  # a signal to any process stops them all after the same step
+                stop.agree(ctx.gather(stop.signum or 0))
             last = step + 1 == tcfg.max_steps
             if (step + 1) % tcfg.log_every == 0 or last or stop.requested:
                 row = meter.flush()
@@ -77,7 +100,8 @@ def train(cfg: Config) -> dict[str, Any]:
             if tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or last):
                 val_loss = built.step.evaluate(eval_batches)
                 run.log({"step": step + 1, "val_loss": val_loss, "val_ppl": _ppl(val_loss)})
-                bar.write(f"step {step + 1}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
+                if ctx.is_main:
+                    bar.write(f"step {step + 1}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
                 meter.restart_clock()  # evaluation time is not training time
             if checkpoint_due(cfg, step + 1, last or stop.requested or stop.diverged):
                 save_checkpoint(run, built, meter)
@@ -85,6 +109,8 @@ def train(cfg: Config) -> dict[str, Any]:
                 break
     bar.close()
     summary = summarize(built, meter, memory, stop, val_loss)
+    if ctx.enabled:
+        summary["dist"] = distributed_summary(built)
     if cfg.out.save_checkpoint and meter.steps == tcfg.max_steps and not stop.diverged:
         save_final_weights(run, built)
     run.write_summary(summary)
@@ -115,6 +141,30 @@ def out_of_memory_report(run: RunFolder, built: Built, meter: Meter):
         raise TrainingOutOfMemory(meter.steps, built.device, snapshot) from None
 
 
+def distributed_summary(built: Built) -> dict[str, Any]:
+    """Per-process measurements (a collective): peak memory and the bytes of this process's
+    parameters, gradients' shards and optimizer states."""
+    from onegpu.optim.state_bytes import optimizer_state_bytes
+
+    ctx = built.dist
+    params = list({id(p): p for p in built.model.parameters()}.values())
+    mine = {
+        "rank": ctx.rank,
+        "peak_mem_bytes": peak_bytes(built.device),
+        "param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in params),
+        "optimizer_bytes": optimizer_state_bytes(built.optimizer),
+        "param_device": str(local_tensor(params[0]).device),
+    }
+    return {
+        "strategy": ctx.strategy,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "reshard_after_forward": built.cfg.dist.reshard_after_forward,
+        "cpu_offload": built.cfg.dist.cpu_offload,
+        "per_rank": ctx.gather(mine),
+    }
+
+
 def _ppl(loss: float) -> float:
     return math.exp(min(loss, 50))
 
@@ -139,7 +189,16 @@ def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
         pin_memory=built.device.type == "cuda",
         classes=built.classes,
     )
-    return DevicePrefetcher(((x, y, count_targets(y)) for x, y in loader), built.device)
+    ctx = built.dist
+    if not ctx.enabled:
+        return DevicePrefetcher(((x, y, count_targets(y)) for x, y in loader), built.device)
+
+    def shares():  # this process's rows of each global batch; the target count is the batch's
+        for x, y in loader:
+            rows = slice(ctx.rank * len(x) // ctx.world_size, (ctx.rank + 1) * len(x) // ctx.world_size)
+            yield x[rows], y[rows], count_targets(y)
+
+    return DevicePrefetcher(shares(), built.device)
 
 
 def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -224,19 +283,24 @@ def checkpoint_due(cfg: Config, step: int, final: bool) -> bool:
 
 
 def weights_finite(built: Built) -> bool:
-    """Checked before anything is saved (one host read per save, not per step)."""
-    params = [p.detach() for p in built.model.parameters()]
-    return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+    """Checked before anything is saved (one host read per save, not per step); over every
+    process's shards under torchrun."""
+    params = [local_tensor(p.detach()) for p in built.model.parameters()]
+    finite = bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+    return not built.dist.any_true(not finite)
 
 
 def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path | None:
     """Write the checkpoint of the state after `meter.steps` steps, crash-safely, then prune.
     Weights that are not finite are never saved: the newer checkpoints stay the last good."""
     if not weights_finite(built):
-        warnings.warn(
-            f"step {meter.steps}: non-finite weights, checkpoint not written", stacklevel=1
-        )
+        if built.dist.is_main:
+            warnings.warn(
+                f"step {meter.steps}: non-finite weights, checkpoint not written", stacklevel=1
+            )
         return None
+    if built.dist.enabled:
+        return save_sharded_checkpoint(run, built, meter)
     state = resume.state_of(built, step=meter.steps, meter=meter.state_dict())
     path = run.checkpoints / ckpt.checkpoint_name(meter.steps)
     ckpt.write_atomic(path, state)
@@ -245,15 +309,52 @@ def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path | None:
     return path
 
 
+def save_sharded_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path:
+    """Every process writes its shards into a temporary folder (Distributed Checkpoint);
+    rank 0 adds train_state.pt and renames the folder into place, then prunes."""
+    ctx = built.dist
+    path = run.checkpoints / ckpt.checkpoint_name(meter.steps, sharded=True)
+    tmp = path.with_name(ckpt.TMP_PREFIX + path.name)
+    if ctx.is_main:
+        ckpt.remove_partial(run.checkpoints)  # a killed save's leftovers, this one's name too
+    ctx.barrier()
+    dcp.save(tmp, built.model, built.optimizer)
+    rngs = ctx.gather(ckpt.rng_state())
+    if ctx.is_main:
+        state = resume.train_state_of(built, step=meter.steps, meter=meter.state_dict(), rngs=rngs)
+        if path.exists():  # the same step saved before (a resumed run that stopped again)
+            ckpt.remove_partial(run.checkpoints)
+            shutil.rmtree(path)
+        ckpt.write_train_state_atomic(path, state)
+        c = built.cfg.checkpoint
+        ckpt.prune(run.checkpoints, keep_last=c.keep_last, keep_every=c.keep_every)
+    ctx.barrier()
+    return path
+
+
 def save_final_weights(run: RunFolder, built: Built) -> None:
-    """The trained weights alone, as safetensors (what other tools load), written atomically;
-    never non-finite weights."""
+    """The trained weights alone, as safetensors (what other tools load), written atomically
+    by rank 0; never non-finite weights. FSDP's shards are gathered into a whole model first."""
     from safetensors.torch import save_model
 
     if not weights_finite(built):
-        warnings.warn("non-finite weights: model.safetensors not written", stacklevel=1)
+        if built.dist.is_main:
+            warnings.warn("non-finite weights: model.safetensors not written", stacklevel=1)
+        return
+    model = built.model
+    if built.dist.strategy == "fsdp":
+        full = dcp.full_model_state(model)  # collective; the tensors land on rank 0's host
+        if not built.dist.is_main:
+            return
+        with torch.device("meta"):
+            model = make_model(built.cfg)
+        model.to_empty(device="cpu")
+        model.load_state_dict(full)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+    if not built.dist.is_main:
         return
     path = run.path / "model.safetensors"
     tmp = path.with_name(f"{ckpt.TMP_PREFIX}{path.name}.{os.getpid()}")
-    save_model(built.model, str(tmp), metadata={"format": "pt"})
+    save_model(model, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)

@@ -1,0 +1,155 @@
+"""Who this process is in a `torchrun` job, and the process group it talks through.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every process it
+starts (on one machine or, with --nnodes and --rdzv-*, on several); `init_distributed` reads
+them, picks the backend (nccl on CUDA, gloo on CPU) and opens the default process group. Beside
+it, a gloo group carries the few host-side agreements of the loop (stop on a signal, errors
+before the build) so that they never wait on a GPU stream.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from onegpu.config import ConfigError, DistConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """`strategy` 'none' is the single-process run: every helper below is then a no-op."""
+
+    strategy: str  # "none" | "fsdp" | "ddp"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+    control: Any = None  # a gloo ProcessGroup for host-side agreement (None: the default one)
+
+    @property
+    def enabled(self) -> bool:
+        return self.strategy != "none"
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the run folder, the metrics and the final weights."""
+        return self.rank == 0
+
+    def any_true(self, flag: bool) -> bool:
+        """Whether `flag` is true on any process (every process must call it)."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(t.item())
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every process (pickled, over the control group)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every process's `obj`, in rank order, on every process."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """fn() on rank 0 only; its result (pickled) or its ConfigError on every process."""
+        if not self.enabled:
+            return fn()
+        outcome: tuple = ("ok", None)
+        if self.is_main:
+            try:
+                outcome = ("ok", fn())
+            except ConfigError as e:
+                outcome = ("error", e.field_name, str(e)[len(e.field_name) + 2 :])
+        outcome = self.broadcast(outcome)
+        if outcome[0] == "error":
+            raise ConfigError(outcome[1], outcome[2])
+        return outcome[1]
+
+    def main_first(self, fn: Callable[[], T]) -> T:
+        """fn() on rank 0 first, then on the others (which then find rank 0's caches: the
+        tokenized data). A ConfigError on rank 0 is raised on every process, so none waits."""
+        if not self.enabled:
+            return fn()
+        result: list[T] = []
+        self.on_main(lambda: result.append(fn()))
+        return result[0] if self.is_main else fn()
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.control)
+
+
+def single_process() -> DistContext:
+    return DistContext(strategy="none")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_strategy(cfg: DistConfig, world_size: int) -> str:
+    """'auto' -> fsdp on several processes, none on one; a mismatch is refused."""
+    if cfg.strategy == "auto":
+        return "fsdp" if world_size > 1 else "none"
+    if cfg.strategy == "none" and world_size > 1:
+        raise ConfigError(
+            "dist.strategy",
+            f"torchrun started {world_size} processes but dist.strategy is none; use fsdp, "
+            "ddp or auto (or start one process)",
+        )
+    return cfg.strategy
+
+
+def init_distributed(cfg: DistConfig, device_type: str) -> DistContext:
+    """Open the process group torchrun describes (once per process; later calls reuse it)."""
+    world_size = world_size_from_env()
+    strategy = resolve_strategy(cfg, world_size)
+    if strategy == "none":
+        return single_process()
+    if "MASTER_ADDR" not in os.environ and not dist.is_initialized():
+        raise ConfigError(
+            "dist.strategy",
+            f"{strategy} needs the processes torchrun starts: launch with "
+            "`torchrun --nproc-per-node N -m onegpu train ...` (or use --dist.strategy none)",
+        )
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise ConfigError("dist.backend", "nccl needs CUDA devices; use gloo (or auto) on CPUs")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    return DistContext(
+        strategy=strategy,
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        backend=backend,
+        control=control,
+    )
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Close the process group at the end of a run (torchrun expects it)."""
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()

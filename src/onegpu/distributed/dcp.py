@@ -1,0 +1,96 @@
+"""Model and optimizer state through PyTorch Distributed Checkpoint (DCP).
+
+Each process writes its own shards, in parallel, into one folder, and DCP's `.metadata` maps
+every tensor's pieces to their place in the whole: a checkpoint written by N processes loads
+into M processes (or into one, without a process group) with the shards re-cut on load. The
+state dicts come from `torch.distributed.checkpoint.state_dict` (`get_state_dict`), which keys
+the optimizer's states by parameter name rather than by position, so they survive re-sharding
+and the change between FSDP, DDP and a single process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every process writes its shards of model and optimizer into `folder` (collective;
+    each file is fsynced; rank 0 writes `.metadata` last, once every shard is written)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=str(folder))
+
+
+def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a DCP checkpoint into this model and optimizer, whatever world size wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+
+
+def load_full(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_sd: dict[str, torch.Tensor],
+    optim_sd: dict[str, Any],
+) -> None:
+    """A single-process checkpoint (whole tensors; torch's position-keyed optimizer state)
+    into a sharded model: positions become parameter names, then each process keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_sd, options=full)
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    by_name: dict[str, Any] = {"state": {}, "param_groups": []}
+    for saved, now in zip(optim_sd["param_groups"], optimizer.param_groups, strict=True):
+        names = [name_of[id(p)] for p in now["params"]]
+        if len(names) != len(saved["params"]):
+            raise ValueError("the optimizer's parameter groups differ from the checkpoint's")
+        for index, name in zip(saved["params"], names, strict=True):
+            if index in optim_sd["state"]:
+                by_name["state"][name] = optim_sd["state"][index]
+        by_name["param_groups"].append({**saved, "params": names})
+    set_optimizer_state_dict(model, optimizer, by_name, options=full)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on rank 0's host (collective; other ranks get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def load_model(folder: Path, model: nn.Module) -> None:
+    """Only the model's tensors of a DCP checkpoint, whole, into a model in this process (no
+    process group needed): what export and generate read when a run has no model.safetensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"])
