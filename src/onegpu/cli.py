@@ -152,7 +152,7 @@ def cmd_plan(ns: argparse.Namespace, unknown: list[str]) -> int:
         return 0
     if ns.memory is not None and ns.memory <= 0:
         raise ConfigError("--memory", f"must be a positive number of bytes, got {ns.memory}")
-    report = plan_report(_config_from(ns, unknown), ns.gpu, ns.memory)
+    report = plan_report(_config_from(ns, unknown), ns.gpu, ns.memory, ns.world_size)
     print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
     return 0
 
@@ -296,6 +296,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", help="a GPU of the table (e.g. A100-40, RTX4090), or 'list'")
     p.add_argument("--memory", type=int, help="a memory budget in bytes (e.g. this machine's RAM)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="plan one of N processes under torchrun (--dist.strategy fsdp|ddp; auto: fsdp)",
+    )
     _add_config_options(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser(
@@ -380,6 +387,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = _show_warning
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for every process
+        warnings.simplefilter("ignore")
     try:
         ns, unknown = make_parser().parse_known_args(argv)
         return ns.func(ns, unknown)

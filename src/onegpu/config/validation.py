@@ -155,6 +155,13 @@ def _validate_combinations(cfg: Config) -> None:
             "optim.in_backward cannot wait for; use bf16, bf16-pure or fp32",
         )
     _require(
+        not (cfg.memory.checkpointing == "selective" and t.compile == "regional"),
+        "memory.checkpointing",
+        "selective checkpointing inside per-block compile is not traced by torch.compile "
+        "here (its policy context); use block or attn+mlp checkpointing with regional "
+        "compile, or --train.compile none",
+    )
+    _require(
         not (t.precision == "bf16-pure" and o.name == "adafactor"),
         "optim.name",
         "adafactor has no bf16-weight variant (its updates would be rounded away in bf16); "

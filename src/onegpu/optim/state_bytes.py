@@ -7,7 +7,10 @@ import torch
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Storage bytes of a tensor; for a tensor subclass (e.g. torchao's 8-bit states), the sum
-    of its inner tensors (codes and scales), which is what it really occupies."""
+    of its inner tensors (codes and scales), which is what it really occupies; for a sharded
+    tensor (FSDP's DTensor), this process's shard."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
         return sum(tensor_bytes(getattr(t, n)) for n in names)

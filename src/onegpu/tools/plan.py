@@ -4,13 +4,17 @@ predicted speed, and whether it fits a GPU (and if not, the cheapest changes tha
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import torch
+
 from onegpu.config import Config, ConfigError, with_overrides
+from onegpu.distributed.plan import per_rank_memory
 from onegpu.memory.breakdown import GROUPS
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
 from onegpu.techniques.precision import DeviceCaps
-from onegpu.tools.planner import plan_memory
+from onegpu.tools.planner import MemoryPlan, plan_memory
 
 # Reserved on a GPU beyond tensors: CUDA context and kernels (~0.3-1 GiB) and allocator slack.
 CUDA_OVERHEAD_BYTES = GiB // 2
@@ -50,13 +54,69 @@ def gpu_caps(gpu: str) -> DeviceCaps:
     return DeviceCaps(type="cuda", bf16="bf16" in peak, tf32="tf32" in peak)
 
 
-def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[str, Any]:
+GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""World sizes `onegpu plan --gpu` tries for 'how many GPUs does it need'."""
+
+
+def plan_strategy(cfg: Config, world_size: int) -> str:
+    """dist.strategy for a plan of `world_size` processes ('auto': fsdp on several)."""
+    strategy = cfg.dist.strategy
+    if strategy == "auto":
+        return "fsdp" if world_size > 1 else "none"
+    if strategy == "none" and world_size > 1:
+        raise ConfigError(
+            "--world-size", "several processes need --dist.strategy fsdp or ddp (or auto)"
+        )
+    return strategy
+
+
+def process_share(cfg: Config, world_size: int) -> Config:
+    """The config one of `world_size` processes runs: its share of the global batch."""
+    t = cfg.train
+    if world_size < 1:
+        raise ConfigError("--world-size", f"must be at least 1, got {world_size}")
+    if t.batch_size % (t.micro_batch_size * world_size):
+        raise ConfigError(
+            "train.batch_size",
+            f"the global batch {t.batch_size} does not split into {world_size} processes x "
+            f"micro-batches of {t.micro_batch_size}; use a multiple of "
+            f"{t.micro_batch_size * world_size}",
+        )
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(t, batch_size=t.batch_size // world_size)
+    )
+
+
+def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -> dict[str, int]:
+    """Rank 0's planned bytes (distributed/plan.py) from the plan of one process's share."""
+    gathered_16bit = plan.param_dtype == torch.float32 and plan.compute_dtype != torch.float32
+    return per_rank_memory(
+        plan.memory,
+        plan.param_shapes,
+        plan.block_numels,
+        world_size=world_size,
+        strategy=strategy,
+        reshard_after_forward=cfg.dist.reshard_after_forward,
+        cpu_offload=cfg.dist.cpu_offload,
+        gather_bytes=2 if gathered_16bit else plan.param_shapes[0].element_size,
+    )
+
+
+def plan_report(
+    cfg: Config, gpu: str | None, memory_bytes: int | None, world_size: int = 1
+) -> dict[str, Any]:
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
     target = "cuda" if gpu else "cpu"
     caps = gpu_caps(gpu) if gpu else None
-    plan = plan_memory(cfg, target, caps)
+    strategy = plan_strategy(cfg, world_size)
+    if cfg.dist.cpu_offload and strategy != "fsdp":
+        raise ConfigError("dist.cpu_offload", "offloads FSDP's shards; use --dist.strategy fsdp")
+    plan = plan_memory(process_share(cfg, world_size), target, caps)
     n, mem = plan.n_params, plan.memory
+    distributed = strategy != "none"
+    if distributed:
+        mem = rank_memory(cfg, plan, world_size, strategy)
     capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
     overhead = CUDA_OVERHEAD_BYTES if gpu else 0
     flops = plan.flops_per_token
@@ -88,8 +148,18 @@ def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[
         "plan_seconds": plan.seconds,
         "flops_per_token": flops,
     }
+    if distributed:
+        report["dist"] = {
+            "strategy": strategy,
+            "world_size": world_size,
+            "reshard_after_forward": cfg.dist.reshard_after_forward,
+            "cpu_offload": cfg.dist.cpu_offload,
+            "single_device_share": plan.memory,
+        }
+    if gpu and (distributed or not _fits(mem, GPUS[gpu].memory_bytes)):
+        report["gpus_needed"] = gpus_needed(cfg, plan, GPUS[gpu].memory_bytes)
     if peak_flops:
-        step_s = flops * tokens / (peak_flops * EFFICIENCY)
+        step_s = flops * tokens / (peak_flops * EFFICIENCY * world_size)
         report["predicted_step_time_s"] = step_s
         report["predicted_tokens_per_s"] = tokens / step_s
         report["efficiency_assumed"] = EFFICIENCY
@@ -98,11 +168,27 @@ def plan_report(cfg: Config, gpu: str | None, memory_bytes: int | None) -> dict[
         report["capacity_bytes"] = capacity
         report["fits"] = need <= capacity
         report["headroom_bytes"] = capacity - need
-        if need > capacity:
+        if need > capacity and not distributed:
             report["fixes"] = fixes_for(
                 cfg, capacity - overhead, target, caps, base_peak=mem["peak"]
             )
     return report
+
+
+def _fits(mem: dict[str, int], capacity: int) -> bool:
+    return mem["peak"] + CUDA_OVERHEAD_BYTES <= capacity
+
+
+def gpus_needed(cfg: Config, plan: MemoryPlan, capacity: int) -> dict[str, Any]:
+    """Rank 0's planned peak under FSDP on 1, 2, 4, ... GPUs of `capacity` bytes, and the
+    fewest that fit. (The activations are those of the planned share; with fewer processes
+    each runs more micro-batches of the same size, which changes no per-micro-batch figure.)"""
+    rows = []
+    for n in GPU_COUNTS:
+        peak = rank_memory(cfg, plan, n, "fsdp" if n > 1 else "none")["peak"]
+        rows.append({"world_size": n, "peak": peak, "fits": peak + CUDA_OVERHEAD_BYTES <= capacity})
+    fewest = next((r["world_size"] for r in rows if r["fits"]), None)
+    return {"fewest": fewest, "rows": rows[: max(4, GPU_COUNTS.index(fewest) + 1) if fewest else None]}
 
 
 def fixes_for(
@@ -162,9 +248,19 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
         "",
         "memory at the step's peak                  MiB    bytes/param",
     ]
-    for g in GROUPS:
+    if "dist" in r:
+        d = r["dist"]
+        lines[0] += f"; per process of {d['world_size']} under {d['strategy']}"
+        lines.insert(2, f"  rank 0's share (the largest); reshard_after_forward "
+                     f"{str(d['reshard_after_forward']).lower()}, cpu_offload "
+                     f"{str(d['cpu_offload']).lower()}")  # fmt: skip
+    groups = [*GROUPS, "gathered"] if "gathered" in mem else GROUPS
+    for g in groups:
         per = f"{mem[g] / n:8.2f}" if g in ("params", "grads", "optimizer") else ""
-        lines.append(f"  {g:<38} {mem[g] / mib:9,.1f}   {per}")
+        label = "gathered for compute (FSDP all-gather)" if g == "gathered" else g
+        lines.append(f"  {label:<38} {mem[g] / mib:9,.1f}   {per}")
+    if mem.get("host"):
+        lines.append(f"  {'in host memory (cpu_offload)':<38} {mem['host'] / mib:9,.1f}")
     lines += [
         f"  {'peak (predicted)':<38} {mem['peak'] / mib:9,.1f}   {mem['peak'] / n:8.2f}",
         f"  the peak comes in {r['peak_at']}",
@@ -205,6 +301,17 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
                 f"  + {f['change']:<36} alone {f['peak_alone'] / GiB:6.2f} GiB"
                 f"{' fits' if f['fits_alone'] else '     '}  |  with the ones above "
                 f"{f['peak_with_previous'] / GiB:6.2f} GiB{' fits' if f['fits_with_previous'] else ''}"
+            )
+        if "gpus_needed" in r:
+            g = r["gpus_needed"]
+            table = ", ".join(
+                f"{row['world_size']}: {row['peak'] / GiB:,.1f} GiB{' fits' if row['fits'] else ''}"
+                for row in g["rows"]
+            )
+            lines.append(f"  FSDP over N x {gpu}, rank 0's planned peak: {table}")
+            lines.append(
+                f"  -> needs {g['fewest']} x {gpu}" if g["fewest"]
+                else f"  -> does not fit on up to {GPU_COUNTS[-1]} x {gpu}"
             )
         if r.get("fixes") and not r["fixes"][-1]["fits_with_previous"]:
             lines.append("  nothing in the list makes it fit: a smaller model, shorter sequences "

@@ -25,6 +25,7 @@ from torch import nn
 from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.config import Config
 from onegpu.data.loader import classification_targets
+from onegpu.distributed.plan import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import LiveTensorBytes, storage_id
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
@@ -44,6 +45,11 @@ class MemoryPlan:
     seconds: float = 0.0
     precision: str = ""  # what `train.precision` resolved to on the target
     compute_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = torch.float32
+    param_shapes: list[ParamShape] = field(default_factory=list)
+    """Every parameter once (tied ones once): how FSDP would shard them."""
+    block_numels: list[int] = field(default_factory=list)
+    """Parameters per block (FSDP gathers one block at a time)."""
 
 
 def _kind(op: str, module: str, dtype: torch.dtype) -> str:
@@ -279,6 +285,9 @@ def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) 
         flops_per_token=built.flops_per_token,
         precision=built.policy.name,
         compute_dtype=built.policy.compute_dtype,
+        param_dtype=built.policy.param_dtype,
+        param_shapes=[ParamShape(tuple(p.shape), p.element_size()) for p in params],
+        block_numels=[sum(p.numel() for p in b.parameters()) for b in built.model.blocks],
     )
 
 

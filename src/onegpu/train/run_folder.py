@@ -125,6 +125,8 @@ class RunFolder:
         model folder or the token cache is gone: `model/` holds a model.hf folder's
         config and tokenizer files; `tokenizer.json` the data's tokenizer (with its
         end-of-text id in `tokenizer_eot.txt`)."""
+        if not self.main:
+            return
         if cfg.model.hf:
             target = self.path / "model"
             target.mkdir(exist_ok=True)

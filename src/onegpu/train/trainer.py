@@ -55,6 +55,7 @@ def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
     start = resume.restore(built, previous) if previous else 0
     run = RunFolder(out_dir, cfg, resume_step=start if previous else None, main=ctx.is_main)
     run.write_model_files(cfg, built.data.tokenizer)
+    ctx.barrier()  # the folder is ready (an overwritten run's checkpoints gone) for every rank
     batches, eval_batches = training_batches(built, start), validation_batches(built)
     peak = peak_flops(built.device, built.policy.compute_dtype, built.policy.name)
     if peak and ctx.world_size > 1:  # MFU over all devices
@@ -216,12 +217,17 @@ def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def describe(built: Built, out_dir: Path, start: int) -> str:
-    cfg = built.cfg
+    cfg, ctx = built.cfg, built.dist
     resumed = f" | resumed at step {start}" if start else ""
+    where = f"{built.device}"
+    micro = f"{built.step.n_micro} micro-batch(es)"
+    if ctx.enabled:
+        where = f"{ctx.strategy} over {ctx.world_size} processes ({ctx.backend}, {built.device.type})"
+        micro = f"{ctx.world_size} processes x {micro} of {cfg.train.micro_batch_size}"
     return (
-        f"onegpu: {built.n_params:,} parameters | {built.device} | {built.policy.name} | "
-        f"batch {cfg.train.batch_size}x{cfg.train_seq_len} tokens in {cfg.grad_accum_steps} "
-        f"micro-batch(es) | data {built.data.description} | run folder {out_dir}{resumed}"
+        f"onegpu: {built.n_params:,} parameters | {where} | {built.policy.name} | "
+        f"batch {cfg.train.batch_size}x{cfg.train_seq_len} tokens in {micro} | "
+        f"data {built.data.description} | run folder {out_dir}{resumed}"
     )
 
 
