@@ -1,0 +1,140 @@
+"""Distributed settings without launching processes: strategy choice, refusals, the per-rank
+memory arithmetic, sharded checkpoint folders, and FSDP's mixed precision on a one-process
+group (gloo, in this process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from onegpu.build import build
+from onegpu.config import ConfigError, DistConfig, load_config
+from onegpu.distributed import DistContext, init_distributed
+from onegpu.distributed.context import resolve_strategy
+from onegpu.distributed.plan import ParamShape, per_rank_memory, shard_fraction
+from onegpu.train import checkpoint as ckpt
+
+
+def test_auto_is_fsdp_on_several_processes_and_nothing_on_one():
+    assert resolve_strategy(DistConfig(), 1) == "none"
+    assert resolve_strategy(DistConfig(), 4) == "fsdp"
+    assert resolve_strategy(DistConfig(strategy="ddp"), 2) == "ddp"
+    with pytest.raises(ConfigError, match="dist.strategy"):
+        resolve_strategy(DistConfig(strategy="none"), 2)
+
+
+def test_fsdp_outside_torchrun_says_how_to_launch(monkeypatch):
+    for var in ("WORLD_SIZE", "MASTER_ADDR", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node"):
+        init_distributed(DistConfig(strategy="fsdp"), "cpu")
+    with pytest.raises(ConfigError, match="dist.backend"):
+        monkeypatch.setenv("MASTER_ADDR", "localhost")
+        init_distributed(DistConfig(strategy="ddp", backend="nccl"), "cpu")
+
+
+def test_cpu_offload_alone_is_refused_before_anything_runs(tiny_cfg):
+    cfg = load_config("tiny", overrides={"dist.cpu_offload": "true", "train.device": "cpu"})
+    with pytest.raises(ConfigError, match="dist.cpu_offload"):
+        build(cfg, with_data=False)
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"train.batch_size": "6", "train.micro_batch_size": "2"}, "train.batch_size"),
+        ({"train.compile": "default"}, "train.compile"),
+        ({"optim.in_backward": "true", "optim.grad_clip": "0", "train.micro_batch_size": "8"},
+         "optim.in_backward"),
+        ({"train.precision": "fp16"}, "train.precision"),
+        ({"train.precision": "bf16-pure"}, "train.precision"),
+        ({"optim.name": "adafactor"}, "optim.name"),
+    ],
+)  # fmt: skip
+def test_what_several_processes_cannot_do_is_refused(over, field):
+    from onegpu.build import check_distributed, resolve
+
+    cfg = load_config("tiny", overrides={"train.device": "cpu", **over})
+    ctx = DistContext(strategy="fsdp", world_size=2, backend="gloo")
+    resolved = resolve(cfg, torch.device("cpu")).config
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        check_distributed(resolved, ctx)
+
+
+def test_shards_follow_fsdp2s_cut_along_rows():
+    p = ParamShape((10, 3), 4)  # 10 rows over 4 processes: rank 0 holds ceil(10/4) = 3 rows
+    assert p.shard_numel(4) == 9 and p.shard_numel(1) == 30 and p.shard_numel(16) == 3
+    assert ParamShape((), 4).shard_numel(8) == 1
+    assert shard_fraction([ParamShape((8, 8), 4)], 2) == 0.5
+
+
+def test_per_rank_memory_shards_states_and_offload_moves_them_to_the_host():
+    single = {"params": 800, "grads": 800, "optimizer": 1600, "activations": 500, "other": 50}
+    single["peak"] = sum(single.values())
+    params = [ParamShape((100, 2), 4)]  # 200 parameters, all in one block
+    fsdp = per_rank_memory(single, params, [200], world_size=4, strategy="fsdp",
+                           gather_bytes=2)  # fmt: skip
+    assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"]) == (200, 200, 400)
+    assert fsdp["activations"] == 500 and fsdp["host"] == 0
+    assert fsdp["gathered"] == 2 * 200 * 2 + 200 * 4  # two blocks gathered, one full gradient
+    assert fsdp["peak"] == 200 + 200 + 400 + 500 + 50 + fsdp["gathered"]
+    off = per_rank_memory(single, params, [200], world_size=4, strategy="fsdp",
+                          cpu_offload=True)  # fmt: skip
+    assert off["host"] == 800 and off["params"] == off["optimizer"] == 0
+    assert per_rank_memory(single, params, [200], world_size=4, strategy="ddp")["peak"] == single["peak"]
+
+
+def test_only_complete_sharded_folders_count_and_leftovers_go(tmp_path):
+    whole = tmp_path / ckpt.checkpoint_name(4, sharded=True)
+    whole.mkdir()
+    (whole / ".metadata").write_bytes(b"x")
+    (whole / ckpt.TRAIN_STATE).write_bytes(b"x")
+    half = tmp_path / ckpt.checkpoint_name(6, sharded=True)  # no train_state.pt: not complete
+    half.mkdir()
+    (half / ".metadata").write_bytes(b"x")
+    killed = tmp_path / (ckpt.TMP_PREFIX + ckpt.checkpoint_name(8, sharded=True))
+    killed.mkdir()
+    (killed / "__0_0.distcp").write_bytes(b"x")
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [4]
+    assert ckpt.remove_partial(tmp_path) == [killed] and not killed.exists()
+    with pytest.raises(ConfigError, match="not a complete sharded checkpoint"):
+        ckpt.load(half)
+
+
+@pytest.fixture
+def one_process_group():
+    """A real gloo process group of one process, in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistContext(strategy="fsdp", world_size=1, backend="gloo")
+    dist.destroy_process_group()
+
+
+def test_fsdp_mixed_precision_casts_gathered_weights_once_not_per_op(one_process_group):
+    """Under FSDP with bf16, a block computes with bf16 parameters (cast once when gathered),
+    while the sharded master weights and their gradients stay fp32; autocast alone keeps fp32
+    parameters and casts inside each op. Same loss to bf16 rounding."""
+    over = {"train.device": "cpu", "train.precision": "bf16", "train.batch_size": "4",
+            "train.micro_batch_size": "4"}  # fmt: skip
+    x = torch.randint(0, 256, (4, 64))
+    seen: dict[str, torch.dtype] = {}
+
+    def run(ctx):
+        built = build(load_config("tiny", overrides=over), with_data=False, dist_ctx=ctx)
+        fc = built.model.blocks[0].mlp.fc
+        handle = fc.register_forward_pre_hook(
+            lambda m, args: seen.__setitem__(ctx.strategy if ctx else "none", m.weight.dtype)
+        )
+        built.step.forward_backward(x, x, x.numel())
+        handle.remove()
+        return built
+
+    sharded = run(one_process_group)
+    plain = run(None)
+    assert seen == {"fsdp": torch.bfloat16, "none": torch.float32}
+    w = sharded.model.blocks[0].mlp.fc.weight
+    assert type(w).__name__ == "DTensor" and w.dtype == torch.float32
+    assert w.grad is not None and w.grad.dtype == torch.float32
+    g_fsdp = w.grad.full_tensor()
+    g_plain = plain.model.blocks[0].mlp.fc.weight.grad
+    assert torch.nn.functional.cosine_similarity(g_fsdp.flatten(), g_plain.flatten(), dim=0) > 0.99

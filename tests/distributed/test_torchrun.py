@@ -1,0 +1,206 @@
+"""Several processes equal one: `torchrun` with the gloo backend, two processes on this CPU.
+
+Every test launches `python -m torch.distributed.run --standalone --nproc-per-node N -m onegpu
+train` exactly as a user would, on the `tiny` preset (fp32, no dropout). Tolerances: the
+processes' gradients are summed in another order than one process sums its micro-batches
+(reduction order), so losses agree to float32 rounding, 1e-5 relative, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from onegpu.config import load_config
+from onegpu.tools.plan import plan_report
+from onegpu.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+BASE = {
+    "train.max_steps": STEPS,
+    "train.batch_size": 8,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "train.device": "cpu",
+    "checkpoint.every": 2,
+    "checkpoint.keep_last": 5,
+    "out.progress": "false",
+}
+REL = 1e-5
+
+
+def _args(out: Path, over: dict) -> list[str]:
+    values = {**BASE, **over, "out.dir": str(out)}
+    return ["--preset", "tiny", *(f"--{k}={v}" for k, v in values.items())]
+
+
+def launch(out: Path, nproc: int, *, check: bool = True, **over) -> subprocess.CompletedProcess:
+    """`onegpu train` on `nproc` processes (1: a plain process, no torchrun)."""
+    if nproc == 1 and over.get("dist.strategy", "none") == "none":
+        cmd = [sys.executable, "-m", "onegpu", "train"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "onegpu", "train"]  # fmt: skip
+    proc = subprocess.run(
+        cmd + _args(out, over), capture_output=True, text=True, timeout=300, env=_env()
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def assert_same_losses(a: dict[int, float], b: dict[int, float]) -> None:
+    assert a.keys() == b.keys(), (a, b)
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=REL), (step, a, b)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The reference runs, each launched once for the module: one process with 4
+    micro-batches, DDP over 2 x 1 micro-batch, FSDP over 2 x 2 micro-batches."""
+    root = tmp_path_factory.mktemp("dist")
+    made = {
+        "single": (root / "single", 1, {"train.micro_batch_size": 2}),
+        "ddp": (root / "ddp", 2, {"train.micro_batch_size": 4, "dist.strategy": "ddp"}),
+        "fsdp": (root / "fsdp", 2, {"train.micro_batch_size": 2, "dist.strategy": "fsdp"}),
+    }
+    for out, nproc, over in made.values():
+        launch(out, nproc, **over)
+    return {name: out for name, (out, _, _) in made.items()}
+
+
+def test_ddp_and_fsdp_losses_equal_one_process(runs):
+    single = losses(runs["single"])
+    assert len(single) == STEPS and single[STEPS] < single[1]
+    assert_same_losses(losses(runs["ddp"]), single)
+    # 2 processes x 2 micro-batches of 2 = 1 process x 4 micro-batches of 2 (token-exact)
+    assert_same_losses(losses(runs["fsdp"]), single)
+
+
+def test_rank_zero_writes_the_run_folder_and_every_rank_is_measured(runs):
+    summary = json.loads((runs["fsdp"] / "summary.json").read_text())
+    d = summary["dist"]
+    assert d["strategy"] == "fsdp" and d["world_size"] == 2 and d["backend"] == "gloo"
+    assert [r["rank"] for r in d["per_rank"]] == [0, 1]
+    assert all(r["peak_mem_bytes"] > 0 for r in d["per_rank"])
+    assert summary["peak_flops_source"].endswith("x 2")  # MFU over both devices
+    from safetensors.torch import load_file
+
+    # gathered from the shards: the same whole tensors as one process's, equal to rounding
+    whole = load_file(runs["fsdp"] / "model.safetensors")
+    single = load_file(runs["single"] / "model.safetensors")
+    assert whole.keys() == single.keys()
+    for name, t in single.items():
+        torch.testing.assert_close(whole[name], t, rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp_shards_parameters_and_states_and_the_plan_predicts_them(runs):
+    """Per process: parameter + optimizer bytes about 1/2 of one process's (measured), and
+    `onegpu plan --world-size 2` within 5% of the measurement."""
+    from onegpu.build import build
+
+    cfg = load_config("tiny", overrides={k: str(v) for k, v in BASE.items()})
+    built = build(cfg, with_data=False)
+    x = torch.randint(0, 256, (8, 64))
+    built.step(x, x, x.numel(), 0)  # optimizer states exist after a step
+    from onegpu.optim.state_bytes import optimizer_state_bytes
+
+    single = sum(p.numel() * p.element_size() for p in built.model.parameters())
+    single += optimizer_state_bytes(built.optimizer)
+    per_rank = json.loads((runs["fsdp"] / "summary.json").read_text())["dist"]["per_rank"]
+    for r in per_rank:
+        measured = r["param_bytes"] + r["optimizer_bytes"]
+        assert measured == pytest.approx(single / 2, rel=0.02)
+    plan_cfg = load_config(
+        "tiny",
+        overrides={**{k: str(v) for k, v in BASE.items()}, "train.micro_batch_size": "2"},
+    )
+    planned = plan_report(plan_cfg, None, None, world_size=2)["memory"]
+    rank0 = per_rank[0]["param_bytes"] + per_rank[0]["optimizer_bytes"]
+    assert planned["params"] + planned["optimizer"] == pytest.approx(rank0, rel=0.05)
+
+
+def test_two_rank_checkpoint_resumes_on_one_process(runs, tmp_path):
+    folder = runs["fsdp"] / "checkpoints" / ckpt.checkpoint_name(2, sharded=True)
+    assert (folder / ".metadata").is_file() and (folder / ckpt.TRAIN_STATE).is_file()
+    launch(tmp_path / "one", 1, **{"train.micro_batch_size": 2, "train.resume": str(folder)})
+    resumed = losses(tmp_path / "one")
+    assert sorted(resumed) == [3, 4]
+    assert_same_losses(resumed, {s: v for s, v in losses(runs["fsdp"]).items() if s > 2})
+
+
+def test_one_process_checkpoint_resumes_on_two(runs, tmp_path):
+    file = runs["single"] / "checkpoints" / ckpt.checkpoint_name(2)
+    launch(tmp_path / "two", 2, **{"train.micro_batch_size": 2, "dist.strategy": "fsdp",
+                                   "train.resume": str(file)})  # fmt: skip
+    resumed = losses(tmp_path / "two")
+    assert sorted(resumed) == [3, 4]
+    assert_same_losses(resumed, {s: v for s, v in losses(runs["single"]).items() if s > 2})
+
+
+def test_cpu_offload_trains_with_parameters_on_the_host(runs, tmp_path):
+    launch(tmp_path / "off", 2, **{"train.micro_batch_size": 2, "dist.cpu_offload": "true"})
+    summary = json.loads((tmp_path / "off" / "summary.json").read_text())
+    assert summary["dist"]["cpu_offload"] is True
+    assert {r["param_device"] for r in summary["dist"]["per_rank"]} == {"cpu"}
+    # offloading moves bytes, never numbers
+    assert_same_losses(losses(tmp_path / "off"), losses(runs["single"]))
+
+
+def test_a_kill_during_sharded_saves_leaves_the_previous_checkpoint_usable(tmp_path):
+    """SIGKILL the whole job (launcher and workers) while it saves a sharded checkpoint every
+    step, wherever it is then (often inside a save); every checkpoint under a final name is
+    whole, the newest resumes, and the run ends with the uninterrupted run's losses."""
+    out, steps = tmp_path / "killed", 12
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "-m", "onegpu", "train"]  # fmt: skip
+    over = {"train.micro_batch_size": 2, "checkpoint.every": 1, "train.max_steps": steps}
+    proc = subprocess.Popen(
+        cmd + _args(out, over),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    folder = out / "checkpoints"
+    while time.monotonic() < deadline and len(ckpt.complete_checkpoints(folder)) < 3:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = ckpt.complete_checkpoints(folder)
+    assert saved and saved[-1][0] < steps, "the run ended before it was killed"
+    for _, path in saved:  # every folder under a checkpoint's name is whole
+        assert (path / ".metadata").is_file() and (path / ckpt.TRAIN_STATE).is_file()
+    launch(out, 2, **over, **{"train.resume": "auto"})
+    assert not list(folder.glob(f"{ckpt.TMP_PREFIX}*"))  # the killed save's leftovers are gone
+    launch(tmp_path / "whole", 2, **over)
+    assert_same_losses(losses(out), losses(tmp_path / "whole"))
+
+
+def test_bad_input_under_torchrun_is_one_line_and_exit_2(tmp_path):
+    proc = launch(tmp_path / "bad", 2, check=False, **{"train.batch_size": 6,
+                                                       "train.micro_batch_size": 2})  # fmt: skip
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("onegpu: error:")]
+    assert len(errors) == 1 and "train.batch_size" in errors[0]
