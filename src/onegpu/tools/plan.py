@@ -90,8 +90,13 @@ def process_share(cfg: Config, world_size: int) -> Config:
 def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -> dict[str, int]:
     """Rank 0's planned bytes (distributed/plan.py) from the plan of one process's share."""
     gathered_16bit = plan.param_dtype == torch.float32 and plan.compute_dtype != torch.float32
+    single = dict(plan.memory)
+    if gathered_16bit and strategy == "fsdp":
+        # FSDP's mixed precision computes with the gathered 16-bit weights themselves (counted
+        # under `gathered`): autocast's saved copies of the weights do not exist
+        single["activations"] -= plan.weight_copies_at_peak
     return per_rank_memory(
-        plan.memory,
+        single,
         plan.param_shapes,
         plan.block_numels,
         world_size=world_size,

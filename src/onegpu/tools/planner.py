@@ -46,6 +46,9 @@ class MemoryPlan:
     precision: str = ""  # what `train.precision` resolved to on the target
     compute_dtype: torch.dtype = torch.float32
     param_dtype: torch.dtype = torch.float32
+    weight_copies_at_peak: int = 0
+    """Of `activations`: autocast's 16-bit copies of weights, saved for backward, alive at the
+    peak (under FSDP's mixed precision the gathered 16-bit weights take their place)."""
     param_shapes: list[ParamShape] = field(default_factory=list)
     """Every parameter once (tied ones once): how FSDP would shard them."""
     block_numels: list[int] = field(default_factory=list)
@@ -122,6 +125,8 @@ class _PlanTracker(LiveTensorBytes):
         self.peak_op = ""
         self.peak_in_backward = False
         self._op = ""
+        self.param_storages: set[int] = set()
+        self.weight_copies: set[int] = set()  # allocation numbers of 16-bit copies of weights
 
     def track(self, t: torch.Tensor) -> None:
         sid = storage_id(t)
@@ -137,6 +142,14 @@ class _PlanTracker(LiveTensorBytes):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._op = str(func.overloadpacket).replace("aten::", "aten.")
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if (
+            func.overloadpacket is torch.ops.aten._to_copy
+            and isinstance(out, torch.Tensor)
+            and storage_id(args[0]) in self.param_storages
+        ):  # autocast's copy of a weight (FSDP's mixed precision gathers it in 16 bits instead)
+            serial = self.serials.get(storage_id(out))
+            if serial is not None:
+                self.weight_copies.add(serial)
         workspace = self._cpu_gemm_workspace(func, args)
         if workspace and self.current + workspace > self.peak:
             # the kernel's own buffer, alive while the op runs: counted at the peak as "other"
@@ -191,6 +204,7 @@ def _follow_step(built: Built, target: str, x: torch.Tensor, y: torch.Tensor) ->
             followed.grad_serials.add(serial)
 
     params = list({id(p): p for p in model.parameters()}.values())
+    tracker.param_storages = {storage_id(p) for p in params}
     hooks = [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
@@ -256,9 +270,12 @@ def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) 
     )
     tracker, saved = followed.tracker, followed.saved
     at_peak: dict[str, int] = defaultdict(int)
+    weight_copies = 0
     for serial, nbytes in tracker.peak_storages.items():
         in_grads, in_saved = serial in followed.grad_serials, serial in saved
         at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
+        if in_saved and serial in tracker.weight_copies:
+            weight_copies += nbytes
     memory = {
         "params": sum(p.untyped_storage().nbytes() for p in params),
         "grads": at_peak["grads"],
@@ -286,6 +303,7 @@ def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) 
         precision=built.policy.name,
         compute_dtype=built.policy.compute_dtype,
         param_dtype=built.policy.param_dtype,
+        weight_copies_at_peak=weight_copies,
         param_shapes=[ParamShape(tuple(p.shape), p.element_size()) for p in params],
         block_numels=[sum(p.numel() for p in b.parameters()) for b in built.model.blocks],
     )
