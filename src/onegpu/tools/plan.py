@@ -162,7 +162,9 @@ def plan_report(
             "single_device_share": plan.memory,
         }
     if gpu and (distributed or not _fits(mem, GPUS[gpu].memory_bytes)):
-        report["gpus_needed"] = gpus_needed(cfg, plan, GPUS[gpu].memory_bytes)
+        report["gpus_needed"] = gpus_needed(
+            cfg, plan, world_size, GPUS[gpu].memory_bytes, target, caps
+        )
     if peak_flops:
         step_s = flops * tokens / (peak_flops * EFFICIENCY * world_size)
         report["predicted_step_time_s"] = step_s
@@ -184,16 +186,26 @@ def _fits(mem: dict[str, int], capacity: int) -> bool:
     return mem["peak"] + CUDA_OVERHEAD_BYTES <= capacity
 
 
-def gpus_needed(cfg: Config, plan: MemoryPlan, capacity: int) -> dict[str, Any]:
-    """Rank 0's planned peak under FSDP on 1, 2, 4, ... GPUs of `capacity` bytes, and the
-    fewest that fit. (The activations are those of the planned share; with fewer processes
-    each runs more micro-batches of the same size, which changes no per-micro-batch figure.)"""
+def gpus_needed(
+    cfg: Config, plan: MemoryPlan, world_size: int, capacity: int, target: str, caps
+) -> dict[str, Any]:
+    """Rank 0's planned peak on 1, 2, 4, 8, ... GPUs of `capacity` bytes (FSDP on several, as
+    `dist.strategy auto`), and the fewest that fit. World sizes the global batch does not split
+    into are left out. A share of one micro-batch per process and a share of several peak
+    differently (gradients are alive across micro-batches), so each kind is planned once."""
+    t = cfg.train
+    shares: dict[bool, MemoryPlan] = {cfg.grad_accum_steps // world_size > 1: plan}
     rows = []
     for n in GPU_COUNTS:
-        peak = rank_memory(cfg, plan, n, "fsdp" if n > 1 else "none")["peak"]
+        if t.batch_size % (t.micro_batch_size * n):
+            continue
+        several = cfg.grad_accum_steps // n > 1
+        if several not in shares:
+            shares[several] = plan_memory(process_share(cfg, n), target, caps)
+        peak = rank_memory(cfg, shares[several], n, "fsdp" if n > 1 else "none")["peak"]
         rows.append({"world_size": n, "peak": peak, "fits": peak + CUDA_OVERHEAD_BYTES <= capacity})
     fewest = next((r["world_size"] for r in rows if r["fits"]), None)
-    return {"fewest": fewest, "rows": rows[: max(4, GPU_COUNTS.index(fewest) + 1) if fewest else None]}
+    return {"fewest": fewest, "rows": rows}
 
 
 def fixes_for(
@@ -316,7 +328,8 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
             lines.append(f"  FSDP over N x {gpu}, rank 0's planned peak: {table}")
             lines.append(
                 f"  -> needs {g['fewest']} x {gpu}" if g["fewest"]
-                else f"  -> does not fit on up to {GPU_COUNTS[-1]} x {gpu}"
+                else f"  -> does not fit on the GPU counts the global batch splits into "
+                f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more"
             )
         if r.get("fixes") and not r["fixes"][-1]["fits_with_previous"]:
             lines.append("  nothing in the list makes it fit: a smaller model, shorter sequences "
