@@ -138,3 +138,18 @@ def test_fsdp_mixed_precision_casts_gathered_weights_once_not_per_op(one_process
     g_fsdp = w.grad.full_tensor()
     g_plain = plain.model.blocks[0].mlp.fc.weight.grad
     assert torch.nn.functional.cosine_similarity(g_fsdp.flatten(), g_plain.flatten(), dim=0) > 0.99
+
+
+def test_plan_per_process_halves_the_states_and_counts_the_gpus_needed():
+    from onegpu.tools.plan import plan_report
+
+    cfg = load_config("tiny", overrides={"train.device": "cpu", "train.micro_batch_size": "2"})
+    one = plan_report(cfg, None, None)["memory"]
+    two = plan_report(cfg, "A100-40", None, world_size=2)
+    assert two["memory"]["optimizer"] == pytest.approx(one["optimizer"] / 2, rel=0.01)
+    assert two["dist"]["strategy"] == "fsdp" and two["memory"]["gathered"] > 0
+    rows = two["gpus_needed"]["rows"]
+    assert [r["world_size"] for r in rows] == [1, 2, 4]  # batch 8 / micro 2 splits up to 4
+    assert two["gpus_needed"]["fewest"] == 1
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        plan_report(cfg, None, None, world_size=3)
