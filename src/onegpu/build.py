@@ -323,9 +323,7 @@ def build(
     ConfigError, before anything is written, for anything this device or data cannot do.
     """
     ctx = dist_ctx or single_process()
-    device = device or resolve_device(
-        cfg.train.device, ctx.local_rank if ctx.enabled else None
-    )
+    device = device or resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
     resolved = resolve(cfg, device, caps)
     cfg = resolved.config
     check_distributed(cfg, ctx)

@@ -195,10 +195,16 @@ def cmd_tune(ns: argparse.Namespace, unknown: list[str]) -> int:
         config_file=ns.config,
         base_overrides=overrides,
         with_compile=ns.with_compile,
+        world_size=ns.world_size,
     )
     print((out / "tune.md").read_text())
+    launch = (
+        "onegpu train"
+        if ns.world_size == 1
+        else (f"torchrun --nproc-per-node {ns.world_size} -m onegpu train")
+    )
     print(f"wrote {out}/tune.md, {out}/tune.json, {out}/tune.png, {out}/best.toml "
-          f"(onegpu train --config {out}/best.toml)")  # fmt: skip
+          f"({launch} --config {out}/best.toml)")  # fmt: skip
     return 0 if result["best"] else 2
 
 
@@ -319,6 +325,14 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=6, help="steps per trial (default: 6)")
     p.add_argument("--with-compile", action="store_true", help="also try regional compile")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tune one of N processes under torchrun: the strategy joins the search, the "
+        "budget is per process, trials launch N processes",
+    )
     _add_config_options(p)
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser(

@@ -108,7 +108,9 @@ class TrainStep:
         total: torch.Tensor | None = None
         world = self.dist.world_size
         denom = max(n_tokens, 1) / world if world > 1 else max(n_tokens, 1)
-        micro = list(zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True))
+        micro = list(
+            zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True)
+        )
         for i, (x_bT, y_bT) in enumerate(micro):
             hold = self.no_sync is not None and i < len(micro) - 1
             with self.no_sync() if hold else contextlib.nullcontext():

@@ -64,7 +64,9 @@ def apply_fsdp(
 
     kwargs = {
         # pinned host memory needs an accelerator (pin_memory() fails on a CPU-only machine)
-        "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory)
+        if cpu_offload
+        else OffloadPolicy(),
     }
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision

@@ -128,10 +128,15 @@ def run_row(
     overrides: dict[str, str],
     steps: int,
     workdir: Path,
+    nproc: int = 1,
 ) -> dict[str, Any]:
-    """One `onegpu train` in a fresh process; the row's measurements from its run folder."""
+    """One `onegpu train` in a fresh process (`nproc` > 1: a `torchrun --standalone` launch of
+    that many); the row's measurements from its run folder."""
     out = Path(tempfile.mkdtemp(dir=workdir))
     cmd = [sys.executable, "-m", "onegpu", "train"]
+    if nproc > 1:
+        launch = ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd = [sys.executable, "-m", *launch, "-m", "onegpu", "train"]
     if preset:
         cmd += ["--preset", preset]
     if config_file:
@@ -160,12 +165,19 @@ def run_row(
     step_time = statistics.median(times)
     mem = summary.get("memory") or {}
     cuda = summary["device"].startswith("cuda")
+    if cuda:
+        peak, kind = summary["peak_mem_bytes"], summary["peak_mem_kind"]
+    else:  # the tracked peak of the measured step (RSS holds the interpreter and libraries too)
+        peak, kind = mem.get("peak"), mem.get("kind")
+    if "dist" in summary:  # the process that peaked highest (rank 0 holds the unsharded root)
+        peak = max(r["peak_mem_bytes"] for r in summary["dist"]["per_rank"])
+        kind = f"highest of {summary['dist']['world_size']} ranks' {summary['peak_mem_kind']}"
     return {
         "overrides": overrides,
         "tokens_per_s": summary["tokens"] / summary["steps"] / step_time,
         "step_time_s": step_time,
-        "peak_mem_bytes": summary["peak_mem_bytes"] if cuda else mem.get("peak"),
-        "peak_mem_kind": summary["peak_mem_kind"] if cuda else mem.get("kind"),
+        "peak_mem_bytes": peak,
+        "peak_mem_kind": kind,
         "peak_rss_bytes": None if cuda else summary["peak_mem_bytes"],
         "memory": {k: mem.get(k) for k in ("params", "grads", "optimizer", "activations", "other")},
         "saved_activations_per_micro_batch": mem.get("saved_activations_per_micro_batch"),

@@ -17,7 +17,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "cache"),  # pure data: options, validation, where caches live
     ("perf", "memory"),  # low-level figures: FLOPs, peaks, allocator; saved/live bytes, peaks
     ("models", "data"),  # architecture; corpus, tokenizers, loaders
-    ("techniques", "optim", "distributed"),  # functions over a built model; optimizers; FSDP/DDP/DCP
+    (
+        "techniques",
+        "optim",
+        "distributed",
+    ),  # functions over a built model; optimizers; FSDP/DDP/DCP
     ("step",),  # the one training step
     ("build",),  # the one build path
     ("train",),  # the loop, its metrics, run folders

@@ -327,7 +327,8 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
             )
             lines.append(f"  FSDP over N x {gpu}, rank 0's planned peak: {table}")
             lines.append(
-                f"  -> needs {g['fewest']} x {gpu}" if g["fewest"]
+                f"  -> needs {g['fewest']} x {gpu}"
+                if g["fewest"]
                 else f"  -> does not fit on the GPU counts the global batch splits into "
                 f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more"
             )

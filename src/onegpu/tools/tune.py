@@ -11,6 +11,11 @@
    runner: fresh processes, median step time) until the time budget is spent.
 4. The measured Pareto frontier (peak memory vs tokens/s) is printed and saved as tune.md,
    tune.json and tune.png; the winner is written as best.toml for `onegpu train --config`.
+
+With `--world-size N` the search is for one of N processes under torchrun: the strategy
+(FSDP2, DDP, FSDP2 with its shards on the host) joins the candidates, the budget is rank 0's
+planned peak (`onegpu plan --world-size`), only what runs distributed is tried, and each trial
+is a real `torchrun --nproc-per-node N` launch whose highest per-rank peak is reported.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from onegpu.build import check_distributed
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
 from onegpu.techniques.precision import bf16_native
+from onegpu.tools.plan import plan_strategy, process_share, rank_memory
 from onegpu.tools.planner import plan_memory
 
 # Extra compute of each checkpointing policy, as a fraction of a plain step (a ranking
@@ -38,11 +45,18 @@ RECOMPUTE = {
 }
 
 
-def candidates(cfg: Config, device_type: str, with_compile: bool) -> list[dict[str, str]]:
-    """Override sets to try, each a valid configuration."""
+def candidates(
+    cfg: Config, device_type: str, with_compile: bool, world_size: int = 1
+) -> list[dict[str, str]]:
+    """Override sets to try, each a valid configuration (for `world_size` processes: one the
+    distributed build accepts, its micro-batches splitting the global batch)."""
     batch = cfg.train.batch_size
     micro = sorted(
-        {m for m in (1, 2, 4, 8, 16, 32, 64, 128, batch) if m <= batch and batch % m == 0}
+        {
+            m
+            for m in (1, 2, 4, 8, 16, 32, 64, 128, batch)
+            if m * world_size <= batch and batch % (m * world_size) == 0
+        }
     )
     lowp = ["bf16", "bf16-pure"] if device_type == "cuda" or bf16_native_cpu() else ["fp32"]
     space = {
@@ -54,16 +68,38 @@ def candidates(cfg: Config, device_type: str, with_compile: bool) -> list[dict[s
         "memory.offload_activations": ["false", "true"] if device_type == "cuda" else ["false"],
         "train.compile": ["none", "regional"] if with_compile else ["none"],
     }
+    if world_size > 1:
+        space["dist.strategy"] = ["fsdp", "ddp"]
+        # host-resident shards cost a copy each way per step; worth it only where memory is short
+        space["dist.cpu_offload"] = ["false", "true"] if device_type == "cuda" else ["false"]
     keys = list(space)
     out = []
     for values in itertools.product(*(space[k] for k in keys)):
         change = dict(zip(keys, values, strict=True))
         try:
-            with_overrides(cfg, change)
+            changed = with_overrides(cfg, change)
+            if world_size > 1:
+                check_distributed(changed, _planned_context(changed, world_size))
         except ConfigError:
             continue
         out.append(change)
     return out
+
+
+def _planned_context(cfg: Config, world_size: int):
+    """The DistContext a torchrun launch of `world_size` processes would build (no group)."""
+    from onegpu.distributed.context import DistContext
+
+    return DistContext(strategy=plan_strategy(cfg, world_size), world_size=world_size)
+
+
+def planned_peak(cfg: Config, target: str, world_size: int) -> int:
+    """The planned peak of one process: the whole run, or rank 0's share of `world_size`."""
+    if world_size == 1:
+        return plan_memory(cfg, target).memory["peak"]
+    strategy = plan_strategy(cfg, world_size)
+    plan = plan_memory(process_share(cfg, world_size), target)
+    return rank_memory(cfg, plan, world_size, strategy)["peak"]
 
 
 def _vocab_size(cfg: Config) -> int:
@@ -88,6 +124,9 @@ def estimated_cost(change: dict[str, str], batch: int) -> float:
     cost *= 1.0 + 0.15 * (batch // int(change["train.micro_batch_size"]) - 1) ** 0.5
     cost *= 1.03 if change["optim.name"] == "adamw8bit" else 1.0
     cost *= 1.2 if change["memory.offload_activations"] == "true" else 1.0
+    # FSDP gathers every block's weights twice a step (DDP: one all-reduce), offload adds copies
+    cost *= 1.1 if change.get("dist.strategy") == "fsdp" else 1.0
+    cost *= 1.3 if change.get("dist.cpu_offload") == "true" else 1.0
     return cost
 
 
@@ -103,12 +142,19 @@ def tune(
     config_file: str | None,
     base_overrides: dict[str, str],
     with_compile: bool = False,
+    world_size: int = 1,
     log=print,
 ) -> dict[str, Any]:
     from onegpu.tools.bench import run_row
 
     t0 = time.perf_counter()
-    cands = candidates(cfg, target, with_compile)
+    cands = candidates(cfg, target, with_compile, world_size)
+    if not cands:
+        raise ConfigError(
+            "--world-size" if world_size > 1 else "train.batch_size",
+            f"no configuration splits the global batch {cfg.train.batch_size} into "
+            f"{world_size} process(es); use a multiple of {world_size}",
+        )
     # Per setting of everything else, only the largest micro-batch that fits is worth running
     # (a smaller one only adds accumulation steps), and memory grows with the micro-batch:
     # plan from the largest down and stop at the first that fits.
@@ -120,7 +166,7 @@ def tune(
     for members in groups.values():
         for change in sorted(members, key=lambda c: -int(c["train.micro_batch_size"])):
             try:
-                peak = plan_memory(with_overrides(cfg, change), target).memory["peak"]
+                peak = planned_peak(with_overrides(cfg, change), target, world_size)
             except ConfigError:  # a technique this model cannot take (e.g. no GELU, no MLP)
                 break
             planned.append((change, peak))
@@ -144,7 +190,14 @@ def tune(
         for change, peak in fitting:
             if trials and time.perf_counter() - t_trials > time_budget_s:
                 break
-            res = run_row(preset, config_file, {**base_overrides, **change}, steps, Path(workdir))
+            res = run_row(
+                preset,
+                config_file,
+                {**base_overrides, **change},
+                steps,
+                Path(workdir),
+                nproc=world_size,
+            )
             res.update(change=change, planned_peak_bytes=peak)
             trials.append(res)
             log(f"  {_label(change)}: {res['tokens_per_s']:,.0f} tokens/s, planned "
@@ -156,6 +209,7 @@ def tune(
     (out_dir / "best.toml").write_text(to_toml(best_cfg))
     result = {
         "budget_bytes": budget_bytes,
+        "world_size": world_size,
         "candidates": len(cands),
         "planned": len(planned),
         "fitting": len(fitting),
@@ -176,12 +230,13 @@ def _size(nbytes: int) -> str:
 def _label(change: dict[str, str]) -> str:
     short = {"train.micro_batch_size": "micro", "memory.checkpointing": "remat",
              "train.precision": "", "optim.name": "", "memory.loss_chunk": "chunk",
-             "memory.offload_activations": "offload", "train.compile": "compile"}  # fmt: skip
+             "memory.offload_activations": "offload", "train.compile": "compile",
+             "dist.strategy": "", "dist.cpu_offload": "shards on host"}  # fmt: skip
     parts = []
     for k, v in change.items():
         if v in ("0", "false", "none") and k != "memory.checkpointing":
             continue
-        parts.append(f"{short[k]} {v}".strip())
+        parts.append(short[k] if v == "true" else f"{short[k]} {v}".strip())
     return ", ".join(parts)
 
 
@@ -195,8 +250,10 @@ def pareto(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def frontier_table(result: dict[str, Any]) -> str:
+    n = result.get("world_size", 1)
+    per = f" per process of {n} (torchrun)" if n > 1 else ""
     lines = [
-        f"# onegpu tune: budget {_size(result['budget_bytes'])}",
+        f"# onegpu tune: budget {_size(result['budget_bytes'])}{per}",
         "",
         f"{result['candidates']} candidates; {result['planned']} planned (largest micro-batch "
         f"first); {result['fitting']} fit with their largest micro-batch; "
@@ -210,7 +267,13 @@ def frontier_table(result: dict[str, Any]) -> str:
             f"| {_label(t['change'])} | {t['tokens_per_s']:,.0f} | "
             f"{t['peak_mem_bytes'] / 2**20:,.0f} MiB | {t['planned_peak_bytes'] / 2**20:,.0f} MiB |"
         )
-    lines += ["", f"Fastest that fits: {_label(result['best']['change'])} (best.toml).", ""]
+    kind = result["best"].get("peak_mem_kind")
+    lines += [
+        "",
+        f"Measured peak: {kind}." if kind else "",
+        f"Fastest that fits: {_label(result['best']['change'])} (best.toml).",
+        "",
+    ]
     return "\n".join(lines)
 
 

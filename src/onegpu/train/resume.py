@@ -42,9 +42,7 @@ MAY_CHANGE = {
 MAY_CHANGE_SECTIONS = {"out", "checkpoint", "dist"}
 
 
-def find(
-    cfg: Config, out_dir: Path, ctx: DistContext | None = None
-) -> ckpt.Checkpoint | None:
+def find(cfg: Config, out_dir: Path, ctx: DistContext | None = None) -> ckpt.Checkpoint | None:
     """The checkpoint `train.resume` names (None: start afresh)."""
     how = cfg.train.resume
     ctx = ctx or single_process()

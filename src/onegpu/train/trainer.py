@@ -102,7 +102,9 @@ def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
                 val_loss = built.step.evaluate(eval_batches)
                 run.log({"step": step + 1, "val_loss": val_loss, "val_ppl": _ppl(val_loss)})
                 if ctx.is_main:
-                    bar.write(f"step {step + 1}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})")
+                    bar.write(
+                        f"step {step + 1}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})"
+                    )
                 meter.restart_clock()  # evaluation time is not training time
             if checkpoint_due(cfg, step + 1, last or stop.requested or stop.diverged):
                 save_checkpoint(run, built, meter)
@@ -196,7 +198,9 @@ def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
 
     def shares():  # this process's rows of each global batch; the target count is the batch's
         for x, y in loader:
-            rows = slice(ctx.rank * len(x) // ctx.world_size, (ctx.rank + 1) * len(x) // ctx.world_size)
+            rows = slice(
+                ctx.rank * len(x) // ctx.world_size, (ctx.rank + 1) * len(x) // ctx.world_size
+            )
             yield x[rows], y[rows], count_targets(y)
 
     return DevicePrefetcher(shares(), built.device)
@@ -222,7 +226,9 @@ def describe(built: Built, out_dir: Path, start: int) -> str:
     where = f"{built.device}"
     micro = f"{built.step.n_micro} micro-batch(es)"
     if ctx.enabled:
-        where = f"{ctx.strategy} over {ctx.world_size} processes ({ctx.backend}, {built.device.type})"
+        where = (
+            f"{ctx.strategy} over {ctx.world_size} processes ({ctx.backend}, {built.device.type})"
+        )
         micro = f"{ctx.world_size} processes x {micro} of {cfg.train.micro_batch_size}"
     return (
         f"onegpu: {built.n_params:,} parameters | {where} | {built.policy.name} | "

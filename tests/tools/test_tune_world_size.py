@@ -1,0 +1,71 @@
+"""`onegpu tune --world-size N`: candidates the distributed build accepts, planned per process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onegpu.build import check_distributed
+from onegpu.cli import main
+from onegpu.config import ConfigError, load_config, with_overrides
+from onegpu.tools.tune import _planned_context, candidates, planned_peak
+
+
+def test_world_size_candidates_are_only_what_torchrun_runs():
+    cfg = load_config("tiny", overrides={"train.batch_size": "8", "train.device": "cpu"})
+    cands = candidates(cfg, "cuda", with_compile=True, world_size=2)
+    assert cands
+    for change in cands:
+        changed = with_overrides(cfg, change)
+        check_distributed(changed, _planned_context(changed, 2))  # raises if refused
+        assert 8 % (int(change["train.micro_batch_size"]) * 2) == 0
+    seen = {k: {c[k] for c in cands} for k in cands[0]}
+    assert seen["dist.strategy"] == {"fsdp", "ddp"}
+    assert seen["dist.cpu_offload"] == {"false", "true"}  # tried on a GPU, FSDP only
+    assert all(c["dist.strategy"] == "fsdp" for c in cands if c["dist.cpu_offload"] == "true")
+    assert seen["train.precision"] == {"bf16"}  # bf16-pure is refused under torchrun
+    assert seen["optim.name"] == {"adamw"}
+    assert seen["train.micro_batch_size"] == {"1", "2", "4"}
+    # one process keeps its own space: no strategy, the whole batch as a micro-batch
+    single = candidates(cfg, "cuda", with_compile=False)
+    assert "dist.strategy" not in single[0]
+    assert {c["train.micro_batch_size"] for c in single} == {"1", "2", "4", "8"}
+
+
+def test_world_size_budget_is_rank_zeros_planned_peak():
+    cfg = load_config(
+        "small",
+        overrides={"train.device": "cpu", "train.batch_size": "8", "train.micro_batch_size": "4"},
+    )
+    one = planned_peak(cfg, "cpu", 1)
+    fsdp = planned_peak(with_overrides(cfg, {"dist.strategy": "fsdp"}), "cpu", 2)
+    ddp = planned_peak(with_overrides(cfg, {"dist.strategy": "ddp"}), "cpu", 2)
+    assert fsdp < ddp < one  # DDP halves the activations only, FSDP also the states
+
+
+def test_world_size_the_batch_does_not_split_into_is_one_clear_error(capsys):
+    args = ["tune", "--preset", "tiny", "--train.batch_size", "3", "--train.micro_batch_size", "1"]
+    assert main([*args, "--memory", "10000000000", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("onegpu: error: --world-size:") and "multiple of 2" in err
+
+
+@pytest.mark.slow
+def test_tune_world_size_launches_torchrun_trials(tmp_path):
+    out = tmp_path / "tune"
+    args = ["tune", "--preset", "tiny", "--train.device", "cpu", "--memory", "2000000000"]
+    assert main([*args, "--world-size", "2", "--time-budget", "1", "--steps", "5", "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads((out / "tune.json").read_text())
+    assert result["world_size"] == 2
+    best = result["best"]
+    assert best["change"]["dist.strategy"] in ("fsdp", "ddp")
+    assert best["peak_mem_kind"].startswith("highest of 2 ranks'")
+    assert best["tokens_per_s"] > 0 and best["loss"] < 6.0
+    assert "dist" in (out / "best.toml").read_text()
+
+
+def test_world_size_zero_is_refused():
+    cfg = load_config("tiny", overrides={"train.device": "cpu"})
+    with pytest.raises(ConfigError, match="world-size"):
+        planned_peak(with_overrides(cfg, {"dist.strategy": "fsdp"}), "cpu", 0)
