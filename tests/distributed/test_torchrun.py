@@ -77,11 +77,13 @@ def assert_same_losses(a: dict[int, float], b: dict[int, float]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The reference runs, each launched once for the module: one process with 4
-    micro-batches, DDP over 2 x 1 micro-batch, FSDP over 2 x 2 micro-batches."""
+    micro-batches, DDP over 2 x 1 micro-batch (checkpoints written in the background), FSDP
+    over 2 x 2 micro-batches (checkpoints written during the step)."""
     root = tmp_path_factory.mktemp("dist")
     made = {
         "single": (root / "single", 1, {"train.micro_batch_size": 2}),
-        "ddp": (root / "ddp", 2, {"train.micro_batch_size": 4, "dist.strategy": "ddp"}),
+        "ddp": (root / "ddp", 2, {"train.micro_batch_size": 4, "dist.strategy": "ddp",
+                                  "checkpoint.async_save": "on"}),  # fmt: skip
         "fsdp": (root / "fsdp", 2, {"train.micro_batch_size": 2, "dist.strategy": "fsdp"}),
     }
     for out, nproc, over in made.values():
@@ -149,6 +151,20 @@ def test_two_rank_checkpoint_resumes_on_one_process(runs, tmp_path):
     assert_same_losses(resumed, {s: v for s, v in losses(runs["fsdp"]).items() if s > 2})
 
 
+def test_a_background_checkpoint_is_whole_and_resumes_exactly(runs, tmp_path):
+    """DDP's run saved at steps 2 and 4 with checkpoint.async_save on: the shards of step 2
+    were staged during step 2's save and written while step 3 ran; the checkpoint holds step
+    2's state, not a later one's."""
+    folders = [p for _, p in ckpt.complete_checkpoints(runs["ddp"] / "checkpoints")]
+    assert [p.name for p in folders] == [ckpt.checkpoint_name(s, sharded=True) for s in (2, 4)]
+    assert not list((runs["ddp"] / "checkpoints").glob(f"{ckpt.TMP_PREFIX}*"))
+    launch(tmp_path / "again", 2, **{"train.micro_batch_size": 4, "dist.strategy": "ddp",
+                                     "train.resume": str(folders[0])})  # fmt: skip
+    resumed = losses(tmp_path / "again")
+    assert sorted(resumed) == [3, 4]
+    assert_same_losses(resumed, {s: v for s, v in losses(runs["ddp"]).items() if s > 2})
+
+
 def test_one_process_checkpoint_resumes_on_two(runs, tmp_path):
     file = runs["single"] / "checkpoints" / ckpt.checkpoint_name(2)
     launch(tmp_path / "two", 2, **{"train.micro_batch_size": 2, "dist.strategy": "fsdp",
@@ -169,12 +185,14 @@ def test_cpu_offload_trains_with_parameters_on_the_host(runs, tmp_path):
 
 def test_a_kill_during_sharded_saves_leaves_the_previous_checkpoint_usable(tmp_path):
     """SIGKILL the whole job (launcher and workers) while it saves a sharded checkpoint every
-    step, wherever it is then (often inside a save); every checkpoint under a final name is
-    whole, the newest resumes, and the run ends with the uninterrupted run's losses."""
+    step in the background, wherever it is then (often inside a save or with one in flight);
+    every checkpoint under a final name is whole, the newest resumes, and the run ends with
+    the uninterrupted run's losses."""
     out, steps = tmp_path / "killed", 12
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", "-m", "onegpu", "train"]  # fmt: skip
-    over = {"train.micro_batch_size": 2, "checkpoint.every": 1, "train.max_steps": steps}
+    over = {"train.micro_batch_size": 2, "checkpoint.every": 1, "train.max_steps": steps,
+            "checkpoint.async_save": "on"}  # fmt: skip
     proc = subprocess.Popen(
         cmd + _args(out, over),
         env=_env(),

@@ -183,6 +183,13 @@ class CheckpointConfig:
     complete."""
     keep_every: int = 0
     """Never delete checkpoints of steps that are multiples of this (0: none kept apart)."""
+    async_save: Literal["auto", "on", "off"] = "auto"
+    """Sharded checkpoints (torchrun): 'on' copies this process's shards to host memory during
+    the save and writes them in a background thread while training goes on (DCP's
+    `async_save`); the folder becomes a checkpoint only once every process's write is done.
+    Costs one host copy of the shards. 'auto': on where the state lives on a GPU (the copy is
+    fast, the write is not), off on CPU (the state is in host memory already, so the copy costs
+    what the write saves: see docs/distributed.md)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -32,6 +32,7 @@ class DistContext:
     world_size: int = 1
     backend: str | None = None
     control: Any = None  # a gloo ProcessGroup for host-side agreement (None: the default one)
+    saver: Any = None  # a gloo ProcessGroup of its own for background checkpoint writes
 
     @property
     def enabled(self) -> bool:
@@ -139,6 +140,9 @@ def init_distributed(cfg: DistConfig, device_type: str) -> DistContext:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    # An asynchronous checkpoint's thread runs DCP's collectives while the loop runs its own:
+    # on a group of their own, the two can never interleave differently on two processes.
+    saver = dist.new_group(backend="gloo")
     return DistContext(
         strategy=strategy,
         rank=dist.get_rank(),
@@ -146,6 +150,7 @@ def init_distributed(cfg: DistConfig, device_type: str) -> DistContext:
         world_size=dist.get_world_size(),
         backend=backend,
         control=control,
+        saver=saver,
     )
 
 

@@ -10,6 +10,7 @@ and the change between FSDP, DDP and a single process.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,19 @@ def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> No
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_state(model, optimizer), checkpoint_id=str(folder))
+
+
+def async_save(
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any
+) -> Future:
+    """`save` whose writing happens in a background thread: this process's shards are copied
+    to host memory before it returns (training may change the originals from then on); the
+    future completes once every process's files and rank 0's `.metadata` are written.
+    `group` must be a gloo group that nothing else uses while the future runs."""
+    import torch.distributed.checkpoint as dcp
+
+    out = dcp.async_save(_state(model, optimizer), checkpoint_id=str(folder), process_group=group)
+    return out if isinstance(out, Future) else out.upload_completion
 
 
 def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import signal
 import warnings
 from pathlib import Path
@@ -34,6 +33,7 @@ from onegpu.train import resume
 from onegpu.train.measure import measure_step
 from onegpu.train.meter import Meter
 from onegpu.train.run_folder import RunFolder, environment, resolve_out_dir
+from onegpu.train.sharded_save import ShardedSaver
 from onegpu.train.signals import GracefulStop
 
 
@@ -78,6 +78,7 @@ def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
         dynamic_ncols=True,
         unit="step",
     )
+    sharded = ShardedSaver(run, built) if ctx.enabled else None
     with GracefulStop() as stop, out_of_memory_report(run, built, meter):
         for step in range(start, tcfg.max_steps):
             with record_function("data"):
@@ -106,10 +107,13 @@ def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
                         f"step {step + 1}: val_loss {val_loss:.4f} (ppl {_ppl(val_loss):.2f})"
                     )
                 meter.restart_clock()  # evaluation time is not training time
-            if checkpoint_due(cfg, step + 1, last or stop.requested or stop.diverged):
-                save_checkpoint(run, built, meter)
+            ending = last or stop.requested or stop.diverged
+            if checkpoint_due(cfg, step + 1, ending):
+                save_checkpoint(run, built, meter, sharded, wait=ending)
             if stop.requested or stop.diverged:
                 break
+    if sharded is not None:
+        sharded.finish()  # a background save still in flight (e.g. skipped non-finite last)
     bar.close()
     summary = summarize(built, meter, memory, stop, val_loss)
     if ctx.enabled:
@@ -302,8 +306,15 @@ def weights_finite(built: Built) -> bool:
     return not built.dist.any_true(not finite)
 
 
-def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path | None:
-    """Write the checkpoint of the state after `meter.steps` steps, crash-safely, then prune.
+def save_checkpoint(
+    run: RunFolder,
+    built: Built,
+    meter: Meter,
+    sharded: ShardedSaver | None = None,
+    wait: bool = True,
+) -> Path | None:
+    """Write the checkpoint of the state after `meter.steps` steps, crash-safely, then prune
+    (under torchrun through `sharded`, which may finish in the background unless `wait`).
     Weights that are not finite are never saved: the newer checkpoints stay the last good."""
     if not weights_finite(built):
         if built.dist.is_main:
@@ -311,36 +322,13 @@ def save_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path | None:
                 f"step {meter.steps}: non-finite weights, checkpoint not written", stacklevel=1
             )
         return None
-    if built.dist.enabled:
-        return save_sharded_checkpoint(run, built, meter)
+    if sharded is not None:
+        return sharded.save(meter, wait=wait)
     state = resume.state_of(built, step=meter.steps, meter=meter.state_dict())
     path = run.checkpoints / ckpt.checkpoint_name(meter.steps)
     ckpt.write_atomic(path, state)
     c = built.cfg.checkpoint
     ckpt.prune(run.checkpoints, keep_last=c.keep_last, keep_every=c.keep_every)
-    return path
-
-
-def save_sharded_checkpoint(run: RunFolder, built: Built, meter: Meter) -> Path:
-    """Every process writes its shards into a temporary folder (Distributed Checkpoint);
-    rank 0 adds train_state.pt and renames the folder into place, then prunes."""
-    ctx = built.dist
-    path = run.checkpoints / ckpt.checkpoint_name(meter.steps, sharded=True)
-    tmp = path.with_name(ckpt.TMP_PREFIX + path.name)
-    if ctx.is_main:
-        ckpt.remove_partial(run.checkpoints)  # a killed save's leftovers, this one's name too
-    ctx.barrier()
-    dcp.save(tmp, built.model, built.optimizer)
-    rngs = ctx.gather(ckpt.rng_state())
-    if ctx.is_main:
-        state = resume.train_state_of(built, step=meter.steps, meter=meter.state_dict(), rngs=rngs)
-        if path.exists():  # the same step saved before (a resumed run that stopped again)
-            ckpt.remove_partial(run.checkpoints)
-            shutil.rmtree(path)
-        ckpt.write_train_state_atomic(path, state)
-        c = built.cfg.checkpoint
-        ckpt.prune(run.checkpoints, keep_last=c.keep_last, keep_every=c.keep_every)
-    ctx.barrier()
     return path
 
 
