@@ -82,7 +82,10 @@ def test_per_rank_memory_shards_states_and_offload_moves_them_to_the_host():
     off = per_rank_memory(single, params, [200], world_size=4, strategy="fsdp",
                           cpu_offload=True)  # fmt: skip
     assert off["host"] == 800 and off["params"] == off["optimizer"] == 0
-    assert per_rank_memory(single, params, [200], world_size=4, strategy="ddp")["peak"] == single["peak"]
+    assert (
+        per_rank_memory(single, params, [200], world_size=4, strategy="ddp")["peak"]
+        == single["peak"]
+    )
 
 
 def test_only_complete_sharded_folders_count_and_leftovers_go(tmp_path):

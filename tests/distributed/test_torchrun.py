@@ -82,8 +82,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     made = {
         "single": (root / "single", 1, {"train.micro_batch_size": 2}),
-        "ddp": (root / "ddp", 2, {"train.micro_batch_size": 4, "dist.strategy": "ddp",
-                                  "checkpoint.async_save": "on"}),  # fmt: skip
+        "ddp": (
+            root / "ddp",
+            2,
+            {"train.micro_batch_size": 4, "dist.strategy": "ddp", "checkpoint.async_save": "on"},
+        ),  # fmt: skip
         "fsdp": (root / "fsdp", 2, {"train.micro_batch_size": 2, "dist.strategy": "fsdp"}),
     }
     for out, nproc, over in made.values():
@@ -165,6 +168,26 @@ def test_a_background_checkpoint_is_whole_and_resumes_exactly(runs, tmp_path):
     assert_same_losses(resumed, {s: v for s, v in losses(runs["ddp"]).items() if s > 2})
 
 
+def test_a_sharded_checkpoint_exports_the_final_weights(runs, tmp_path):
+    """Without model.safetensors, `onegpu export` reads the newest sharded checkpoint (DCP,
+    no process group): its weights equal the gathered final weights rank 0 wrote."""
+    import shutil
+
+    from onegpu.cli import main
+    from onegpu.tools.trained import load_trained
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["fsdp"], run)
+    (run / "model.safetensors").unlink()
+    from_checkpoint = load_trained(run)
+    assert from_checkpoint.weights.endswith(ckpt.checkpoint_name(STEPS, sharded=True))
+    final = load_trained(runs["fsdp"]).model.state_dict()
+    for name, tensor in from_checkpoint.model.state_dict().items():
+        assert torch.equal(tensor, final[name]), name
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0  # checks its logits
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_one_process_checkpoint_resumes_on_two(runs, tmp_path):
     file = runs["single"] / "checkpoints" / ckpt.checkpoint_name(2)
     launch(tmp_path / "two", 2, **{"train.micro_batch_size": 2, "dist.strategy": "fsdp",
@@ -181,6 +204,14 @@ def test_cpu_offload_trains_with_parameters_on_the_host(runs, tmp_path):
     assert {r["param_device"] for r in summary["dist"]["per_rank"]} == {"cpu"}
     # offloading moves bytes, never numbers
     assert_same_losses(losses(tmp_path / "off"), losses(runs["single"]))
+
+
+def test_fsdp_keeping_gathered_parameters_to_backward_changes_no_number(runs, tmp_path):
+    launch(tmp_path / "zero2", 2, **{"train.micro_batch_size": 2, "dist.strategy": "fsdp",
+                                     "dist.reshard_after_forward": "false"})  # fmt: skip
+    summary = json.loads((tmp_path / "zero2" / "summary.json").read_text())
+    assert summary["dist"]["reshard_after_forward"] is False
+    assert_same_losses(losses(tmp_path / "zero2"), losses(runs["single"]))
 
 
 def test_a_kill_during_sharded_saves_leaves_the_previous_checkpoint_usable(tmp_path):
