@@ -252,7 +252,7 @@ def cmd_info(ns: argparse.Namespace, unknown: list[str]) -> int:
         raise ConfigError(unknown[0], "unknown option for `onegpu info`")
     from onegpu.tools.info import device_info, format_info
 
-    info = device_info(measure=not ns.no_measure)
+    info = device_info(measure=not ns.no_measure, refresh=ns.refresh)
     print(json.dumps(info, indent=1) if ns.json else format_info(info))
     return 0
 
@@ -387,6 +387,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-measure", action="store_true", help="skip the matmul peak measurement")
+    p.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure the CPU's matmul peaks again (MFU's denominator) instead of the cached ones",
+    )
     p.set_defaults(func=cmd_info)
     return parser
 
@@ -414,10 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
     """The `onegpu` command: the process-level defaults for the device, then main()."""
-    from onegpu.perf.allocator import maybe_reexec_with_tcmalloc
+    from onegpu.perf import allocator
 
     if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile", "tune"):
-        maybe_reexec_with_tcmalloc(sys.argv[1:])
+        allocator.maybe_reexec_with_fast_allocator(sys.argv[1:])
+        allocator.apply()  # where nothing was preloaded: glibc tuned in this process
     try:
         code = main()
         sys.stdout.flush()

@@ -1,24 +1,50 @@
-"""The `onegpu` command preloads tcmalloc where the system has it, and can be told not to."""
+"""The host allocator: tcmalloc where the system has it, else the wheel's mimalloc, else glibc
+tuned in-process; reported in summary.json and turned off by ONEGPU_ALLOCATOR=system."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
+from onegpu.perf import allocator
+
+
+def _run_allocator(tmp_path, env_extra) -> str:
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
+    cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--out", str(out)]
+    cmd += ["--train.max_steps", "2", "--train.device", "cpu", "--out.progress", "false"]
+    subprocess.run(cmd, env={**env, **env_extra}, check=True, capture_output=True)
+    return json.loads((out / "summary.json").read_text())["allocator"]
+
 
 @pytest.mark.slow
-def test_the_command_runs_on_tcmalloc_when_the_system_has_it(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
+def test_the_command_runs_on_the_first_fast_allocator_found(tmp_path):
+    expected = "tcmalloc" if allocator.find_tcmalloc() else "mimalloc"
+    if sys.platform == "linux" and os.path.exists("/dev/nvidiactl"):
+        expected = "system"
+    assert _run_allocator(tmp_path, {}) == expected
+    assert _run_allocator(tmp_path, {allocator.ENV: "system"}) == "system"
+    assert _run_allocator(tmp_path, {allocator.ENV: "glibc-tuned"}) == "glibc-tuned"
+    assert _run_allocator(tmp_path, {allocator.ENV: "mimalloc"}) == "mimalloc"
 
-    from onegpu.perf.allocator import find_tcmalloc
 
-    def allocator(env_extra):
-        out = tmp_path / f"run{len(env_extra)}"
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ONEGPU_ALLOCATOR")}
-        cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--out", str(out)]
-        cmd += ["--train.max_steps", "2", "--train.device", "cpu", "--out.progress", "false"]
-        subprocess.run(cmd, env={**env, **env_extra}, check=True, capture_output=True)
-        return json.loads((out / "summary.json").read_text())["allocator"]
+@pytest.mark.skipif(sys.platform != "linux", reason="the wheel ships a Linux library")
+def test_the_wheel_brings_mimalloc_on_linux():
+    lib = allocator.find_mimalloc()
+    assert lib is not None and lib.endswith("libmimalloc.so") and os.path.isfile(lib)
 
-    assert allocator({}) == ("tcmalloc" if find_tcmalloc() else "system")
-    assert allocator({"ONEGPU_ALLOCATOR": "system"}) == "system"
+
+def test_glibc_tuning_is_applied_in_process_and_can_be_turned_off():
+    code = (
+        "from onegpu.perf import allocator as a; print(a.apply(), a.apply(), a.active_allocator())"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    off = subprocess.run([sys.executable, "-c", code], env={**env, allocator.ENV: "system"},
+                         capture_output=True, text=True)  # fmt: skip
+    if sys.platform == "linux" and not os.path.exists("/dev/nvidiactl"):
+        assert on.stdout.split() == ["glibc-tuned"] * 3
+    assert off.stdout.split() == ["system"] * 3

@@ -1,22 +1,47 @@
-"""Host memory allocator: tcmalloc when the system has it (docs/cpu-notes.md: +33% tokens/s on our CPUs).
+"""Host memory allocator: fast on a fresh machine, with no system package.
 
-glibc malloc hands large freed blocks back to the kernel, so every training step faults the
-same pages in again (on this CPU ~30% of a step was kernel time). tcmalloc keeps them. An
-allocator must be chosen before the process starts, so the `onegpu` command re-executes itself
-once with tcmalloc in LD_PRELOAD, as `python -m torch.backends.xeon.run_cpu --enable-tcmalloc`
-does. Only on machines without an NVIDIA device (the host allocator matters most when the
-host computes), only if the library is installed (Debian/Ubuntu: libtcmalloc-minimal4), and
-never if ONEGPU_ALLOCATOR=system. Library users calling onegpu from Python are not affected.
+A CPU training step frees and re-allocates the same large buffers every step. glibc malloc
+serves large blocks with fresh `mmap`s and returns freed memory at the top of its heap to the
+kernel (`trim`), so each step faults the same pages in again, zero-filled by the kernel: on our
+2-core EPYC ~2 million minor faults in 11 steps of a 6-layer model (benchmarks/results/
+allocators-B.md). A caching allocator keeps them. The `onegpu` command picks, before it starts
+working, the first of:
+
+1. `tcmalloc`, when the system has it (Debian/Ubuntu: libtcmalloc-minimal4);
+2. `mimalloc` from the `cmeel-mimalloc` wheel, a dependency of onegpu on Linux (x86_64 and
+   aarch64), so a plain `pip install` has it. Fewest page faults and the lowest RSS of all
+   measured here.
+   An allocator must be chosen before the process starts, so for 1 and 2 the command
+   re-executes itself once with the library in LD_PRELOAD, as `python -m
+   torch.backends.xeon.run_cpu --enable-tcmalloc` does;
+3. `glibc-tuned`, in-process, where no preload happened (library users calling `onegpu.train`
+   from Python get this one; `apply()` gives it to any process): `mallopt` so that large blocks
+   come from the heap (`M_MMAP_MAX` 0) and freed memory stays there (`M_TRIM_THRESHOLD`,
+   `M_TOP_PAD`). It cuts the faults ~4x, at ~10% more peak RSS.
+
+Only on Linux machines without an NVIDIA device (the host allocator matters most when the host
+computes). `ONEGPU_ALLOCATOR` = auto (default) | tcmalloc | mimalloc | glibc-tuned | system
+forces one; `summary.json["allocator"]` records what ran.
 """
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import os
 import sys
 from pathlib import Path
 
-ENV = "ONEGPU_ALLOCATOR"  # auto (default) | system
+ENV = "ONEGPU_ALLOCATOR"
+CHOICES = ("auto", "tcmalloc", "mimalloc", "glibc-tuned", "system")
+_REEXECED = "ONEGPU_ALLOCATOR_PRELOADED"  # set by the re-exec: never loop
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
+KEEP_BYTES = 2**31 - 1  # the largest threshold mallopt takes (an int): freed memory is kept
+TOP_PAD = 64 * 2**20  # grow the heap 64 MiB at a time: fewer brk calls
+
+_tuned = False
 
 
 def find_tcmalloc() -> str | None:
@@ -27,20 +52,77 @@ def find_tcmalloc() -> str | None:
     return None
 
 
+def find_mimalloc() -> str | None:
+    """libmimalloc.so of the cmeel-mimalloc wheel, if installed."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files("cmeel-mimalloc") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "libmimalloc.so":
+            path = Path(str(f.locate()))
+            if path.is_file():
+                return str(path.resolve())
+    return None
+
+
 def active_allocator() -> str:
-    return "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "system"
+    """What serves this process's host memory: tcmalloc, mimalloc, glibc-tuned or system."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    for name in ("tcmalloc", "mimalloc"):
+        if name in preload:
+            return name
+    return "glibc-tuned" if _tuned else "system"
 
 
-def maybe_reexec_with_tcmalloc(argv: list[str]) -> None:
-    """Replace this process by the same command with tcmalloc preloaded, when it applies."""
-    if os.environ.get(ENV, "auto") != "auto" or active_allocator() == "tcmalloc":
+def _choice() -> str:
+    choice = os.environ.get(ENV, "auto")
+    return choice if choice in CHOICES else "auto"
+
+
+def _applies() -> bool:
+    if _choice() == "system" or sys.platform != "linux":
+        return False
+    return not Path("/dev/nvidiactl").exists()
+
+
+def apply() -> str:
+    """Tune glibc malloc for training in this process, where it applies; returns
+    `active_allocator()`. Safe to call more than once, and a no-op under tcmalloc or musl."""
+    global _tuned
+    if _tuned or not _applies() or active_allocator() in ("tcmalloc", "mimalloc"):
+        return active_allocator()
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+        gnu = libc.gnu_get_libc_version  # glibc only: its mallopt semantics
+    except (OSError, AttributeError):
+        return active_allocator()
+    del gnu
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    _tuned = all(
+        mallopt(param, value) == 1
+        for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP_BYTES), (M_TOP_PAD, TOP_PAD))
+    )
+    return active_allocator()
+
+
+def maybe_reexec_with_fast_allocator(argv: list[str]) -> None:
+    """Replace this process by the same command with tcmalloc (else the wheel's mimalloc)
+    preloaded, when it applies."""
+    choice = _choice()
+    if not _applies() or choice == "glibc-tuned" or os.environ.get(_REEXECED):
         return
-    if Path("/dev/nvidiactl").exists() or sys.platform != "linux":
+    if active_allocator() != "system":  # the user preloaded one already
         return
-    lib = find_tcmalloc()
+    found = {"tcmalloc": find_tcmalloc, "mimalloc": find_mimalloc}
+    order = [choice] if choice in found else list(found)
+    lib = next((path for name in order if (path := found[name]())), None)
     if lib is None:
         return
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
-    env[ENV] = "tcmalloc"  # never loop, even if the preload silently fails
+    env[_REEXECED] = "1"  # never loop, even if the preload silently fails
     os.execve(sys.executable, [sys.executable, "-m", "onegpu", *argv], env)

@@ -1,15 +1,19 @@
 """Peak matmul rates: a table for common GPUs, a measurement for CPUs.
 
 GPU figures are vendor datasheet peaks for dense tensor-core math (no sparsity), FLOP/s. A CPU's
-peak is measured: a large matmul in the dtype, median of several runs, cached per machine,
-thread count and torch version (measuring takes seconds; docs/cpu-notes.md).
+peak is measured: a large matmul in the dtype, the best of several runs (another process on the
+machine only ever lowers a run), cached under what sets the rate: the CPU's model name, the
+instruction-set flags the kernels dispatch on, its clock where the kernel shows it, the thread
+count and the torch version. Machines that report the same name ("AMD EPYC") differ 2x in
+matmul rate here, so the name alone is not a key. `onegpu info` shows the figure and where it
+came from; `onegpu info --refresh` measures again, and a run whose MFU reaches 100% refreshes it.
 """
 
 from __future__ import annotations
 
+import datetime
 import platform
 import re
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +79,41 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# CPU flags that change which matmul kernel runs (vector width, 16-bit dot products, AMX tiles)
+RATE_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16",
+              "amx_tile", "asimd", "sve", "sve2", "bf16", "i8mm")  # fmt: skip
+
+
+def _cpuinfo() -> dict[str, str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    info: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    return info
+
+
+def cpu_identity() -> str:
+    """What sets this CPU's matmul rate, as a cache key: model name, rate-relevant flags, the
+    clock (/sys's maximum, else /proc's current, to 100 MHz) and torch's kernel ISA."""
+    info = _cpuinfo()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    mhz = None
+    try:
+        khz = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()
+        mhz = int(khz) // 1000
+    except (OSError, ValueError):
+        if info.get("cpu MHz"):
+            mhz = float(info["cpu MHz"])
+    clock = f"{round(mhz / 100) / 10:.1f}GHz" if mhz else "clock?"
+    have = "+".join(f for f in RATE_FLAGS if f in flags) or "flags?"
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu_name()}|{have}|{clock}|{isa}"
+
+
 def _time_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -86,13 +125,14 @@ def _time_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
 
 
 def measure_matmul_flops(
-    dtype: torch.dtype, device: torch.device, n: int = 4096, repeats: int = 5, budget_s: float = 2.0
+    dtype: torch.dtype, device: torch.device, n: int = 4096, repeats: int = 7, budget_s: float = 2.0
 ) -> float:
-    """Median FLOP/s of an n x n x n matmul in `dtype` on `device`.
+    """The best FLOP/s of `repeats` n x n x n matmuls in `dtype` on `device` (the best, not the
+    median: a run can only be slowed by other work on a shared machine, never sped up).
 
     The size shrinks (by powers of two, down to 512) until one matmul takes at most budget_s:
-    an emulated dtype (fp16 on most CPUs) runs ~100x slower than a native one, and a 4096^3
-    product would then take minutes.
+    an emulated dtype (bf16 without AVX-512 BF16) runs ~100x slower than a native one, and a
+    4096^3 product would then take minutes.
     """
     size = 512
     while True:
@@ -104,18 +144,36 @@ def measure_matmul_flops(
             break
         size *= 2
     times = [_time_mm(a, b, device) for _ in range(repeats)]
-    return 2 * size**3 / statistics.median(times)
+    return 2 * size**3 / min(times)
 
 
 def cpu_peak_key(dtype: torch.dtype) -> str:
     """What a CPU's measured peak depends on: the cache key of `cpu_peak_flops`."""
-    return f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+    return f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPeak:
+    flops: float
+    key: str
+    measured: str  # when (ISO date and time)
+
+
+def cpu_peak(dtype: torch.dtype, *, refresh: bool = False, n: int = 4096) -> CpuPeak:
+    """Measured matmul peak of this CPU in `dtype` (n x n x n), cached under `cpu_peak_key`."""
+
+    def measure() -> dict[str, object]:
+        flops = measure_matmul_flops(dtype, torch.device("cpu"), n=n)
+        when = datetime.datetime.now().isoformat(timespec="seconds")
+        return {"flops": flops, "measured": when}
+
+    key = cpu_peak_key(dtype)
+    entry = cached("cpu-peaks.json", key, measure, refresh=refresh)
+    return CpuPeak(float(entry["flops"]), key, str(entry["measured"]))
 
 
 def cpu_peak_flops(dtype: torch.dtype, *, refresh: bool = False, n: int = 4096) -> float:
-    """Measured matmul peak of this CPU in `dtype` (n x n x n), cached per CPU, threads, torch."""
-    measure = lambda: measure_matmul_flops(dtype, torch.device("cpu"), n=n)  # noqa: E731
-    return float(cached("peaks.json", cpu_peak_key(dtype), measure, refresh=refresh))
+    return cpu_peak(dtype, refresh=refresh, n=n).flops
 
 
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -130,10 +188,11 @@ class Peak:
 def peak_flops(device: torch.device, compute_dtype: torch.dtype, precision: str) -> Peak | None:
     """The peak to divide achieved FLOP/s by for MFU; None when unknown (MFU is then omitted)."""
     if device.type == "cpu":
-        flops = cpu_peak_flops(compute_dtype)
+        peak = cpu_peak(compute_dtype)
         return Peak(
-            flops,
-            f"measured {_DTYPE_KEY[compute_dtype]} matmul on {cpu_name()}, {torch.get_num_threads()} threads",
+            peak.flops,
+            f"measured {_DTYPE_KEY[compute_dtype]} matmul (best of 7, {peak.measured}) on "
+            f"{cpu_identity()}, {torch.get_num_threads()} threads",
         )
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

@@ -6,8 +6,16 @@ from typing import Any
 
 import torch
 
-from onegpu.perf.devices import cpu_name, cpu_peak_flops, gpu_spec_for, measure_matmul_flops
+from onegpu.perf.devices import (
+    cpu_identity,
+    cpu_name,
+    cpu_peak,
+    gpu_spec_for,
+    measure_matmul_flops,
+)
 from onegpu.techniques.precision import bf16_native, tf32_capable
+
+CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _precisions(device: torch.device) -> dict[str, str]:
@@ -22,7 +30,9 @@ def _precisions(device: torch.device) -> dict[str, str]:
     }
 
 
-def device_info(measure: bool = True) -> dict[str, Any]:
+def device_info(measure: bool = True, refresh: bool = False) -> dict[str, Any]:
+    """This machine's devices; `measure`: the CPU's matmul peaks (cached, measured when absent
+    or when `refresh`) and each GPU's measured rate."""
     devices: list[dict[str, Any]] = []
     cpu = torch.device("cpu")
     entry: dict[str, Any] = {
@@ -32,10 +42,12 @@ def device_info(measure: bool = True) -> dict[str, Any]:
         "isa": torch.backends.cpu.get_cpu_capability(),
         "precisions": _precisions(cpu),
     }
+    entry["rate_key"] = cpu_identity()
     if measure:
-        entry["matmul_peak_flops"] = {
-            "fp32": cpu_peak_flops(torch.float32, refresh=True),
-            "bf16": cpu_peak_flops(torch.bfloat16, refresh=True),
+        peaks = {k: cpu_peak(dt, refresh=refresh) for k, dt in CPU_DTYPES.items()}
+        entry["matmul_peak_flops"] = {k: p.flops for k, p in peaks.items()}
+        entry["matmul_peak_source"] = {
+            k: f"measured {p.measured} (best of 7), cached under {p.key}" for k, p in peaks.items()
         }
     devices.append(entry)
     for i in range(torch.cuda.device_count()):
@@ -75,9 +87,13 @@ def format_info(info: dict[str, Any]) -> str:
             if d.get(k) is not None:
                 lines.append(f"  {k}: {d[k]}")
         lines.append("  precisions: " + ", ".join(f"{k}={v}" for k, v in d["precisions"].items()))
+        if d.get("rate_key"):
+            lines.append(f"  rate key: {d['rate_key']}")
         for k, v in (d.get("matmul_peak_flops") or {}).items():
             if v is not None:
                 lines.append(f"  measured {k} matmul peak: {v / 1e9:,.0f} GFLOP/s")
+                if k in d.get("matmul_peak_source", {}):
+                    lines.append(f"    ({d['matmul_peak_source'][k]})")
         for k, v in (d.get("datasheet_peak_flops") or {}).items():
             lines.append(f"  datasheet {k} peak: {v / 1e12:,.1f} TFLOP/s")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from onegpu.distributed import DistContext, dcp, init_distributed
 from onegpu.distributed.context import shutdown
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.memory.measure import peak_bytes, peak_kind, reset_peak
+from onegpu.perf import allocator
 from onegpu.perf.devices import peak_flops
 from onegpu.train import checkpoint as ckpt
 from onegpu.train import resume
@@ -39,6 +40,7 @@ from onegpu.train.signals import GracefulStop
 
 def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary also written to summary.json."""
+    allocator.apply()  # library users get the tuned glibc malloc too (perf/allocator.py)
     ctx = init_distributed(cfg.dist, resolve_device(cfg.train.device).type)
     try:
         return _train(cfg, ctx)
