@@ -70,13 +70,7 @@ def gpu_spec_for(device_name: str) -> GPUSpec | None:
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 # CPU flags that change which matmul kernel runs (vector width, 16-bit dot products, AMX tiles)

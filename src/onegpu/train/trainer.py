@@ -118,6 +118,7 @@ def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
         sharded.finish()  # a background save still in flight (e.g. skipped non-finite last)
     bar.close()
     summary = summarize(built, meter, memory, stop, val_loss)
+    recheck_peak(built, summary)
     if ctx.enabled:
         summary["dist"] = distributed_summary(built)
     if cfg.out.save_checkpoint and meter.steps == tcfg.max_steps and not stop.diverged:
@@ -290,6 +291,24 @@ def summarize(
         **environment(),
         "config": to_dict(cfg),
     }
+
+
+def recheck_peak(built: Built, summary: dict[str, Any]) -> None:
+    """A CPU run faster than its cached matmul peak proves the figure stale (measured while
+    another process ran, or on other hardware under the same key): measure it again for the
+    next runs, and say so."""
+    if built.device.type != "cpu" or not summary["mfu"] or summary["mfu"] <= 1.0:
+        return
+    from onegpu.perf.devices import cpu_peak
+
+    fresh = cpu_peak(built.policy.compute_dtype, refresh=True).flops
+    if built.dist.is_main:
+        warnings.warn(
+            f"MFU {summary['mfu']:.0%} exceeds the cached CPU matmul peak "
+            f"({summary['peak_flops'] / 1e9:,.0f} GFLOP/s): measured again, "
+            f"{fresh / 1e9:,.0f} GFLOP/s, for the next runs (onegpu info shows it)",
+            stacklevel=1,
+        )
 
 
 def checkpoint_due(cfg: Config, step: int, final: bool) -> bool:
