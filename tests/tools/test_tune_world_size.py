@@ -33,6 +33,7 @@ def test_world_size_candidates_are_only_what_torchrun_runs():
     assert {c["train.micro_batch_size"] for c in single} == {"1", "2", "4", "8"}
 
 
+@pytest.mark.slow
 def test_world_size_budget_is_rank_zeros_planned_peak():
     cfg = load_config(
         "small",
