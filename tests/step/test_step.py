@@ -99,8 +99,8 @@ def test_the_trainer_counts_and_logs_skipped_fp16_steps(tmp_path, monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(TrainStep, "forward_backward", poisoned)
-    over = {"train.device": "cpu", "train.precision": "fp16", "train.max_steps": "10",
-            "train.eval_every": "0", "out.progress": "false", "out.save_checkpoint": "false",
+    over = {"train.device": "cpu", "train.precision": "fp16", "train.max_steps": "4",
+            "train.eval_every": "0", "train.measure_memory": "false", "out.progress": "false", "out.save_checkpoint": "false",
             "out.dir": str(tmp_path / "run")}  # fmt: skip
     s = trainer.train(load_config("tiny", overrides=over))
     assert s["skipped_steps"] == 1

@@ -300,8 +300,13 @@ def recheck_peak(built: Built, summary: dict[str, Any]) -> None:
     if built.device.type != "cpu" or not summary["mfu"] or summary["mfu"] <= 1.0:
         return
     from onegpu.perf.devices import cpu_peak
+    from onegpu.techniques.precision import bf16_native
 
-    fresh = cpu_peak(built.policy.compute_dtype, refresh=True).flops
+    dtype = built.policy.compute_dtype
+    if dtype != torch.float32 and not (dtype == torch.bfloat16 and bf16_native(built.device)):
+        return  # an emulated dtype's peak bounds nothing: autocast runs much of it in fp32
+
+    fresh = cpu_peak(dtype, refresh=True).flops
     if built.dist.is_main:
         warnings.warn(
             f"MFU {summary['mfu']:.0%} exceeds the cached CPU matmul peak "
