@@ -96,11 +96,11 @@ def apply() -> str:
         return active_allocator()
     try:
         libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-        gnu = libc.gnu_get_libc_version  # glibc only: its mallopt semantics
-    except (OSError, AttributeError):
+    except OSError:
         return active_allocator()
-    del gnu
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: other mallopt semantics
+        return active_allocator()
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     _tuned = all(
         mallopt(param, value) == 1
