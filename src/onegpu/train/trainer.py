@@ -299,6 +299,8 @@ def recheck_peak(built: Built, summary: dict[str, Any]) -> None:
     next runs, and say so."""
     if built.device.type != "cpu" or not summary["mfu"] or summary["mfu"] <= 1.0:
         return
+    if not built.dist.is_main:  # one measurement per job: ranks measuring at once slow each other
+        return
     from onegpu.perf.devices import cpu_peak
     from onegpu.techniques.precision import bf16_native
 
@@ -307,13 +309,12 @@ def recheck_peak(built: Built, summary: dict[str, Any]) -> None:
         return  # an emulated dtype's peak bounds nothing: autocast runs much of it in fp32
 
     fresh = cpu_peak(dtype, refresh=True).flops
-    if built.dist.is_main:
-        warnings.warn(
-            f"MFU {summary['mfu']:.0%} exceeds the cached CPU matmul peak "
-            f"({summary['peak_flops'] / 1e9:,.0f} GFLOP/s): measured again, "
-            f"{fresh / 1e9:,.0f} GFLOP/s, for the next runs (onegpu info shows it)",
-            stacklevel=1,
-        )
+    warnings.warn(
+        f"MFU {summary['mfu']:.0%} exceeds the cached CPU matmul peak "
+        f"({summary['peak_flops'] / 1e9:,.0f} GFLOP/s): measured again, "
+        f"{fresh / 1e9:,.0f} GFLOP/s, for the next runs (onegpu info shows it)",
+        stacklevel=1,
+    )
 
 
 def checkpoint_due(cfg: Config, step: int, final: bool) -> bool:
