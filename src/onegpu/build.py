@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
+from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing, to_dict
 from onegpu.data.tokenizer import FileTokenizer
 from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.distributed import DistContext, single_process
@@ -36,6 +38,7 @@ from onegpu.models.gpt import GPT, SDPA_BACKENDS, count_params
 from onegpu.models.hf import (
     HFModel,
     build_hf_model,
+    chunkable_loss,
     default_attention,
     logit_transform,
     open_hf_folder,
@@ -43,13 +46,20 @@ from onegpu.models.hf import (
 )
 from onegpu.optim import build_optimizer
 from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.perf.devices import device_key
 from onegpu.perf.flops import flops_per_token
 from onegpu.step import TrainStep
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.attention import resolve_attention
 from onegpu.techniques.checkpointing import apply_checkpointing, selective_cache_tensors
-from onegpu.techniques.chunked_loss import chunked_token_loss_sum
-from onegpu.techniques.compile import apply_compile
+from onegpu.techniques.chunked_loss import chunked_token_loss_sum, resolve_loss_chunk
+from onegpu.techniques.compile import (
+    MIN_STEPS,
+    CompileTrial,
+    apply_compile,
+    choose_compile,
+    time_compile,
+)
 from onegpu.techniques.loss import LossFn, classification_loss_sum, token_loss_sum
 from onegpu.techniques.offload import with_offload
 from onegpu.techniques.precision import (
@@ -114,10 +124,13 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     return device
 
 
-def resolve(cfg: Config, device: torch.device, caps: DeviceCaps | None = None) -> Resolved:
-    """Precision and attention for `device` (whose capabilities are `caps`: read from the device
-    by default, or from the GPU table when planning for a GPU that is not here)."""
-    caps = caps or device_caps(device)
+def resolve(
+    cfg: Config, device: torch.device, caps: DeviceCaps | None = None, *, timed: bool = True
+) -> Resolved:
+    """Precision, attention and the loss chunk for `device` (whose capabilities are `caps`: read
+    from the device by default, or from the GPU table when planning for a GPU that is not here).
+    `timed` False (a plan): choices that time kernels take what a run here cached, if any."""
+    caps_given, caps = caps, caps or device_caps(device)
     policy = resolve_precision(cfg.train.precision, caps)
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
     if cfg.model.hf and cfg.model.attention == "auto":
@@ -127,10 +140,21 @@ def resolve(cfg: Config, device: torch.device, caps: DeviceCaps | None = None) -
         attention = resolve_attention(
             model_cfg, device, policy.compute_dtype, cfg.train.micro_batch_size
         )
+    model_cfg = dataclasses.replace(model_cfg, attention=attention)
+    loss_chunk = resolve_loss_chunk(
+        cfg.memory.loss_chunk,
+        model_cfg,
+        cfg.train.micro_batch_size * cfg.train_seq_len,
+        policy.compute_dtype,
+        device,
+        chunkable=chunkable_loss(model_cfg) if cfg.model.hf else True,
+        timed=timed and caps_given is None,
+    )
     config = dataclasses.replace(
         cfg,
-        model=dataclasses.replace(model_cfg, attention=attention),
+        model=model_cfg,
         train=dataclasses.replace(cfg.train, precision=policy.name),
+        memory=dataclasses.replace(cfg.memory, loss_chunk=loss_chunk),
     )
     return Resolved(
         device=device,
@@ -149,6 +173,10 @@ class Applied:
     model: nn.Module
     loss_fn: LossFn
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
+    compile: str = "none"
+    """What `train.compile` ran as ('auto' decided)."""
+    compile_trial: CompileTrial | None = None
+    """The timing `auto` decided from (None: not 'auto', or nothing to decide)."""
 
 
 def apply_techniques(
@@ -172,8 +200,10 @@ def apply_techniques(
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for.
     loss_fn = choose_loss(model, mem.loss_chunk)
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
-    #    over the loss, so inductor can fuse the loss with the logits it consumes.
-    loss_fn = apply_compile(model, loss_fn, cfg.train.compile)
+    #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
+    #    the eager loss too, and times both once the weights exist (8.).
+    mode = auto_compile_candidate(cfg, device, ctx)
+    eager, loss_fn = loss_fn, apply_compile(model, loss_fn, mode)
     if ctx.strategy == "fsdp":
         # 5'. FSDP2: shard every block, then the root, still on the meta device; then each
         #     process materialises its shards with the single-process initial weights.
@@ -184,12 +214,54 @@ def apply_techniques(
         model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype)
     # 6. Offloading last, outermost: its hooks also see what checkpoints and the chunked loss save.
     if mem.offload_activations:
-        loss_fn = with_offload(loss_fn, device)
+        eager, loss_fn = with_offload(eager, device), with_offload(loss_fn, device)
     # 7. DDP around the model and its whole loss (its all-reduce follows what runs in forward).
     if ctx.strategy == "ddp":
         loss_fn, no_sync = apply_ddp(model, loss_fn, device)
-        return Applied(model, loss_fn, no_sync)
-    return Applied(model, loss_fn)
+        return Applied(model, loss_fn, no_sync, compile=mode)
+    # 8. `train.compile auto`: eager or compiled, whichever the (cached) timing says pays.
+    if cfg.train.compile == "auto" and mode != "none":
+        mode, trial = choose_compile(
+            f"{device_key(device)}|{_step_fingerprint(cfg)}",
+            cfg.train.max_steps * cfg.grad_accum_steps,
+            lambda: time_compile(
+                model,
+                eager,
+                loss_fn,
+                _trial_batch(cfg, model, device),
+                lambda: policy.autocast(device),
+                device,
+            ),  # fmt: skip
+        )
+        return Applied(
+            model, loss_fn if mode != "none" else eager, compile=mode, compile_trial=trial
+        )
+    return Applied(model, loss_fn, compile=mode)
+
+
+def auto_compile_candidate(cfg: Config, device: torch.device, ctx: DistContext) -> str:
+    """`train.compile` as set, or for 'auto' the mode to time against eager: 'default' on a
+    single-process CPU or CUDA run of at least MIN_STEPS steps, else 'none' (nothing to time)."""
+    if cfg.train.compile != "auto":
+        return cfg.train.compile
+    worth = cfg.train.max_steps >= MIN_STEPS and device.type in ("cpu", "cuda")
+    return "default" if worth and not ctx.enabled else "none"
+
+
+def _step_fingerprint(cfg: Config) -> str:
+    """What a micro-batch's forward and backward depend on, as a short stable key."""
+    what = {"model": to_dict(cfg)["model"], "memory": to_dict(cfg)["memory"],
+            "precision": cfg.train.precision, "batch": [cfg.train.micro_batch_size, cfg.train_seq_len]}  # fmt: skip
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _trial_batch(cfg: Config, model: nn.Module, device: torch.device):
+    """A micro-batch of random tokens of the run's shape (targets in the model's output range)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (cfg.train.micro_batch_size, cfg.train_seq_len)
+    x = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
+    y = torch.randint(0, model.vocab_size, shape, generator=g)
+    return x.to(device), y.to(device)
 
 
 def _shard(
@@ -291,6 +363,10 @@ class Built:
     """Enter it to run the step of a fake build (a null context for a real one)."""
     dist: DistContext
     """This process in a torchrun job (strategy 'none': a single-process run)."""
+    compile_trial: CompileTrial | None = None
+    """The eager-vs-compiled timing `train.compile auto` decided from (None: not timed)."""
+    asked: Config | None = None
+    """The config as given, its `auto` values unresolved."""
 
     @property
     def device(self) -> torch.device:
@@ -324,7 +400,7 @@ def build(
     """
     ctx = dist_ctx or single_process()
     device = device or resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
-    resolved = resolve(cfg, device, caps)
+    asked, resolved = cfg, resolve(cfg, device, caps, timed=not fake)
     cfg = resolved.config
     check_distributed(cfg, ctx)
     data = None
@@ -350,6 +426,10 @@ def build(
             model = make_model(cfg)
         applied = apply_techniques(model, cfg, resolved, device, ctx)
         model, loss_fn = applied.model, applied.loss_fn
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, compile=applied.compile)
+        )
+        resolved = dataclasses.replace(resolved, config=cfg)
         optimizer = build_optimizer(
             model,
             cfg.optim,
@@ -381,6 +461,8 @@ def build(
         classes=model.lm_head.out_features if getattr(model, "is_classifier", False) else 0,
         fake_mode=fake_mode,
         dist=ctx,
+        compile_trial=applied.compile_trial,
+        asked=asked,
     )
 
 

@@ -21,6 +21,14 @@ def cache_root(cache_dir: str = "") -> Path:
     return Path(root).expanduser()
 
 
+def peek(name: str, key: str) -> Any | None:
+    """The value stored under `key` in cache file `name`, or None: never measures."""
+    try:
+        return json.loads((cache_root() / name).read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
 def cached(name: str, key: str, measure: Callable[[], Any], *, refresh: bool = False) -> Any:
     """The value stored under `key` in cache file `name`, measuring (and storing) it if absent."""
     path = cache_root() / name

@@ -114,7 +114,7 @@ def test_chunked_loss_same_loss_and_gradients(tie):
     x = torch.randint(0, 4096, (4, 64))
     y = torch.randint(0, 4096, (4, 64))
     y[2, 5:] = IGNORE_INDEX
-    plain_loss, plain_grads, _ = _step(_built(**common), x, y)
+    plain_loss, plain_grads, _ = _step(_built(**common, **{"memory.loss_chunk": "0"}), x, y)
     chunked = _built(**common, **{"memory.loss_chunk": "48"})  # does not divide 256 tokens
     loss, grads, _ = _step(chunked, x, y)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
@@ -122,7 +122,7 @@ def test_chunked_loss_same_loss_and_gradients(tie):
         assert ((g - plain_grads[name]).norm() / plain_grads[name].norm()) < 1e-5, name
 
     full_logits_bytes = x.numel() * 4096 * 4
-    plain = _built(**common)
+    plain = _built(**common, **{"memory.loss_chunk": "0"})
     with _LargestTensor() as spy:
         plain.loss_fn(plain.model, x, y).backward()
     assert spy.largest == full_logits_bytes  # the spy sees the full logits when they exist
@@ -135,7 +135,7 @@ def test_chunked_loss_same_loss_and_gradients(tie):
 def test_chunked_loss_under_bf16_tracks_the_plain_path():
     common = {"model.dropout": "0.0", "train.precision": "bf16"}
     x = torch.randint(0, 256, (4, 64))
-    plain_loss, plain_grads, _ = _step(_built(**common), x, x)
+    plain_loss, plain_grads, _ = _step(_built(**common, **{"memory.loss_chunk": "0"}), x, x)
     loss, grads, _ = _step(_built(**common, **{"memory.loss_chunk": "64"}), x, x)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=0)
     for name, g in grads.items():

@@ -11,7 +11,8 @@ import sys
 from dataclasses import fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,6 +65,8 @@ def all_fields() -> list[tuple[str, str, Any, Any, str]]:
 def type_name(typ: Any) -> str:
     if get_origin(typ) is Literal:
         return "{" + ",".join(str(a) for a in get_args(typ)) + "}"
+    if get_origin(typ) in (Union, UnionType):  # int | Literal["auto"]
+        return "|".join(type_name(a).strip("{}") for a in get_args(typ))
     return getattr(typ, "__name__", str(typ))
 
 
@@ -73,6 +76,18 @@ def type_name(typ: Any) -> str:
 def _coerce(key: str, typ: Any, value: Any, from_cli: bool) -> Any:
     """Turn a TOML value, or a command-line string, into the field's type (or ConfigError)."""
     from_cli = from_cli and isinstance(value, str)
+    if get_origin(typ) in (
+        Union,
+        UnionType,
+    ):  # int | Literal["auto"]: a word of the Literal, else an int
+        literal, number = sorted(get_args(typ), key=lambda a: get_origin(a) is not Literal)
+        if value in get_args(literal):
+            return value
+        try:
+            return _coerce(key, number, value, from_cli)
+        except ConfigError:
+            words = " or ".join(repr(w) for w in get_args(literal))
+            raise ConfigError(key, f"expected an integer or {words}, got {value!r}") from None
     if get_origin(typ) is Literal:
         choices = get_args(typ)
         if value not in choices:

@@ -109,10 +109,13 @@ class TrainConfig:
     """Seed of weight init, data order and dropout."""
     device: str = "auto"
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'."""
-    compile: Literal["none", "default", "max-autotune", "regional"] = "none"
+    compile: Literal["auto", "none", "default", "max-autotune", "regional"] = "auto"
     """torch.compile: 'default' or 'max-autotune' compile the whole forward and loss;
     'regional' compiles one transformer block and reuses it for every layer, so compile time
-    stays flat in depth (like JAX's scan over layers). Compile time is reported apart."""
+    stays flat in depth (like JAX's scan over layers). 'auto': a single-process run of at least
+    100 steps times one micro-batch eager and compiled ('default') once per device, model and
+    settings (cached) and compiles if the saving over max_steps outweighs the compile time;
+    otherwise 'none' (docs/auto-defaults.md). Compile time is reported apart."""
     measure_memory: bool = True
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'); costs one slow step."""
@@ -163,9 +166,12 @@ class MemoryConfig:
     matmul outputs, recompute element-wise ops). Gradients are unchanged, dropout included."""
     offload_activations: bool = False
     """Keep saved activations (including checkpoints) in host memory until backward needs them."""
-    loss_chunk: int = 0
+    loss_chunk: int | Literal["auto"] = "auto"
     """Compute output layer + cross-entropy in chunks of this many tokens so the full
-    [tokens, vocab] logits never exist (0: off)."""
+    [tokens, vocab] logits never exist (0: off; same loss and gradients). 'auto': on where the
+    logits take at least 64 MiB and a quarter of a micro-batch's activations, with the chunk size that ran
+    fastest here (timed once, cached), unless chunking is over 5% slower than the plain loss
+    (docs/auto-defaults.md)."""
     gelu_bits: int = 0
     """Few-bit GELU backward (Novikov et al., "Few-Bit Backward"): save a k-bit code of GELU's input instead of the input,
     k in 1..4 (0: exact GELU)."""

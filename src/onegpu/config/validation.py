@@ -173,7 +173,9 @@ def _validate_memory(cfg: Config) -> None:
     mem = cfg.memory
     parse_checkpointing(mem.checkpointing)
     _require(
-        mem.loss_chunk >= 0, "memory.loss_chunk", f"must be >= 0 (0: off), got {mem.loss_chunk}"
+        mem.loss_chunk == "auto" or mem.loss_chunk >= 0,
+        "memory.loss_chunk",
+        f"must be >= 0 (0: off) or auto, got {mem.loss_chunk}",
     )
     _require(
         0 <= mem.gelu_bits <= 4, "memory.gelu_bits", f"must be 0 (off) or 1..4, got {mem.gelu_bits}"

@@ -424,7 +424,23 @@ def check_head(model: HFModel) -> None:
 
 def logit_transform(model: HFModel) -> str | None:
     """The config attribute by which the model changes its logits after the head, if any."""
-    c = model.hf.config
+    return _config_logit_transform(model.hf.config)
+
+
+def chunkable_loss(m: ModelConfig) -> bool:
+    """Whether a folder's model has vocabulary-sized logits that the chunked loss computes
+    exactly: a causal LM that does not change its logits after the output layer."""
+    folder = open_hf_folder(m.hf, m.hf_head)
+    if folder.head != "causal-lm":
+        return False
+    configs = {id(folder.config): folder.config}
+    if hasattr(folder.config, "get_text_config"):
+        text = folder.config.get_text_config()
+        configs[id(text)] = text
+    return not any(_config_logit_transform(c) for c in configs.values())
+
+
+def _config_logit_transform(c: Any) -> str | None:
     for name in _LOGIT_TRANSFORMS:
         value = getattr(c, name, None)
         if value not in (None, 0, 1, 1.0, 0.0, False):
@@ -434,6 +450,7 @@ def logit_transform(model: HFModel) -> str | None:
 
 __all__ = [
     "HFFolder",
+    "chunkable_loss",
     "HFModel",
     "build_hf_model",
     "find_blocks",

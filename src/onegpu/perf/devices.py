@@ -108,6 +108,18 @@ def cpu_identity() -> str:
     return f"{cpu_name()}|{have}|{clock}|{isa}"
 
 
+def device_key(device: torch.device) -> str:
+    """What a kernel timing on `device` depends on, as a cache key: the CPU's identity and
+    thread count, or the GPU's name; and torch's version."""
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        where = f"{cpu_identity()}|threads={torch.get_num_threads()}"
+    else:
+        where = device.type
+    return f"{where}|torch={torch.__version__}"
+
+
 def _time_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

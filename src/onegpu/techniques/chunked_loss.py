@@ -11,10 +11,19 @@ the plain path; under autocast the matmuls run in the autocast dtype, the softma
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from onegpu.cache import cached, peek
+from onegpu.config import ModelConfig
 from onegpu.data.loader import IGNORE_INDEX
+from onegpu.models.gpt import padded_vocab
+from onegpu.perf.devices import device_key
 from onegpu.techniques.loss import LossFn
 
 
@@ -52,10 +61,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 safe_t = t_c.clamp(min=0).unsqueeze(1)
                 lse_c = logits_cV.logsumexp(dim=1)
                 loss += ((lse_c - logits_cV.gather(1, safe_t).squeeze(1)) * valid_c).sum()
-                # d(sum loss)/d(logits) = softmax - onehot(target), zero on ignored tokens
+                # d(sum loss)/d(logits) = softmax - onehot(target), zero on ignored tokens: an
+                # ignored row subtracts lse = +inf (exp gives 0) and scatters 0, so no extra pass
+                # over the [chunk, vocab] block masks it.
+                lse_c.masked_fill_(~valid_c, float("inf"))
                 g_cV = logits_cV.sub_(lse_c.unsqueeze(1)).exp_()
-                g_cV.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=g_cV.dtype))
-                g_cV.mul_(valid_c.unsqueeze(1))
+                g_cV.scatter_add_(1, safe_t, valid_c.to(g_cV.dtype).neg().unsqueeze(1))
                 if grad_b_V is not None:
                     grad_b_V += g_cV.sum(0)
                 g_cV = g_cV.to(compute_dtype)
@@ -91,3 +102,114 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
         )
 
     return loss_fn
+
+
+# ---------------------------------------------------------------------------- memory.loss_chunk auto
+
+CHUNK_SIZES = (1024, 2048, 4096, 8192)
+"""Chunk sizes `auto` times (tokens; at most the micro-batch's tokens)."""
+MIN_LOGITS_SHARE = 0.25
+"""`auto` chunks only where the plain loss's logits are at least this share of the activations."""
+MIN_LOGITS_BYTES = 64 * 2**20
+"""...and at least this large: below it, chunking cannot change what fits."""
+MAX_SLOWDOWN = 1.05
+"""...and only if the fastest chunk size runs the output layer + loss within 5% of the plain one."""
+UNTIMED_CHUNK = 4096
+"""The chunk size of a plan for a device that is not here (nothing can be timed)."""
+
+
+def plain_logits_bytes(m: ModelConfig, tokens: int, compute_bytes: int) -> int:
+    """The plain loss's [tokens, vocab] tensors: the logits in the compute dtype, their fp32
+    log-softmax (saved for backward) and, in backward, their fp32 gradient."""
+    return tokens * padded_vocab(m) * (compute_bytes + 8)
+
+
+def logits_share(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
+    """The plain loss's [tokens, vocab] tensors as a share of a micro-batch's activations.
+
+    An estimate, from shapes: (b + 8) bytes per logit (plain_logits_bytes). A block saves about (7.5 + 2.5 * mlp_ratio) * d_model values per token (Korthikanti
+    et al., "Reducing Activation Recomputation in Large Transformer Models": 34 bytes * d in
+    16-bit for mlp_ratio 4), plus 2.5 * heads * seq values per token for attention that keeps its
+    score matrix (plain attention).
+    """
+    head = plain_logits_bytes(m, tokens, compute_bytes)
+    per_token = (7.5 + 2.5 * m.mlp_ratio) * m.d_model
+    if m.attention == "plain":
+        per_token += 2.5 * m.n_head * m.seq_len
+    blocks = m.n_layer * tokens * per_token * compute_bytes
+    return head / (head + blocks)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_loss_chunk(
+    tokens: int, d_model: int, vocab: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Any]:
+    """Time output layer + loss forward and backward, plain and per chunk size, interleaved; the
+    minimum of 3 rounds each (other work on the machine only ever slows a run down)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h_ND = torch.randn(tokens, d_model, generator=g).to(device, dtype).requires_grad_()
+    w_VD = (torch.randn(vocab, d_model, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    t_N = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+
+    def plain() -> torch.Tensor:
+        logits = (h_ND @ w_VD.T).float()
+        return F.cross_entropy(logits, t_N, reduction="sum")
+
+    def chunked(c: int) -> Callable[[], torch.Tensor]:
+        return lambda: ChunkedLinearCrossEntropy.apply(h_ND, w_VD, None, t_N, c, dtype, vocab)
+
+    contestants = {0: plain} | {c: chunked(c) for c in CHUNK_SIZES if c <= tokens}
+    times: dict[int, list[float]] = {c: [] for c in contestants}
+    for _ in range(4):  # the first round warms up (allocations, kernel selection)
+        for c, fn in contestants.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn().backward()
+            _sync(device)
+            times[c].append(time.perf_counter() - t0)
+            h_ND.grad = w_VD.grad = None
+    best = {c: min(ts[1:]) for c, ts in times.items()}
+    fastest = min((c for c in best if c), key=best.__getitem__, default=0)
+    chunk = fastest if fastest and best[fastest] <= MAX_SLOWDOWN * best[0] else 0
+    return {"chunk": chunk, "seconds": {str(c): round(s, 5) for c, s in best.items()}}
+
+
+def resolve_loss_chunk(
+    value: int | str,
+    m: ModelConfig,
+    tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    chunkable: bool = True,
+    timed: bool = True,
+) -> int:
+    """The chunk size `memory.loss_chunk` stands for: itself unless 'auto'. `chunkable`: the
+    model's loss has vocabulary-sized logits the chunked loss computes exactly (not a classifier,
+    no logit transform). `timed`: the device is here to time on (a plan for an absent GPU
+    takes UNTIMED_CHUNK wherever the share calls for chunking)."""
+    if value != "auto":
+        return int(value)
+    bytes_ = torch.empty((), dtype=dtype).element_size()
+    if (
+        not chunkable
+        or plain_logits_bytes(m, tokens, bytes_) < MIN_LOGITS_BYTES
+        or logits_share(m, tokens, bytes_) < MIN_LOGITS_SHARE
+    ):
+        return 0
+    vocab = padded_vocab(m)
+    here = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+    if not timed and not here:
+        return UNTIMED_CHUNK
+    key = f"{device_key(device)}|{dtype}|tokens={tokens}|d={m.d_model}|vocab={vocab}"
+    if not timed:  # a plan: what a run here chose, if one did
+        found = peek("loss_chunk.json", key)
+        return int(found["chunk"]) if found else UNTIMED_CHUNK
+    found = cached(
+        "loss_chunk.json", key, lambda: measure_loss_chunk(tokens, m.d_model, vocab, dtype, device)
+    )
+    return int(found["chunk"])

@@ -13,9 +13,16 @@ Compilation is lazy: nothing is compiled until the first step runs.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
+from onegpu.cache import cached
 from onegpu.techniques.loss import LossFn
 
 
@@ -28,3 +35,85 @@ def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str) -> LossFn:
             block.compile()
         return loss_fn
     return torch.compile(loss_fn, mode=None if mode == "default" else mode)
+
+
+# ---------------------------------------------------------------------------- train.compile auto
+
+MIN_STEPS = 100
+"""Shorter runs never time compile for `auto`: on a CPU it costs 20-60 s, which a short run does
+not win back (docs/auto-defaults.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompileTrial:
+    """One micro-batch's forward + backward, eager and compiled ('default'), and what compiling
+    cost; measured once per device, model and settings, then read from the cache."""
+
+    eager_s: float
+    compiled_s: float
+    compile_s: float
+    cached: bool = False
+
+    def pays(self, micro_steps: int) -> bool:
+        """Whether compiling saves more over `micro_steps` micro-batches than it costs."""
+        return (self.eager_s - self.compiled_s) * micro_steps > self.compile_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"eager_step_s": self.eager_s, "compiled_step_s": self.compiled_s,
+                "compile_s": self.compile_s, "cached": self.cached}  # fmt: skip
+
+
+def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with autocast():
+        loss = fn(model, *batch)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def time_compile(
+    model: nn.Module,
+    eager: LossFn,
+    compiled: LossFn,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    device: torch.device,
+) -> CompileTrial:
+    """Run `batch` through both loss functions on the real model (gradients dropped after each
+    run, RNG state restored): each one's minimum over 2 runs after a first one (the eager warm-up;
+    the compiled compile, whose excess is the compile time)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _timed(eager, model, batch, autocast, device)
+        eager_s = min(_timed(eager, model, batch, autocast, device) for _ in range(2))
+        first = _timed(compiled, model, batch, autocast, device)
+        compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(2))
+    return CompileTrial(eager_s, compiled_s, max(0.0, first - compiled_s))
+
+
+def choose_compile(
+    key: str,
+    micro_steps: int,
+    measure: Callable[[], CompileTrial],
+) -> tuple[str, CompileTrial]:
+    """'default' or 'none' for `auto`, from the trial cached under `key` (run now if absent):
+    deterministic given the cache and the run's length."""
+    ran: list[CompileTrial] = []
+
+    def run() -> dict[str, float]:
+        ran.append(measure())
+        return {k: v for k, v in ran[0].as_dict().items() if k != "cached"}
+
+    found = cached("compile.json", key, run)
+    trial = (
+        ran[0]
+        if ran
+        else CompileTrial(
+            found["eager_step_s"], found["compiled_step_s"], found["compile_s"], cached=True
+        )
+    )
+    return ("default" if trial.pays(micro_steps) else "none"), trial

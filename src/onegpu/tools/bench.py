@@ -34,7 +34,8 @@ Row = tuple[str, dict[str, str]]
 WARM_STEPS = 3
 
 # Hugging Face, "Efficient Training on a Single GPU": each technique alone, then everything.
-VANILLA = {"train.precision": "fp32"}
+# A row turns on what it names and nothing else: the `auto` loss chunk and compile are off.
+VANILLA = {"train.precision": "fp32", "memory.loss_chunk": "0", "train.compile": "none"}
 # The guide measured on bert-large with a classification head and random data: the same
 # architecture scaled down to train on a CPU (a packaged config, 12.8M parameters), seq 128.
 BERT = {"model.hf": "bert-cls-mini", "data.source": "synthetic", "model.seq_len": "128"}

@@ -139,7 +139,7 @@ def plan_report(
             "seq_len": cfg.train_seq_len,
             "checkpointing": cfg.memory.checkpointing,
             "optimizer": cfg.optim.name,
-            "loss_chunk": cfg.memory.loss_chunk,
+            "loss_chunk": plan.loss_chunk,
         },  # fmt: skip
         "params": n,
         "memory": mem,

@@ -44,6 +44,7 @@ class MemoryPlan:
     flops_per_token: int = 0
     seconds: float = 0.0
     precision: str = ""  # what `train.precision` resolved to on the target
+    loss_chunk: int = 0  # what `memory.loss_chunk` resolved to
     compute_dtype: torch.dtype = torch.float32
     param_dtype: torch.dtype = torch.float32
     weight_copies_at_peak: int = 0
@@ -301,6 +302,7 @@ def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) 
         n_params=built.n_params,  # vocabulary padding left out, as everywhere
         flops_per_token=built.flops_per_token,
         precision=built.policy.name,
+        loss_chunk=built.cfg.memory.loss_chunk,
         compute_dtype=built.policy.compute_dtype,
         param_dtype=built.policy.param_dtype,
         weight_copies_at_peak=weight_copies,

@@ -240,8 +240,22 @@ def describe(built: Built, out_dir: Path, start: int) -> str:
     return (
         f"onegpu: {built.n_params:,} parameters | {where} | {built.policy.name} | "
         f"batch {cfg.train.batch_size}x{cfg.train_seq_len} tokens in {micro} | "
-        f"data {built.data.description} | run folder {out_dir}{resumed}"
+        f"{describe_auto(built)}data {built.data.description} | run folder {out_dir}{resumed}"
     )
+
+
+def describe_auto(built: Built) -> str:
+    """What the `auto` loss chunk and compile chose ('' where neither was auto)."""
+    cfg, parts = built.cfg, []
+    if built.asked and built.asked.memory.loss_chunk == "auto":
+        parts.append(f"loss chunk {cfg.memory.loss_chunk or 'off'}")
+    if trial := built.compile_trial:
+        how = "cached" if trial.cached else f"compiled in {trial.compile_s:.0f} s"
+        parts.append(
+            f"compile {cfg.train.compile} (eager {trial.eager_s * 1e3:,.0f} ms vs compiled "
+            f"{trial.compiled_s * 1e3:,.0f} ms a micro-batch; {how})"
+        )
+    return "auto: " + ", ".join(parts) + " | " if parts else ""
 
 
 def progress_fields(row: dict[str, Any]) -> dict[str, str]:
@@ -262,6 +276,9 @@ def summarize(
     tokens_per_step = cfg.train.batch_size * cfg.train_seq_len
     step_s = tokens_per_step / steady["tokens_per_s"] if steady["tokens_per_s"] else None
     compiled = cfg.train.compile != "none"
+    trial = built.compile_trial
+    # compiled before the loop when `auto` timed it in this run
+    compile_before = trial.compile_s if trial and not trial.cached and compiled else 0.0
     return {
         "params": built.n_params,
         "tokens": meter.tokens,
@@ -269,7 +286,10 @@ def summarize(
         "step_time_s": step_s,
         "first_step_s": meter.first_step_s,
         # the first step's excess over a steady step: compilation (and warm-up)
-        "compile_time_s": max(0.0, meter.first_step_s - step_s) if step_s and compiled else None,
+        "compile_time_s": (
+            max(0.0, meter.first_step_s - step_s) + compile_before if step_s and compiled else None
+        ),
+        "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
         "mfu": steady["mfu"],
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),

@@ -1,0 +1,187 @@
+"""`memory.loss_chunk auto` and `train.compile auto`: deterministic given the cached timings,
+timed only where the choice can matter, and the chunked loss they choose computes the plain
+loss and gradients."""
+
+import json
+
+import pytest
+import torch
+
+from onegpu.build import build
+from onegpu.cache import cache_root
+from onegpu.config import ConfigError, load_config
+from onegpu.perf.devices import device_key
+from onegpu.techniques import chunked_loss, compile
+from onegpu.techniques.compile import CompileTrial, choose_compile, time_compile
+from onegpu.techniques.loss import token_loss_sum
+
+CPU = torch.device("cpu")
+
+
+def _cfg(**over):
+    base = {"train.device": "cpu", "train.precision": "fp32", "model.dropout": "0.0",
+            "out.progress": "false"}  # fmt: skip
+    return load_config("tiny", overrides=base | {k: str(v) for k, v in over.items()})
+
+
+def _store(name: str, key: str, value) -> None:
+    path = cache_root() / name
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cache | {key: value}))
+
+
+def _never(*_a, **_k):
+    raise AssertionError("timed although the cache holds the answer")
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(("value", "want"), [("auto", "auto"), ("0", 0), ("2048", 2048)])
+def test_loss_chunk_takes_auto_or_an_integer(value, want):
+    assert load_config("tiny", overrides={"memory.loss_chunk": value}).memory.loss_chunk == want
+
+
+@pytest.mark.parametrize("value", ["big", "-1", "1.5"])
+def test_bad_loss_chunk_is_refused(value):
+    with pytest.raises(ConfigError, match="memory.loss_chunk"):
+        load_config("tiny", overrides={"memory.loss_chunk": value})
+
+
+def test_defaults_are_auto():
+    cfg = load_config("small")
+    assert cfg.memory.loss_chunk == "auto" and cfg.train.compile == "auto"
+
+
+# ---------------------------------------------------------------------------- loss chunk
+
+
+def test_small_logits_are_never_chunked_nor_timed(monkeypatch):
+    """The default model (byte vocabulary) has logits far below the floor: off, no timing."""
+    monkeypatch.setattr(chunked_loss, "measure_loss_chunk", _never)
+    over = {"train.device": "cpu", "model.attention": "sdpa", "train.max_steps": "20"}
+    built = build(load_config("small", overrides=over), CPU, with_data=False)
+    assert built.cfg.memory.loss_chunk == 0
+
+
+def test_share_of_the_logits_decides():
+    big_vocab = load_config("seed-ref").model  # 50,257 tokens over 4 narrow blocks
+    wide = load_config("small", overrides={"model.vocab_size": "512"}).model
+    assert chunked_loss.logits_share(big_vocab, 4096, 4) > 0.8
+    assert chunked_loss.logits_share(wide, 4096, 4) < chunked_loss.MIN_LOGITS_SHARE
+
+
+@pytest.mark.parametrize("chunk", [0, 2048])
+def test_auto_chunk_is_the_cached_choice(monkeypatch, chunk):
+    """Same cache, same answer, and nothing timed: the choice is deterministic given it."""
+    m = load_config("seed-ref").model
+    vocab = chunked_loss.padded_vocab(m)
+    key = f"{device_key(CPU)}|{torch.float32}|tokens=4096|d={m.d_model}|vocab={vocab}"
+    _store("loss_chunk.json", key, {"chunk": chunk, "seconds": {}})
+    monkeypatch.setattr(chunked_loss, "measure_loss_chunk", _never)
+    for _ in range(2):
+        assert chunked_loss.resolve_loss_chunk("auto", m, 4096, torch.float32, CPU) == chunk
+
+
+def test_auto_chunk_respects_unchunkable_models(monkeypatch):
+    monkeypatch.setattr(chunked_loss, "measure_loss_chunk", _never)
+    m = load_config("seed-ref").model
+    got = chunked_loss.resolve_loss_chunk("auto", m, 4096, torch.float32, CPU, chunkable=False)
+    assert got == 0
+
+
+def test_a_plan_never_times_the_loss(monkeypatch):
+    monkeypatch.setattr(chunked_loss, "measure_loss_chunk", _never)
+    m = load_config("seed-ref", overrides={"model.d_model": "192"}).model  # no cache entry
+    got = chunked_loss.resolve_loss_chunk("auto", m, 4096, torch.float32, CPU, timed=False)
+    assert got == chunked_loss.UNTIMED_CHUNK
+
+
+def test_measured_choice_is_a_timed_size():
+    got = chunked_loss.measure_loss_chunk(2048, 32, 4096, torch.float32, CPU)
+    assert got["chunk"] in (0, *chunked_loss.CHUNK_SIZES)
+    assert set(got["seconds"]) == {"0", "1024", "2048"}  # chunk sizes up to the tokens
+
+
+def test_default_chunked_path_equals_the_plain_loss(monkeypatch):
+    """The default config, where `auto` chunks, computes the plain loss and gradients."""
+    monkeypatch.setattr(chunked_loss, "MIN_LOGITS_BYTES", 0)
+    monkeypatch.setattr(chunked_loss, "measure_loss_chunk", lambda *a: {"chunk": 96})
+    over = {"model.vocab_size": "4096"}
+    auto, plain = build(_cfg(**over), CPU, with_data=False), None
+    assert auto.cfg.memory.loss_chunk == 96  # the chunked loss really runs
+    plain = build(_cfg(**over, **{"memory.loss_chunk": "0"}), CPU, with_data=False)
+    x = torch.randint(0, 4096, (4, 65))
+
+    def loss_and_grads(b):
+        loss = b.step.forward_backward(x[:, :-1], x[:, 1:], x[:, 1:].numel())
+        return loss, {n: p.grad.clone() for n, p in b.model.named_parameters()}
+
+    (la, ga), (lp, gp) = loss_and_grads(auto), loss_and_grads(plain)
+    torch.testing.assert_close(la, lp, rtol=1e-6, atol=0)
+    for name, g in ga.items():  # equal up to fp32 summation order
+        assert ((g - gp[name]).norm() / gp[name].norm()) < 1e-5, name
+
+
+# ---------------------------------------------------------------------------- compile
+
+
+@pytest.mark.parametrize(
+    ("trial", "steps", "pays"),
+    [
+        (CompileTrial(1.0, 0.8, 30.0), 100, False),  # saves 20 s, costs 30
+        (CompileTrial(1.0, 0.8, 30.0), 200, True),  # saves 40 s
+        (CompileTrial(1.0, 1.2, 0.0), 10_000, False),  # compiled is slower
+    ],
+)
+def test_compile_pays_over_the_run(trial, steps, pays):
+    assert trial.pays(steps) is pays
+
+
+def test_compile_choice_is_the_cached_trial():
+    _store("compile.json", "k", {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 60.0})
+    mode, trial = choose_compile("k", 200, _never)
+    assert (mode, trial.cached) == ("default", True)
+    assert choose_compile("k", 100, _never)[0] == "none"  # saves 50 s, costs 60
+
+
+def test_compile_auto_is_not_timed_for_short_or_distributed_runs(monkeypatch):
+    from onegpu.build import auto_compile_candidate
+    from onegpu.distributed import DistContext, single_process
+
+    monkeypatch.setattr(compile, "time_compile", _never)
+    assert build(_cfg(), CPU, with_data=False).cfg.train.compile == "none"  # 20 steps
+    torchrun = DistContext(strategy="ddp", world_size=2, backend="gloo")
+    assert auto_compile_candidate(_cfg(**{"train.max_steps": 1000}), CPU, torchrun) == "none"
+    assert (
+        auto_compile_candidate(_cfg(**{"train.max_steps": 1000}), CPU, single_process())
+        == "default"
+    )
+
+
+@pytest.mark.parametrize(("compiled_s", "want"), [(0.5, "default"), (2.0, "none")])
+def test_build_follows_the_trial(monkeypatch, compiled_s, want):
+    """A long run times eager against compiled once; the build and its config.toml follow."""
+    import onegpu.build as build_module
+
+    trial = CompileTrial(1.0, compiled_s, 1.0)
+    monkeypatch.setattr(build_module, "time_compile", lambda *a: trial)
+    over = {"train.max_steps": "500", "model.init_std": compiled_s / 100}  # a key per case
+    built = build(_cfg(**over), CPU, with_data=False)
+    assert built.cfg.train.compile == want
+    assert built.compile_trial == trial
+    assert (built.loss_fn is token_loss_sum) == (want == "none")  # compiled: a wrapper
+
+
+def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():
+    built = build(_cfg(**{"model.dropout": "0.1"}), CPU, with_data=False)
+    x = torch.randint(0, 256, (4, 64))
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    trial = time_compile(
+        built.model, built.loss_fn, built.loss_fn, (x, x), lambda: built.policy.autocast(CPU), CPU
+    )
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(p.grad is None for p in built.model.parameters())
+    assert trial.eager_s > 0 and trial.compiled_s > 0 and trial.compile_s >= 0
