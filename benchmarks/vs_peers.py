@@ -1,0 +1,291 @@
+"""Head-to-head: `onegpu train` with its defaults against transformers.Trainer and a plain
+hand-written PyTorch loop, each with its own allocator and once more with the fast one.
+
+    python benchmarks/vs_peers.py --model B [--rounds 3] [--steps 11] [--only a,b,...]
+
+Models (the same token stream, windows, global batch and optimizer family for every contestant):
+- A: the `seed-ref` preset (seed 003's reference): 4 x d256, 4 heads, seq 512, a byte-level BPE
+  of 50,257 tokens trained locally, batch 8, no dropout.
+- B: 6 x d384, 6 heads, seq 256, a BPE of 8,192 tokens, batch 16, no dropout.
+- small: the default `onegpu train` model (byte vocabulary).
+
+Contestants, each in a fresh process, rounds interleaved, medians over rounds:
+- onegpu: `onegpu train` and only the model's flags: every `auto` default (precision,
+  attention, loss chunk, compile) and the allocator a fresh machine gets from `pip install`
+  (mimalloc from the cmeel-mimalloc wheel; ONEGPU_ALLOCATOR=mimalloc here, where tcmalloc is
+  also installed). The run is a real 200-step run (the defaults' schedule and `auto` choices),
+  stopped with SIGTERM once enough steps are timed. A first, uncounted run fills onegpu's
+  per-machine caches (tokenizer, attention, loss chunk and compile timings), as any first run
+  on a machine does.
+- hf, hf-compile: `Trainer` on `GPT2LMHeadModel` (SDPA), `adamw_torch_fused`, bf16 where the
+  CPU runs it natively (else fp32), no eval, no saving; hf-compile adds `torch_compile=True`.
+- plain, plain-compile: the same model in a hand-written loop: autocast where bf16 is native,
+  fused AdamW, clipping, and for plain-compile `torch.compile(model)`.
+- name+tcmalloc: the contestant with tcmalloc preloaded (onegpu: ONEGPU_ALLOCATOR=tcmalloc), so
+  the allocator's share is visible. Without the suffix a peer runs on glibc's malloc.
+
+tokens/s: batch tokens / the median step time after WARM steps; peak RSS: the process's
+ru_maxrss, the same view for every contestant. Writes results/vs-peers-<model>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from onegpu.perf.allocator import find_mimalloc, find_tcmalloc
+from onegpu.perf.devices import cpu_identity
+
+RESULTS = Path(__file__).parent / "results"
+WARM = 3  # steps left out of the timing (compilation, allocator growth)
+ONEGPU_STEPS = 200  # the run onegpu's defaults are measured in (stopped early)
+MODELS = {
+    "A": {"args": ["--preset", "seed-ref", "--model.dropout", "0", "--train.batch_size", "8",
+                   "--train.micro_batch_size", "8"],
+          "preset": "seed-ref", "over": {"model.dropout": "0"},
+          "shape": dict(n_layer=4, n_head=4, d_model=256, seq_len=512, vocab_size=50257), "batch": 8},
+    "B": {"args": ["--model.n_layer", "6", "--model.d_model", "384", "--model.n_head", "6",
+                   "--model.seq_len", "256", "--model.vocab_size", "8192", "--data.tokenizer", "bpe",
+                   "--model.dropout", "0", "--train.batch_size", "16", "--train.micro_batch_size", "16"],
+          "preset": "small", "over": {"model.vocab_size": "8192", "data.tokenizer": "bpe"},
+          "shape": dict(n_layer=6, n_head=6, d_model=384, seq_len=256, vocab_size=8192), "batch": 16},
+    "small": {"args": [], "preset": "small", "over": {},
+              "shape": dict(n_layer=6, n_head=4, d_model=256, seq_len=256, vocab_size=256), "batch": 16},
+}  # fmt: skip
+LR, WD, CLIP, WARMUP_STEPS = 1e-3, 0.1, 1.0, 20
+CONTESTANTS = ("onegpu", "onegpu+tcmalloc", "hf", "hf-compile", "hf+tcmalloc",
+               "plain", "plain-compile", "plain-compile+tcmalloc")  # fmt: skip
+
+
+def _precision() -> str:
+    from onegpu.techniques.precision import bf16_native
+
+    return "bf16" if bf16_native(torch.device("cpu")) else "fp32"
+
+
+def _hf_model(model: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    s = MODELS[model]["shape"]
+    cfg = GPT2Config(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["d_model"],
+                     n_positions=s["seq_len"], vocab_size=s["vocab_size"], resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(1337)
+    return GPT2LMHeadModel(cfg)
+
+
+def _windows(model: str):
+    """The token windows onegpu trains on (its own data path: same tokens, same split)."""
+    from onegpu.config import load_config
+    from onegpu.data.loader import PackedSequences
+    from onegpu.data.tokens import prepare_tokens
+
+    cfg = load_config(MODELS[model]["preset"], overrides=MODELS[model]["over"])
+    tokens = prepare_tokens(cfg.data, cfg.model.vocab_size).train
+    return PackedSequences(tokens, MODELS[model]["shape"]["seq_len"])
+
+
+def _schedule(step: int, steps: int) -> float:
+    if step < WARMUP_STEPS:
+        return (step + 1) / WARMUP_STEPS
+    p = (step - WARMUP_STEPS) / max(1, steps - WARMUP_STEPS)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * p))
+
+
+def run_plain(model_name: str, steps: int, compile_: bool) -> list[float]:
+    model, data, batch = _hf_model(model_name), _windows(model_name), MODELS[model_name]["batch"]
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1337))
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "wte" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "wte" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), fused=True)  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, steps))
+    forward = torch.compile(model) if compile_ else model
+    bf16 = _precision() == "bf16"
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        x = torch.stack([data[i][0] for i in order[step * batch : (step + 1) * batch].tolist()])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = forward(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_hf(model_name: str, steps: int, compile_: bool) -> list[float]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    data = _windows(model_name)
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return {"input_ids": data[i][0], "labels": data[i][0]}
+
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, use_cpu=True, bf16=_precision() == "bf16",
+            per_device_train_batch_size=MODELS[model_name]["batch"], max_steps=steps,
+            learning_rate=LR, weight_decay=WD, adam_beta2=0.95, max_grad_norm=CLIP,
+            warmup_steps=WARMUP_STEPS, lr_scheduler_type="cosine", optim="adamw_torch_fused",
+            torch_compile=compile_, logging_steps=10, save_strategy="no", eval_strategy="no",
+            report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=1337,
+        )  # fmt: skip
+        Trainer(model=_hf_model(model_name), args=args, train_dataset=Windows(),
+                callbacks=[Clock()]).train()  # fmt: skip
+    return times
+
+
+def run_onegpu(model: str, steps: int, env: dict[str, str]) -> dict:
+    """A 200-step `onegpu train`, stopped by SIGTERM (a graceful stop) after `steps` steps."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], "--out.dir", out,
+               "--train.max_steps", str(ONEGPU_STEPS), "--train.log_every", "1",
+               "--train.eval_every", "0", "--train.measure_memory", "false",
+               "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
+        metrics = Path(out) / "metrics.jsonl"
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        while proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.2)
+        _, err = proc.communicate()
+        if not (Path(out) / "summary.json").exists():
+            sys.exit(f"onegpu failed:\n{err.decode()[-3000:]}")
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    cfg = summary["config"]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r][:steps]
+    return {"times": times, "peak_rss_bytes": summary["peak_mem_bytes"],
+            "allocator": summary["allocator"], "precision": summary["precision"],
+            "chosen": f"loss_chunk {cfg['memory']['loss_chunk']}, compile {cfg['train']['compile']}, "
+                      f"attention {cfg['model']['attention']}"}  # fmt: skip
+
+
+def worker(name: str, model: str, steps: int) -> dict:
+    kind, compile_ = name.removesuffix("-compile"), name.endswith("-compile")
+    times = (run_plain if kind == "plain" else run_hf)(model, steps, compile_)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"times": times, "peak_rss_bytes": peak, "precision": _precision()}
+
+
+def run(name: str, model: str, steps: int) -> dict:
+    base, fast = name.removesuffix("+tcmalloc"), name.endswith("+tcmalloc")
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if base == "onegpu":
+        env["ONEGPU_ALLOCATOR"] = "tcmalloc" if fast else "mimalloc"
+        res = run_onegpu(model, steps, env)
+    else:
+        env["ONEGPU_ALLOCATOR"] = "system"  # the worker imports onegpu for its data: no preload
+        if fast:
+            env["LD_PRELOAD"] = find_tcmalloc() or ""
+        cmd = [sys.executable, __file__, "--worker", base, "--model", model, "--steps", str(steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res["allocator"] = "tcmalloc" if fast else "glibc"
+    step = statistics.median(res["times"][WARM:])
+    tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
+    return res | {"step_time_s": step, "tokens_per_s": tokens / step}
+
+
+def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
+    ref = {k: max((n for n in med if n.startswith(k) and "+" not in n), default=None,
+                  key=lambda n: med[n]["tokens_per_s"]) for k in ("hf", "plain")}  # fmt: skip
+    cols = [r for r in ref.values() if r]
+    lines = [
+        f"# onegpu vs transformers.Trainer vs a hand-written loop: model {model}",
+        "",
+        f"`python benchmarks/vs_peers.py --model {model} --rounds {a.rounds} --steps {a.steps}`; "
+        f"{platform.machine()}, {os.cpu_count()} cores ({cpu_identity()}), "
+        f"torch {torch.__version__}, precision {_precision()}; medians of {a.rounds} interleaved "
+        f"rounds of {a.steps - WARM} steady steps; {time.strftime('%Y-%m-%d')}. Model: "
+        f"{MODELS[model]['shape']}, batch {MODELS[model]['batch']}. Ratios against the best "
+        "setting of each peer on its own allocator.",
+        "",
+        "| contestant | allocator | tokens/s | "
+        + " | ".join(f"x {c}" for c in cols)
+        + " | peak RSS |",
+        "|---|---|---|" + "---|" * len(cols) + "---|",
+    ]
+    for n, m in med.items():
+        ratios = " | ".join(f"{m['tokens_per_s'] / med[c]['tokens_per_s']:.2f}" for c in cols)
+        lines.append(f"| {n} | {m['allocator']} | {m['tokens_per_s']:,.0f} | {ratios} "
+                     f"| {m['peak_rss_bytes'] / 2**20:,.0f} MiB |")  # fmt: skip
+    if "chosen" in med.get("onegpu", {}):
+        lines += ["", f"onegpu's `auto` chose: {med['onegpu']['chosen']}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="B", choices=sorted(MODELS))
+    ap.add_argument("--steps", type=int, default=11)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default=",".join(CONTESTANTS))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.model, a.steps)))
+        return
+    names = [n for n in a.only.split(",") if find_tcmalloc() or not n.endswith("+tcmalloc")]
+    if "onegpu" in names and not find_mimalloc():
+        sys.exit("the cmeel-mimalloc wheel is missing: pip install -e . brings it")
+    if any(n.startswith("onegpu") for n in names):  # fills the per-machine caches, uncounted
+        run("onegpu", a.model, WARM + 1)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(a.rounds):
+        for n in names:  # interleaved: a slow moment of the shared machine hits every contestant
+            runs[n].append(run(n, a.model, a.steps))
+            print(f"round {r + 1} {n}: {runs[n][-1]['tokens_per_s']:,.0f} tokens/s, "
+                  f"{runs[n][-1]['peak_rss_bytes'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
+    med = {
+        n: {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
+            "peak_rss_bytes": statistics.median(x["peak_rss_bytes"] for x in rs),
+            "allocator": rs[0]["allocator"], **({"chosen": rs[0]["chosen"]} if "chosen" in rs[0] else {})}
+        for n, rs in runs.items()
+    }  # fmt: skip
+    text = table(a.model, med, a)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"vs-peers-{a.model}.md").write_text(text)
+    (RESULTS / f"vs-peers-{a.model}.json").write_text(
+        json.dumps({"runs": runs, "median": med}, indent=1)
+    )
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
