@@ -185,3 +185,12 @@ def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in built.model.parameters())
     assert trial.eager_s > 0 and trial.compiled_s > 0 and trial.compile_s >= 0
+
+
+def test_info_counts_the_cached_choices():
+    from onegpu.tools.info import cached_choices, device_info, format_info
+
+    _store("compile.json", "counted", {"eager_step_s": 1.0, "compiled_step_s": 1.0, "compile_s": 1})
+    stored = json.loads((cache_root() / "compile.json").read_text())
+    assert cached_choices()["compile"] == len(stored)
+    assert f"compile {len(stored)}" in format_info(device_info(measure=False))

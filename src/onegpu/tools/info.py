@@ -1,11 +1,14 @@
-"""`onegpu info`: what this machine can run, and how fast its matmuls are."""
+"""`onegpu info`: what this machine can run, how fast its matmuls are, and which `auto`
+choices it has timed (docs/auto-defaults.md)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 
+from onegpu.cache import cache_root
 from onegpu.perf.devices import (
     cpu_identity,
     cpu_name,
@@ -16,6 +19,19 @@ from onegpu.perf.devices import (
 from onegpu.techniques.precision import bf16_native, tf32_capable
 
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+AUTO_CACHES = {"attention": "attention.json", "loss chunk": "loss_chunk.json",
+               "compile": "compile.json"}  # fmt: skip
+
+
+def cached_choices() -> dict[str, int]:
+    """How many timed `auto` choices each cache file holds (shapes x devices x versions)."""
+    counts = {}
+    for what, name in AUTO_CACHES.items():
+        try:
+            counts[what] = len(json.loads((cache_root() / name).read_text()))
+        except (OSError, ValueError):
+            counts[what] = 0
+    return counts
 
 
 def _precisions(device: torch.device) -> dict[str, str]:
@@ -76,6 +92,8 @@ def device_info(measure: bool = True, refresh: bool = False) -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "mps_available": torch.backends.mps.is_available(),
         "devices": devices,
+        "cache_dir": str(cache_root()),
+        "auto_choices_cached": cached_choices(),
     }
 
 
@@ -96,4 +114,8 @@ def format_info(info: dict[str, Any]) -> str:
                     lines.append(f"    ({d['matmul_peak_source'][k]})")
         for k, v in (d.get("datasheet_peak_flops") or {}).items():
             lines.append(f"  datasheet {k} peak: {v / 1e12:,.1f} TFLOP/s")
+    if "auto_choices_cached" in info:
+        counts = ", ".join(f"{k} {v}" for k, v in info["auto_choices_cached"].items())
+        lines.append(f"\nauto choices timed and cached in {info['cache_dir']}: {counts}")
+        lines.append("  (docs/auto-defaults.md; delete a file there to time again)")
     return "\n".join(lines)
