@@ -48,3 +48,19 @@ def test_glibc_tuning_is_applied_in_process_and_can_be_turned_off():
     if sys.platform == "linux" and not os.path.exists("/dev/nvidiactl"):
         assert on.stdout.split() == ["glibc-tuned"] * 3
     assert off.stdout.split() == ["system"] * 3
+
+
+@pytest.mark.skipif(not allocator._applies(), reason="preloads happen on Linux CPU machines only")
+@pytest.mark.parametrize(("given", "want"), [(None, "-1"), ("250", "250")])
+def test_mimalloc_is_preloaded_keeping_freed_pages(monkeypatch, given, want):
+    """mimalloc never purges (what tcmalloc does by default) unless the user says otherwise."""
+    seen = {}
+    monkeypatch.setattr(os, "execve", lambda exe, argv, env: seen.update(env))
+    for k in ("LD_PRELOAD", allocator._REEXECED, allocator.MIMALLOC_PURGE):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(allocator.ENV, "mimalloc")
+    if given:
+        monkeypatch.setenv(allocator.MIMALLOC_PURGE, given)
+    allocator.maybe_reexec_with_fast_allocator(["train"])
+    assert seen["LD_PRELOAD"].startswith(allocator.find_mimalloc())
+    assert seen[allocator.MIMALLOC_PURGE] == want
