@@ -59,6 +59,7 @@ def test_mimalloc_is_preloaded_keeping_freed_pages(monkeypatch, given, want):
     for k in ("LD_PRELOAD", allocator._REEXECED, allocator.MIMALLOC_PURGE):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv(allocator.ENV, "mimalloc")
+    monkeypatch.setattr(allocator, "_tuned", True)  # an earlier in-process run tuned glibc
     if given:
         monkeypatch.setenv(allocator.MIMALLOC_PURGE, given)
     allocator.maybe_reexec_with_fast_allocator(["train"])

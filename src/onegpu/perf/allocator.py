@@ -119,7 +119,7 @@ def maybe_reexec_with_fast_allocator(argv: list[str]) -> None:
     choice = _choice()
     if not _applies() or choice == "glibc-tuned" or os.environ.get(_REEXECED):
         return
-    if active_allocator() != "system":  # the user preloaded one already
+    if active_allocator() in ("tcmalloc", "mimalloc"):  # the user preloaded one already
         return
     found = {"tcmalloc": find_tcmalloc, "mimalloc": find_mimalloc}
     order = [choice] if choice in found else list(found)
