@@ -132,6 +132,35 @@ def test_chunked_loss_same_loss_and_gradients(tie):
     assert spy.largest < full_logits_bytes / 2
 
 
+def test_chunked_linear_cross_entropy_with_bias_padding_and_ignored_rows():
+    """The autograd function alone against F.cross_entropy: a biased head, a padded vocabulary
+    (columns past n_valid never win), ignored rows and a last chunk shorter than the others."""
+    import torch.nn.functional as F
+
+    from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
+
+    g = torch.Generator().manual_seed(0)
+    n, d, vocab, n_valid = 70, 16, 136, 130
+    h = torch.randn(n, d, generator=g, requires_grad=True)
+    w = torch.randn(vocab, d, generator=g).requires_grad_()
+    b = torch.randn(vocab, generator=g).requires_grad_()
+    t = torch.randint(0, n_valid, (n,), generator=g)
+    t[[0, 33, 69]] = IGNORE_INDEX
+    logits = (h @ w.T + b)[:, :n_valid]
+    F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum").mul(0.5).backward()
+    want = [x.grad.clone() for x in (h, w, b)]
+    for x in (h, w, b):
+        x.grad = None
+    loss = ChunkedLinearCrossEntropy.apply(h, w, b, t, 32, torch.float32, n_valid)
+    loss.mul(0.5).backward()
+    with torch.no_grad():
+        plain = F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+    torch.testing.assert_close(loss, plain, rtol=1e-6, atol=0)
+    for name, x, grad in zip("hwb", (h, w, b), want, strict=True):
+        torch.testing.assert_close(x.grad, grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert w.grad[n_valid:].abs().max() == 0 and b.grad[n_valid:].abs().max() == 0
+
+
 def test_chunked_loss_under_bf16_tracks_the_plain_path():
     common = {"model.dropout": "0.0", "train.precision": "bf16"}
     x = torch.randint(0, 256, (4, 64))

@@ -50,29 +50,41 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 else None
             )
             loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+            fp32 = compute_dtype == torch.float32 == h_ND.dtype
             for s in range(0, h_ND.shape[0], chunk):
-                h_cD = h_ND[s : s + chunk].to(compute_dtype)
                 t_c = targets_N[s : s + chunk]
+                valid_c1 = (t_c != IGNORE_INDEX).unsqueeze(1)
+                # ignored tokens are masked on the [chunk, d_model] side, never on the
+                # [chunk, vocab] one: their hidden rows are zeroed for the weight gradient and
+                # their rows of the hidden-state gradient below
+                h_cD = h_ND[s : s + chunk].to(compute_dtype) * valid_c1
+                safe_t = t_c.clamp(min=0).unsqueeze(1)
                 logits_cV = (h_cD @ w_VD.T).float()
                 if bias_V is not None:
                     logits_cV += bias_V.float()
                 logits_cV[:, n_valid:] = float("-inf")  # vocabulary padding: probability 0
-                valid_c = t_c != IGNORE_INDEX
-                safe_t = t_c.clamp(min=0).unsqueeze(1)
-                lse_c = logits_cV.logsumexp(dim=1)
-                loss += ((lse_c - logits_cV.gather(1, safe_t).squeeze(1)) * valid_c).sum()
-                # d(sum loss)/d(logits) = softmax - onehot(target), zero on ignored tokens: an
-                # ignored row subtracts lse = +inf (exp gives 0) and scatters 0, so no extra pass
-                # over the [chunk, vocab] block masks it.
-                lse_c.masked_fill_(~valid_c, float("inf"))
-                g_cV = logits_cV.sub_(lse_c.unsqueeze(1)).exp_()
-                g_cV.scatter_add_(1, safe_t, valid_c.to(g_cV.dtype).neg().unsqueeze(1))
+                # one fused softmax kernel gives d(sum loss)/d(logits) = softmax - onehot, and
+                # the log-sum-exp as max - log(max softmax): the largest probability is >= 1 /
+                # vocab, so its log is exact; no exp pass of our own over the [chunk, vocab] block
+                max_c = logits_cV.amax(dim=1)
+                g_cV = torch.softmax(logits_cV, dim=1)
+                lse_c = max_c - g_cV.amax(dim=1).log()
+                loss += (
+                    (lse_c - logits_cV.gather(1, safe_t).squeeze(1)) * valid_c1.squeeze(1)
+                ).sum()
+                del logits_cV
+                g_cV.scatter_add_(1, safe_t, valid_c1.to(g_cV.dtype).neg())
                 if grad_b_V is not None:
-                    grad_b_V += g_cV.sum(0)
+                    grad_b_V += g_cV.T @ valid_c1.squeeze(1).to(g_cV.dtype)
                 g_cV = g_cV.to(compute_dtype)
-                grad_h_ND[s : s + chunk] = g_cV @ w_VD
-                grad_w_VD += (g_cV.T @ h_cD).float()
-                del logits_cV, g_cV
+                if fp32:  # straight into the gradients: no [vocab, d_model] temporary
+                    torch.mm(g_cV, w_VD, out=grad_h_ND[s : s + chunk])
+                    grad_w_VD.addmm_(g_cV.T, h_cD)
+                else:
+                    grad_h_ND[s : s + chunk] = g_cV @ w_VD
+                    grad_w_VD += (g_cV.T @ h_cD).float()
+                grad_h_ND[s : s + chunk] *= valid_c1
+                del g_cV
         ctx.save_for_backward(grad_h_ND, grad_w_VD, grad_b_V)
         ctx.weight_dtype = weight_VD.dtype
         return loss
