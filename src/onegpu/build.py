@@ -250,7 +250,8 @@ def auto_compile_candidate(cfg: Config, device: torch.device, ctx: DistContext) 
 
 def _step_fingerprint(cfg: Config) -> str:
     """What a micro-batch's forward and backward depend on, as a short stable key."""
-    what = {"model": to_dict(cfg)["model"], "memory": to_dict(cfg)["memory"],
+    d = to_dict(cfg)
+    what = {"model": d["model"], "memory": d["memory"],
             "precision": cfg.train.precision, "batch": [cfg.train.micro_batch_size, cfg.train_seq_len]}  # fmt: skip
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 

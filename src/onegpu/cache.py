@@ -21,21 +21,23 @@ def cache_root(cache_dir: str = "") -> Path:
     return Path(root).expanduser()
 
 
+def entries(name: str) -> dict[str, Any]:
+    """Everything cache file `name` holds ({} where it is missing or unreadable)."""
+    try:
+        return json.loads((cache_root() / name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def peek(name: str, key: str) -> Any | None:
     """The value stored under `key` in cache file `name`, or None: never measures."""
-    try:
-        return json.loads((cache_root() / name).read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    return entries(name).get(key)
 
 
 def cached(name: str, key: str, measure: Callable[[], Any], *, refresh: bool = False) -> Any:
     """The value stored under `key` in cache file `name`, measuring (and storing) it if absent."""
     path = cache_root() / name
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = entries(name)
     if refresh or key not in cache:
         cache[key] = measure()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -120,13 +120,17 @@ def device_key(device: torch.device) -> str:
     return f"{where}|torch={torch.__version__}"
 
 
-def _time_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op on a CPU, which runs eagerly): timings need it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _time_mm(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    sync(device)
     t0 = time.perf_counter()
     torch.mm(a, b)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return time.perf_counter() - t0
 
 

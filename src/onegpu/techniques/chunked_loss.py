@@ -23,7 +23,7 @@ from onegpu.cache import cached, peek
 from onegpu.config import ModelConfig
 from onegpu.data.loader import IGNORE_INDEX
 from onegpu.models.gpt import padded_vocab
-from onegpu.perf.devices import device_key
+from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.loss import LossFn
 
 
@@ -152,11 +152,6 @@ def logits_share(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
     return head / (head + blocks)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_loss_chunk(
     tokens: int, d_model: int, vocab: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Any]:
@@ -178,10 +173,10 @@ def measure_loss_chunk(
     times: dict[int, list[float]] = {c: [] for c in contestants}
     for _ in range(4):  # the first round warms up (allocations, kernel selection)
         for c, fn in contestants.items():
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             fn().backward()
-            _sync(device)
+            sync(device)
             times[c].append(time.perf_counter() - t0)
             h_ND.grad = w_VD.grad = None
     best = {c: min(ts[1:]) for c, ts in times.items()}

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from onegpu.cache import cached
+from onegpu.perf.devices import sync
 from onegpu.techniques.loss import LossFn
 
 
@@ -64,14 +65,12 @@ class CompileTrial:
 
 
 def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     t0 = time.perf_counter()
     with autocast():
         loss = fn(model, *batch)
     loss.backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
 

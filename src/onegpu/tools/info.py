@@ -3,12 +3,11 @@ choices it has timed (docs/auto-defaults.md)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
-from onegpu.cache import cache_root
+from onegpu.cache import cache_root, entries
 from onegpu.perf.devices import (
     cpu_identity,
     cpu_name,
@@ -25,13 +24,7 @@ AUTO_CACHES = {"attention": "attention.json", "loss chunk": "loss_chunk.json",
 
 def cached_choices() -> dict[str, int]:
     """How many timed `auto` choices each cache file holds (shapes x devices x versions)."""
-    counts = {}
-    for what, name in AUTO_CACHES.items():
-        try:
-            counts[what] = len(json.loads((cache_root() / name).read_text()))
-        except (OSError, ValueError):
-            counts[what] = 0
-    return counts
+    return {what: len(entries(name)) for what, name in AUTO_CACHES.items()}
 
 
 def _precisions(device: torch.device) -> dict[str, str]:
