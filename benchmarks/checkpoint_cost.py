@@ -24,7 +24,7 @@ from onegpu.build import build
 from onegpu.config import load_config
 from onegpu.train import checkpoint as ckpt
 from onegpu.train import resume
-from onegpu.train.meter import Meter
+from onegpu.train.totals import meter_for
 
 
 def cost(preset: str, repeats: int) -> dict:
@@ -33,7 +33,7 @@ def cost(preset: str, repeats: int) -> dict:
     built = build(cfg, with_data=False)
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.train_seq_len + 1))
     built.step(x[:, :-1], x[:, 1:], x.shape[1] - 1, 0)
-    meter = Meter(built.step, built.flops_per_token, None)
+    meter = meter_for(built, None)
     state = resume.state_of(built, step=1, meter=meter.state_dict())
     saves, loads = [], []
     with tempfile.TemporaryDirectory(dir=".") as tmp:

@@ -53,7 +53,8 @@ def _config_from(ns: argparse.Namespace, unknown: list[str]):
 
 
 def cmd_train(ns: argparse.Namespace, unknown: list[str]) -> int:
-    from onegpu.train.trainer import TrainingOutOfMemory, train
+    from onegpu.train.oom import TrainingOutOfMemory
+    from onegpu.train.trainer import train
 
     cfg = _config_from(ns, unknown)
     try:

@@ -53,13 +53,13 @@ def test_cpu_offload_alone_is_refused_before_anything_runs(tiny_cfg):
     ],
 )  # fmt: skip
 def test_what_several_processes_cannot_do_is_refused(over, field):
-    from onegpu.build import check_distributed, resolve
+    from onegpu.build import resolve
+    from onegpu.config import check_distributed
 
     cfg = load_config("tiny", overrides={"train.device": "cpu", **over})
-    ctx = DistContext(strategy="fsdp", world_size=2, backend="gloo")
     resolved = resolve(cfg, torch.device("cpu")).config
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        check_distributed(resolved, ctx)
+        check_distributed(resolved, "fsdp", 2)
 
 
 def test_shards_follow_fsdp2s_cut_along_rows():

@@ -8,9 +8,9 @@ import torch
 import transformers
 from conftest import hf_overrides
 
+from onegpu.batches import classification_targets, count_targets
 from onegpu.build import build
 from onegpu.config import ConfigError, load_config
-from onegpu.data.loader import classification_targets, count_targets
 from onegpu.train.trainer import train
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
+from onegpu.batches import IGNORE_INDEX, count_targets
 from onegpu.config import OptimConfig
-from onegpu.data.loader import IGNORE_INDEX, count_targets
 from onegpu.models.gpt import GPT
 from onegpu.step import TrainStep
 from onegpu.techniques.loss import token_loss_sum

@@ -68,7 +68,7 @@ def test_each_available_sdpa_backend_equals_the_plain_reference(tiny_cfg):
     efficient has no CPU kernel and is refused before anything runs (exit 2 in the CLI)."""
     import pytest
 
-    from onegpu.build import check_attention_backend
+    from onegpu.techniques.attention import check_attention_backend
     from onegpu.config import ConfigError
 
     _, plain = _pair(tiny_cfg)

@@ -147,26 +147,18 @@ def test_compile_choice_is_the_cached_trial():
 
 
 def test_compile_auto_is_not_timed_for_short_or_distributed_runs(monkeypatch):
-    from onegpu.build import auto_compile_candidate
-    from onegpu.distributed import DistContext, single_process
-
     monkeypatch.setattr(compile, "time_compile", _never)
     assert build(_cfg(), CPU, with_data=False).cfg.train.compile == "none"  # 20 steps
-    torchrun = DistContext(strategy="ddp", world_size=2, backend="gloo")
-    assert auto_compile_candidate(_cfg(**{"train.max_steps": 1000}), CPU, torchrun) == "none"
-    assert (
-        auto_compile_candidate(_cfg(**{"train.max_steps": 1000}), CPU, single_process())
-        == "default"
-    )
+    long = _cfg(**{"train.max_steps": 1000})
+    assert compile.auto_candidate(long, CPU, distributed=True) == "none"
+    assert compile.auto_candidate(long, CPU, distributed=False) == "default"
 
 
 @pytest.mark.parametrize(("compiled_s", "want"), [(0.5, "default"), (2.0, "none")])
 def test_build_follows_the_trial(monkeypatch, compiled_s, want):
     """A long run times eager against compiled once; the build and its config.toml follow."""
-    import onegpu.build as build_module
-
     trial = CompileTrial(1.0, compiled_s, 1.0)
-    monkeypatch.setattr(build_module, "time_compile", lambda *a: trial)
+    monkeypatch.setattr(compile, "time_compile", lambda *a: trial)
     over = {"train.max_steps": "500", "model.init_std": compiled_s / 100}  # a key per case
     built = build(_cfg(**over), CPU, with_data=False)
     assert built.cfg.train.compile == want

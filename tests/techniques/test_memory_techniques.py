@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from onegpu.batches import IGNORE_INDEX
 from onegpu.build import build
 from onegpu.config import ConfigError, load_config
-from onegpu.data.loader import IGNORE_INDEX
 
 MODES = ["none", "attn", "mlp", "attn+mlp", "block", "every:2", "selective"]
 

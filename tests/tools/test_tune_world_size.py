@@ -6,10 +6,15 @@ import json
 
 import pytest
 
-from onegpu.build import check_distributed
 from onegpu.cli import main
-from onegpu.config import ConfigError, load_config, with_overrides
-from onegpu.tools.tune import _planned_context, candidates, planned_peak
+from onegpu.config import (
+    ConfigError,
+    check_distributed,
+    load_config,
+    resolve_strategy,
+    with_overrides,
+)
+from onegpu.tools.tune import candidates, planned_peak
 
 
 def test_world_size_candidates_are_only_what_torchrun_runs():
@@ -18,7 +23,7 @@ def test_world_size_candidates_are_only_what_torchrun_runs():
     assert cands
     for change in cands:
         changed = with_overrides(cfg, change)
-        check_distributed(changed, _planned_context(changed, 2))  # raises if refused
+        check_distributed(changed, resolve_strategy(changed.dist, 2), 2)  # raises if refused
         assert 8 % (int(change["train.micro_batch_size"]) * 2) == 0
     seen = {k: {c[k] for c in cands} for k in cands[0]}
     assert seen["dist.strategy"] == {"fsdp", "ddp"}

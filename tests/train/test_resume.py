@@ -220,20 +220,21 @@ def test_resume_across_epoch_boundaries_continues_the_data_order(stop_at, tmp_pa
 
 def test_non_finite_weights_are_never_saved(tmp_path):
     from onegpu.build import build
-    from onegpu.train.meter import Meter
-    from onegpu.train.run_folder import RunFolder
-    from onegpu.train.trainer import save_checkpoint, save_final_weights
+    from onegpu.runs.folder import RunFolder
+    from onegpu.train.saver import make_saver
+    from onegpu.train.totals import meter_for
 
     cfg = _cfg(tmp_path / "run")
     built = build(cfg, with_data=False)
     run = RunFolder(tmp_path / "run", built.cfg)
-    meter = Meter(built.step, built.flops_per_token, None)
-    assert save_checkpoint(run, built, meter) is not None  # finite: written
+    meter = meter_for(built, None)
+    saver = make_saver(run, built)
+    assert saver.save(meter, wait=True) is not None  # finite: written
     with torch.no_grad():
         built.model.blocks[0].mlp.fc.weight[0, 0] = float("inf")
     with pytest.warns(UserWarning, match="non-finite"):
-        assert save_checkpoint(run, built, meter) is None
+        assert saver.save(meter, wait=True) is None
     with pytest.warns(UserWarning, match="non-finite"):
-        save_final_weights(run, built)
+        saver.final_weights()
     assert not (tmp_path / "run" / "model.safetensors").exists()
     run.close()

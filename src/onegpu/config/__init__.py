@@ -36,7 +36,13 @@ from onegpu.config.options import (
     parse_checkpointing,
     to_dict,
 )
-from onegpu.config.validation import validate
+from onegpu.config.validation import (
+    check_batch_split,
+    check_data_sizes,
+    check_distributed,
+    resolve_strategy,
+    validate,
+)
 
 __all__ = [
     "CHECKPOINTING_MODES",
@@ -54,6 +60,10 @@ __all__ = [
     "OutConfig",
     "TrainConfig",
     "all_fields",
+    "check_batch_split",
+    "check_data_sizes",
+    "check_distributed",
+    "resolve_strategy",
     "all_keys",
     "apply_values",
     "field_docs",

@@ -4,16 +4,9 @@ technique combinations that cannot work; each raises ConfigError naming the fiel
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on Python 3.10 only
-    pass
-
-
-from onegpu.config.options import Config, ConfigError, parse_checkpointing
+from onegpu.config.options import Config, ConfigError, DistConfig, parse_checkpointing
 
 
 def _require(cond: bool, key: str, message: str) -> None:
@@ -23,7 +16,23 @@ def _require(cond: bool, key: str, message: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Shape and cross-field checks that need no device; device checks happen in build()."""
-    m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
+    _validate_counts(cfg)
+    _validate_shapes(cfg)
+    _validate_optim(cfg)
+    _validate_memory(cfg)
+    _validate_combinations(cfg)
+    t, o = cfg.train, cfg.optim
+    if 0 < t.max_steps < o.warmup_steps:  # valid, but almost certainly not what was meant
+        warnings.warn(
+            f"optim.warmup_steps={o.warmup_steps} is longer than the run "
+            f"(train.max_steps={t.max_steps}): the learning rate never reaches optim.lr",
+            stacklevel=2,
+        )
+
+
+def _validate_counts(cfg: Config) -> None:
+    """Counts and intervals: at least 1, or >= 0 where 0 turns something off."""
+    m, d, t = cfg.model, cfg.data, cfg.train
     for key, value in (
         ("model.n_layer", m.n_layer),
         ("model.n_head", m.n_head),
@@ -50,6 +59,20 @@ def validate(cfg: Config) -> None:
         f"must be >= 0 (0 turns evaluation off), got {t.eval_every}",
     )
     _require(t.eval_batches >= 1, "train.eval_batches", f"must be at least 1, got {t.eval_batches}")
+    _require(0 <= t.seed < 2**63, "train.seed", f"must be in [0, 2**63), got {t.seed}")
+    _require(
+        d.num_workers >= -1,
+        "data.num_workers",
+        f"must be -1 (automatic), 0 (in the main process) or more, got {d.num_workers}",
+    )
+    _require(
+        m.pad_vocab_to >= 1, "model.pad_vocab_to", f"must be >= 1 (1: off), got {m.pad_vocab_to}"
+    )
+
+
+def _validate_shapes(cfg: Config) -> None:
+    """Shapes that must divide or fit each other: heads, batches, sequence, vocabulary."""
+    m, d, t = cfg.model, cfg.data, cfg.train
     _require(
         m.d_model % m.n_head == 0,
         "model.d_model",
@@ -93,9 +116,10 @@ def validate(cfg: Config) -> None:
             "data.tokenizer_vocab",
             f"{tv} exceeds model.vocab_size={m.vocab_size}; the model needs a row per token",
         )
-    _require(
-        m.pad_vocab_to >= 1, "model.pad_vocab_to", f"must be >= 1 (1: off), got {m.pad_vocab_to}"
-    )
+
+
+def _validate_optim(cfg: Config) -> None:
+    m, o = cfg.model, cfg.optim
     _require(
         o.lr > 0 and math.isfinite(o.lr), "optim.lr", f"must be a finite number > 0, got {o.lr}"
     )
@@ -107,12 +131,6 @@ def validate(cfg: Config) -> None:
         "model.init_std",
         f"must be a finite number > 0, got {m.init_std}",
     )
-    _require(0 <= t.seed < 2**63, "train.seed", f"must be in [0, 2**63), got {t.seed}")
-    _require(
-        d.num_workers >= -1,
-        "data.num_workers",
-        f"must be -1 (automatic), 0 (in the main process) or more, got {d.num_workers}",
-    )
     _require(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _require(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0 (0: off), got {o.grad_clip}")
@@ -122,14 +140,6 @@ def validate(cfg: Config) -> None:
     _require(0 < o.decay_rate <= 1, "optim.decay_rate", f"must be in (0, 1], got {o.decay_rate}")
     _require(0 <= o.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
     _require(0 <= o.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
-    _validate_memory(cfg)
-    _validate_combinations(cfg)
-    if 0 < t.max_steps < o.warmup_steps:  # valid, but almost certainly not what was meant
-        warnings.warn(
-            f"optim.warmup_steps={o.warmup_steps} is longer than the run "
-            f"(train.max_steps={t.max_steps}): the learning rate never reaches optim.lr",
-            stacklevel=2,
-        )
 
 
 def _validate_combinations(cfg: Config) -> None:
@@ -184,4 +194,103 @@ def _validate_memory(cfg: Config) -> None:
         0.0 <= mem.randomized_linear < 1.0,
         "memory.randomized_linear",
         f"must be 0 (off) or a kept fraction in (0, 1), got {mem.randomized_linear}",
+    )
+
+
+# Optimizers whose step and sharded checkpoints are tested under torchrun (FSDP2's DTensors,
+# DDP, Distributed Checkpoint); torchao's 8-bit states and Adafactor's factored ones are not yet.
+DIST_OPTIMIZERS = ("adamw", "sgd")
+
+
+def resolve_strategy(dist: DistConfig, world_size: int, field: str = "dist.strategy") -> str:
+    """dist.strategy for `world_size` processes ('auto': fsdp on several, none on one); a
+    single-process strategy for several processes is refused, naming `field`. The one rule
+    torchrun's processes and the planner's share."""
+    strategy = dist.strategy
+    if strategy == "auto":
+        return "fsdp" if world_size > 1 else "none"
+    _require(
+        not (strategy == "none" and world_size > 1),
+        field,
+        f"{world_size} processes but dist.strategy is none; use fsdp, ddp or auto "
+        "(or start one process)",
+    )
+    return strategy
+
+
+def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
+    """What the config needs to run as one of `world_size` processes under `strategy` ('none':
+    a single process); ConfigError naming the field otherwise. Called by the build and by the
+    planner, so a plan refuses what training would."""
+    t, d = cfg.train, cfg.dist
+    _require(
+        not d.cpu_offload or strategy == "fsdp",
+        "dist.cpu_offload",
+        "offloads FSDP's shards, so it needs dist.strategy fsdp under torchrun "
+        "(`torchrun --nproc-per-node 1 -m onegpu train --dist.strategy fsdp ...` on one "
+        "device); for activations use memory.offload_activations",
+    )
+    if strategy == "none":
+        return
+    _require(
+        t.compile not in ("default", "max-autotune"),
+        "train.compile",
+        f"{t.compile!r} compiles the whole step, which does not trace FSDP/DDP's "
+        "communication here; use 'regional' (per-block compile, as torchtitan does)",
+    )
+    _require(
+        not cfg.optim.in_backward,
+        "optim.in_backward",
+        "is not supported with several processes (gradients are reduced after backward); "
+        "turn it off",
+    )
+    _require(
+        not (strategy == "fsdp" and t.precision == "fp16"),
+        "train.precision",
+        "fp16 loss scaling over FSDP shards is not supported; use bf16 (no loss scaling)",
+    )
+    _require(
+        t.precision != "bf16-pure",
+        "train.precision",
+        "bf16-pure's Kahan-compensated optimizer states do not go through sharded "
+        "checkpoints yet; use bf16 (under FSDP: bf16 compute on fp32 master shards, each "
+        "process holding 1/N of them)",
+    )
+    _require(
+        cfg.optim.name in DIST_OPTIMIZERS,
+        "optim.name",
+        f"{cfg.optim.name} is not supported with several processes yet; use "
+        f"{' or '.join(DIST_OPTIMIZERS)}",
+    )
+    check_batch_split(cfg, world_size)
+
+
+def check_batch_split(cfg: Config, world_size: int) -> None:
+    """The global batch must split into `world_size` processes x whole micro-batches."""
+    t = cfg.train
+    _require(world_size >= 1, "--world-size", f"must be at least 1, got {world_size}")
+    _require(
+        t.batch_size % (t.micro_batch_size * world_size) == 0,
+        "train.batch_size",
+        f"the global batch {t.batch_size} does not split into {world_size} processes x "
+        f"micro-batches of {t.micro_batch_size}; use a multiple of "
+        f"{t.micro_batch_size * world_size}",
+    )
+
+
+def check_data_sizes(cfg: Config, train_tokens: int, val_tokens: int) -> None:
+    """The splits must hold a batch (and a validation sequence when evaluation is on)."""
+    T = cfg.train_seq_len
+    need = cfg.train.batch_size * T + 1
+    _require(
+        train_tokens >= need,
+        "data.source",
+        f"the training split has {train_tokens} tokens, fewer than one batch "
+        f"(train.batch_size * seq_len + 1 = {need}); use more data or a smaller batch/seq_len",
+    )
+    _require(
+        not cfg.train.eval_every or val_tokens >= T + 1,
+        "data.val_fraction",
+        f"the validation split has {val_tokens} tokens, fewer than one sequence ({T + 1}); "
+        "raise data.val_fraction or turn evaluation off with --train.eval_every 0",
     )

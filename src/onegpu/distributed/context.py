@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from onegpu.config import ConfigError, DistConfig
+from onegpu.config import ConfigError, DistConfig, resolve_strategy
 
 T = TypeVar("T")
+__all__ = ["DistContext", "init_distributed", "resolve_strategy", "single_process"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,15 @@ class DistContext:
         self.on_main(lambda: result.append(fn()))
         return result[0] if self.is_main else fn()
 
+    def say(self, message: str, write: Callable[[str], None] = print) -> None:
+        """Rank 0 speaks for every process."""
+        if self.is_main:
+            write(message)
+
+    def rows(self, n: int) -> slice:
+        """This process's rows of a global batch of `n` (all of them on one process)."""
+        return slice(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier(group=self.control)
@@ -102,19 +112,6 @@ def single_process() -> DistContext:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def resolve_strategy(cfg: DistConfig, world_size: int) -> str:
-    """'auto' -> fsdp on several processes, none on one; a mismatch is refused."""
-    if cfg.strategy == "auto":
-        return "fsdp" if world_size > 1 else "none"
-    if cfg.strategy == "none" and world_size > 1:
-        raise ConfigError(
-            "dist.strategy",
-            f"torchrun started {world_size} processes but dist.strategy is none; use fsdp, "
-            "ddp or auto (or start one process)",
-        )
-    return cfg.strategy
 
 
 def init_distributed(cfg: DistConfig, device_type: str) -> DistContext:

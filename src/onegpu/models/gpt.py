@@ -117,6 +117,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """onegpu's GPT-2-style decoder; declares models.protocol.LanguageModel."""
+
+    is_classifier = False
+    logit_transform = None  # logits are the output layer's, unchanged
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -197,5 +202,4 @@ def padded_vocab(cfg: ModelConfig) -> int:
 
 def count_params(model: nn.Module) -> int:
     """Unique parameters (a tied weight counts once), vocabulary padding left out."""
-    padding = model.padding_params() if isinstance(model, GPT) else 0
-    return sum(p.numel() for p in model.parameters()) - padding
+    return sum(p.numel() for p in model.parameters()) - model.padding_params()

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from onegpu.cache import cached
-from onegpu.config import ModelConfig
-from onegpu.models.gpt import plain_attention
+from onegpu.config import ConfigError, ModelConfig
+from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
 from onegpu.perf.devices import cpu_name
 
 
@@ -53,3 +55,20 @@ def resolve_attention(
         f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}|{shape}"
     )
     return cached("attention.json", key, lambda: measure_cpu_attention(shape, dtype))
+
+
+def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Fail early, with a fix, if the SDPA kernel asked for does not exist on this device."""
+    if name not in SDPA_BACKENDS:
+        return
+    q = torch.zeros(1, 1, 8, 8, device=device, dtype=dtype, requires_grad=True)
+    try:
+        with warnings.catch_warnings(), sdpa_kernel(SDPA_BACKENDS[name]):
+            warnings.simplefilter("ignore")  # torch explains why each kernel was not used
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    except RuntimeError:
+        raise ConfigError(
+            "model.attention",
+            f"the SDPA {name!r} kernel is not available on {device.type} for {dtype}; "
+            "use 'sdpa' (the fastest available kernel) or 'math'",
+        ) from None

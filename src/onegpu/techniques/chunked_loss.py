@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onegpu.batches import IGNORE_INDEX
 from onegpu.cache import cached, peek
 from onegpu.config import ModelConfig
-from onegpu.data.loader import IGNORE_INDEX
 from onegpu.models.gpt import padded_vocab
 from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.loss import LossFn

@@ -14,6 +14,8 @@ Compilation is lazy: nothing is compiled until the first step runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +25,8 @@ import torch
 from torch import nn
 
 from onegpu.cache import cached
-from onegpu.perf.devices import sync
+from onegpu.config import Config, to_dict
+from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.loss import LossFn
 
 
@@ -116,3 +119,49 @@ def choose_compile(
         )
     )
     return ("default" if trial.pays(micro_steps) else "none"), trial
+
+
+def auto_candidate(cfg: Config, device: torch.device, distributed: bool) -> str:
+    """`train.compile` as set, or for 'auto' the mode to time against eager: 'default' on a
+    single-process CPU or CUDA run of at least MIN_STEPS steps, else 'none' (nothing to time)."""
+    if cfg.train.compile != "auto":
+        return cfg.train.compile
+    worth = cfg.train.max_steps >= MIN_STEPS and device.type in ("cpu", "cuda")
+    return "default" if worth and not distributed else "none"
+
+
+def decide(
+    cfg: Config,
+    model: nn.Module,
+    eager: LossFn,
+    compiled: LossFn,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    device: torch.device,
+) -> tuple[str, CompileTrial]:
+    """`train.compile auto` on the materialised model: eager or compiled, whichever the timing
+    (cached per device and step fingerprint) says pays over this run's micro-batches."""
+    return choose_compile(
+        f"{device_key(device)}|{step_fingerprint(cfg)}",
+        cfg.train.max_steps * cfg.grad_accum_steps,
+        lambda: time_compile(
+            model, eager, compiled, trial_batch(cfg, model.vocab_size, device), autocast, device
+        ),
+    )
+
+
+def step_fingerprint(cfg: Config) -> str:
+    """What a micro-batch's forward and backward depend on, as a short stable key."""
+    d = to_dict(cfg)
+    what = {"model": d["model"], "memory": d["memory"],
+            "precision": cfg.train.precision, "batch": [cfg.train.micro_batch_size, cfg.train_seq_len]}  # fmt: skip
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def trial_batch(cfg: Config, out_vocab: int, device: torch.device):
+    """A micro-batch of random tokens of the run's shape (targets below `out_vocab`, the
+    model's output size)."""
+    g = torch.Generator().manual_seed(0)
+    shape = (cfg.train.micro_batch_size, cfg.train_seq_len)
+    x = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
+    y = torch.randint(0, out_vocab, shape, generator=g)
+    return x.to(device), y.to(device)

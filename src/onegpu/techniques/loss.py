@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onegpu.data.loader import IGNORE_INDEX
+from onegpu.batches import IGNORE_INDEX
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 

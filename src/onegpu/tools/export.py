@@ -20,8 +20,8 @@ from onegpu.config import ConfigError
 from onegpu.models.convert import gpt2_config_kwargs, hf_gpt2_state_dict
 from onegpu.models.gpt import GPT
 from onegpu.models.hf import HFModel, require_transformers
+from onegpu.runs.folder import MODEL_FOLDER_FILES
 from onegpu.tools.trained import Trained, load_trained
-from onegpu.train.run_folder import MODEL_FOLDER_FILES
 
 
 def export(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def check_parity(trained: Trained, folder: Path, *, batch: int = 2, seed: int = 
 
     auto = (
         transformers.AutoModelForSequenceClassification
-        if getattr(trained.model, "is_classifier", False)
+        if trained.model.is_classifier
         else transformers.AutoModelForCausalLM
     )
     back = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
@@ -114,7 +114,7 @@ def check_parity(trained: Trained, folder: Path, *, batch: int = 2, seed: int = 
     idx = torch.randint(0, vocab, (batch, T), generator=torch.Generator().manual_seed(seed))
     ours = (
         trained.model(idx)[..., :vocab]
-        if not getattr(trained.model, "is_classifier", False)
+        if not trained.model.is_classifier
         else trained.model(idx)
     )
     theirs = back(input_ids=idx).logits

@@ -63,7 +63,7 @@ def generate(
     if top_k < 0:
         raise ConfigError("--top-k", f"must be >= 0 (0: no cut), got {top_k}")
     trained = load_trained(source)
-    if getattr(trained.model, "is_classifier", False):
+    if trained.model.is_classifier:
         raise ConfigError("RUN_DIR", "a sequence classifier does not generate text")
     tok = trained.tokenizer
     if tok is None:

@@ -15,13 +15,9 @@ from pathlib import Path
 
 LAYERS: list[tuple[str, ...]] = [
     ("config", "cache"),  # pure data: options, validation, where caches live
-    ("perf", "memory"),  # low-level figures: FLOPs, peaks, allocator; saved/live bytes, peaks
-    ("models", "data"),  # architecture; corpus, tokenizers, loaders
-    (
-        "techniques",
-        "optim",
-        "distributed",
-    ),  # functions over a built model; optimizers; FSDP/DDP/DCP
+    ("perf", "memory", "runs"),  # FLOPs, peaks, allocator; saved/live bytes; the run folder
+    ("models", "data", "batches"),  # architecture; corpus, tokenizers (numpy); torch loaders
+    ("techniques", "optim", "distributed"),  # over a built model; optimizers; FSDP/DDP/DCP
     ("step",),  # the one training step
     ("build",),  # the one build path
     ("train",),  # the loop, its metrics, run folders

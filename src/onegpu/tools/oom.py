@@ -12,7 +12,7 @@ import torch
 from onegpu.config import Config
 from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, fixes_for
 from onegpu.tools.planner import plan_memory
-from onegpu.train.trainer import TrainingOutOfMemory
+from onegpu.train.oom import TrainingOutOfMemory
 
 
 def explain(cfg: Config, err: TrainingOutOfMemory) -> str:

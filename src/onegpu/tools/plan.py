@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from onegpu.config import Config, ConfigError, with_overrides
+from onegpu.config import (
+    Config,
+    ConfigError,
+    check_batch_split,
+    check_distributed,
+    resolve_strategy,
+    with_overrides,
+)
 from onegpu.distributed.plan import per_rank_memory
 from onegpu.memory.breakdown import GROUPS
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
@@ -58,30 +65,10 @@ GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """World sizes `onegpu plan --gpu` tries for 'how many GPUs does it need'."""
 
 
-def plan_strategy(cfg: Config, world_size: int) -> str:
-    """dist.strategy for a plan of `world_size` processes ('auto': fsdp on several)."""
-    strategy = cfg.dist.strategy
-    if strategy == "auto":
-        return "fsdp" if world_size > 1 else "none"
-    if strategy == "none" and world_size > 1:
-        raise ConfigError(
-            "--world-size", "several processes need --dist.strategy fsdp or ddp (or auto)"
-        )
-    return strategy
-
-
 def process_share(cfg: Config, world_size: int) -> Config:
     """The config one of `world_size` processes runs: its share of the global batch."""
+    check_batch_split(cfg, world_size)
     t = cfg.train
-    if world_size < 1:
-        raise ConfigError("--world-size", f"must be at least 1, got {world_size}")
-    if t.batch_size % (t.micro_batch_size * world_size):
-        raise ConfigError(
-            "train.batch_size",
-            f"the global batch {t.batch_size} does not split into {world_size} processes x "
-            f"micro-batches of {t.micro_batch_size}; use a multiple of "
-            f"{t.micro_batch_size * world_size}",
-        )
     return dataclasses.replace(
         cfg, train=dataclasses.replace(t, batch_size=t.batch_size // world_size)
     )
@@ -110,49 +97,17 @@ def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -
 def plan_report(
     cfg: Config, gpu: str | None, memory_bytes: int | None, world_size: int = 1
 ) -> dict[str, Any]:
+    """The plan of one process (of `world_size`) on `gpu` (None: this CPU, with an optional
+    budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes."""
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
-    target = "cuda" if gpu else "cpu"
-    caps = gpu_caps(gpu) if gpu else None
-    strategy = plan_strategy(cfg, world_size)
-    if cfg.dist.cpu_offload and strategy != "fsdp":
-        raise ConfigError("dist.cpu_offload", "offloads FSDP's shards; use --dist.strategy fsdp")
+    target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
+    strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
+    check_distributed(cfg, strategy, world_size)  # what training would refuse, refused here
     plan = plan_memory(process_share(cfg, world_size), target, caps)
-    n, mem = plan.n_params, plan.memory
     distributed = strategy != "none"
-    if distributed:
-        mem = rank_memory(cfg, plan, world_size, strategy)
-    capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
-    overhead = CUDA_OVERHEAD_BYTES if gpu else 0
-    flops = plan.flops_per_token
-    tokens = cfg.train.batch_size * cfg.train_seq_len
-    dtype_key = {"bf16-pure": "bf16"}.get(plan.precision, plan.precision)
-    if gpu:
-        peak_flops = GPUS[gpu].peak.get(dtype_key, GPUS[gpu].peak["fp32"])
-    else:  # this CPU: its measured matmul peak for the compute dtype (cached)
-        peak_flops = cpu_peak_flops(plan.compute_dtype)
-    report: dict[str, Any] = {
-        "config": {
-            "precision": plan.precision,
-            "batch": cfg.train.batch_size,
-            "micro_batch": cfg.train.micro_batch_size,
-            "seq_len": cfg.train_seq_len,
-            "checkpointing": cfg.memory.checkpointing,
-            "optimizer": cfg.optim.name,
-            "loss_chunk": plan.loss_chunk,
-        },  # fmt: skip
-        "params": n,
-        "memory": mem,
-        "prediction": True,
-        "peak_at": f"{plan.peak_phase} ({plan.peak_op})",
-        "saved_activations_per_micro_batch": plan.saved_per_micro_batch,
-        "saved_by_kind": plan.saved_by_kind,
-        "saved_by_block": plan.saved_by_block,
-        "bytes_per_param": {g: mem[g] / n for g in ("params", "grads", "optimizer")},
-        "korthikanti_bytes_per_layer": korthikanti_bytes(cfg, cfg.train.micro_batch_size),
-        "plan_seconds": plan.seconds,
-        "flops_per_token": flops,
-    }
+    mem = rank_memory(cfg, plan, world_size, strategy) if distributed else plan.memory
+    report = _memory_report(cfg, plan, mem)
     if distributed:
         report["dist"] = {
             "strategy": strategy,
@@ -165,21 +120,61 @@ def plan_report(
         report["gpus_needed"] = gpus_needed(
             cfg, plan, world_size, GPUS[gpu].memory_bytes, target, caps
         )
-    if peak_flops:
-        step_s = flops * tokens / (peak_flops * EFFICIENCY * world_size)
-        report["predicted_step_time_s"] = step_s
-        report["predicted_tokens_per_s"] = tokens / step_s
-        report["efficiency_assumed"] = EFFICIENCY
+    report.update(_speed(cfg, plan, gpu, world_size))
+    capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
     if capacity:
+        overhead = CUDA_OVERHEAD_BYTES if gpu else 0
         need = mem["peak"] + overhead
-        report["capacity_bytes"] = capacity
-        report["fits"] = need <= capacity
-        report["headroom_bytes"] = capacity - need
+        report.update(
+            capacity_bytes=capacity, fits=need <= capacity, headroom_bytes=capacity - need
+        )
         if need > capacity and not distributed:
             report["fixes"] = fixes_for(
                 cfg, capacity - overhead, target, caps, base_peak=mem["peak"]
             )
     return report
+
+
+def _memory_report(cfg: Config, plan: MemoryPlan, mem: dict[str, int]) -> dict[str, Any]:
+    n = plan.n_params
+    return {
+        "config": {
+            "precision": plan.precision,
+            "batch": cfg.train.batch_size,
+            "micro_batch": cfg.train.micro_batch_size,
+            "seq_len": cfg.train_seq_len,
+            "checkpointing": cfg.memory.checkpointing,
+            "optimizer": cfg.optim.name,
+            "loss_chunk": plan.loss_chunk,
+        },
+        "params": n,
+        "memory": mem,
+        "prediction": True,
+        "peak_at": f"{plan.peak_phase} ({plan.peak_op})",
+        "saved_activations_per_micro_batch": plan.saved_per_micro_batch,
+        "saved_by_kind": plan.saved_by_kind,
+        "saved_by_block": plan.saved_by_block,
+        "bytes_per_param": {g: mem[g] / n for g in ("params", "grads", "optimizer")},
+        "korthikanti_bytes_per_layer": korthikanti_bytes(cfg, cfg.train.micro_batch_size),
+        "plan_seconds": plan.seconds,
+        "flops_per_token": plan.flops_per_token,
+    }
+
+
+def _speed(cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int) -> dict[str, Any]:
+    """The predicted step time: counted FLOPs at EFFICIENCY of the peak for the compute dtype
+    (a GPU's datasheet, or this CPU's measured matmul peak); {} when the peak is unknown."""
+    if gpu:
+        spec = GPUS[gpu]
+        peak_flops = spec.peak.get(plan.peak_key, spec.peak["fp32"])
+    else:
+        peak_flops = cpu_peak_flops(plan.compute_dtype)
+    if not peak_flops:
+        return {}
+    tokens = cfg.train.batch_size * cfg.train_seq_len
+    step_s = plan.flops_per_token * tokens / (peak_flops * EFFICIENCY * world_size)
+    return {"predicted_step_time_s": step_s, "predicted_tokens_per_s": tokens / step_s,
+            "efficiency_assumed": EFFICIENCY}  # fmt: skip
 
 
 def _fits(mem: dict[str, int], capacity: int) -> bool:
@@ -252,10 +247,15 @@ def _by_block(by_block: dict[str, int]) -> str:
 
 
 def format_report(r: dict[str, Any], gpu: str | None) -> str:
-    mib = 2**20
-    n = r["params"]
-    mem = r["memory"]
-    c = r["config"]
+    """The report as the terminal shows it."""
+    lines = _memory_lines(r) + [""] + _analytic_lines(r, gpu)
+    if "capacity_bytes" in r:
+        lines += [""] + _capacity_lines(r, gpu)
+    return "\n".join(lines)
+
+
+def _memory_lines(r: dict[str, Any]) -> list[str]:
+    mib, n, mem, c = 2**20, r["params"], r["memory"], r["config"]
     lines = [
         f"onegpu plan (a prediction: one training step followed on fake tensors, "
         f"{r['plan_seconds']:.1f} s)",
@@ -278,14 +278,19 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
         lines.append(f"  {label:<38} {mem[g] / mib:9,.1f}   {per}")
     if mem.get("host"):
         lines.append(f"  {'in host memory (cpu_offload)':<38} {mem['host'] / mib:9,.1f}")
-    lines += [
+    return lines + [
         f"  {'peak (predicted)':<38} {mem['peak'] / mib:9,.1f}   {mem['peak'] / n:8.2f}",
         f"  the peak comes in {r['peak_at']}",
         "",
         f"saved activations per micro-batch: {r['saved_activations_per_micro_batch'] / mib:,.1f} MiB",
         "  by kind:  " + ", ".join(f"{k} {v / mib:,.1f}" for k, v in r["saved_by_kind"].items()),
         "  by block: " + _by_block(r["saved_by_block"]),
-        "",
+    ]
+
+
+def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
+    mib, n, mem = 2**20, r["params"], r["memory"]
+    lines = [
         "beside the analytic figures:",
         f"  HF's single-GPU guide: mixed-precision AdamW needs 18 bytes/parameter (fp32 weights 4, 16-bit copy "
         f"2, fp32 grads 4, states 8); planned here: "
@@ -303,36 +308,37 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
             f"{r['predicted_step_time_s'] * 1e3:,.0f} ms/step (prediction: counted FLOPs at "
             f"{r['efficiency_assumed']:.0%} of the {'datasheet' if gpu else 'measured'} peak)"
         )
-    if "capacity_bytes" in r:
-        cap = r["capacity_bytes"]
-        target = gpu or "the budget"
-        lines += [
-            "",
-            f"{target}: {cap / GiB:,.1f} GiB -> "
-            + ("fits" if r["fits"] else "DOES NOT FIT")
-            + f", headroom {r['headroom_bytes'] / GiB:+,.2f} GiB"
-            + (" (0.5 GiB kept for the CUDA context)" if gpu else ""),
-        ]
-        for f in r.get("fixes", []):
-            lines.append(
-                f"  + {f['change']:<36} alone {f['peak_alone'] / GiB:6.2f} GiB"
-                f"{' fits' if f['fits_alone'] else '     '}  |  with the ones above "
-                f"{f['peak_with_previous'] / GiB:6.2f} GiB{' fits' if f['fits_with_previous'] else ''}"
-            )
-        if "gpus_needed" in r:
-            g = r["gpus_needed"]
-            table = ", ".join(
-                f"{row['world_size']}: {row['peak'] / GiB:,.1f} GiB{' fits' if row['fits'] else ''}"
-                for row in g["rows"]
-            )
-            lines.append(f"  FSDP over N x {gpu}, rank 0's planned peak: {table}")
-            lines.append(
-                f"  -> needs {g['fewest']} x {gpu}"
-                if g["fewest"]
-                else f"  -> does not fit on the GPU counts the global batch splits into "
-                f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more"
-            )
-        if r.get("fixes") and not r["fixes"][-1]["fits_with_previous"]:
-            lines.append("  nothing in the list makes it fit: a smaller model, shorter sequences "
-                         "or a larger GPU (or FSDP across several) are left")  # fmt: skip
-    return "\n".join(lines)
+    return lines
+
+
+def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
+    cap = r["capacity_bytes"]
+    lines = [
+        f"{gpu or 'the budget'}: {cap / GiB:,.1f} GiB -> "
+        + ("fits" if r["fits"] else "DOES NOT FIT")
+        + f", headroom {r['headroom_bytes'] / GiB:+,.2f} GiB"
+        + (" (0.5 GiB kept for the CUDA context)" if gpu else ""),
+    ]
+    for f in r.get("fixes", []):
+        lines.append(
+            f"  + {f['change']:<36} alone {f['peak_alone'] / GiB:6.2f} GiB"
+            f"{' fits' if f['fits_alone'] else '     '}  |  with the ones above "
+            f"{f['peak_with_previous'] / GiB:6.2f} GiB{' fits' if f['fits_with_previous'] else ''}"
+        )
+    if "gpus_needed" in r:
+        g = r["gpus_needed"]
+        table = ", ".join(
+            f"{row['world_size']}: {row['peak'] / GiB:,.1f} GiB{' fits' if row['fits'] else ''}"
+            for row in g["rows"]
+        )
+        lines.append(f"  FSDP over N x {gpu}, rank 0's planned peak: {table}")
+        lines.append(
+            f"  -> needs {g['fewest']} x {gpu}"
+            if g["fewest"]
+            else f"  -> does not fit on the GPU counts the global batch splits into "
+            f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more"
+        )
+    if r.get("fixes") and not r["fixes"][-1]["fits_with_previous"]:
+        lines.append("  nothing in the list makes it fit: a smaller model, shorter sequences "
+                     "or a larger GPU (or FSDP across several) are left")  # fmt: skip
+    return lines

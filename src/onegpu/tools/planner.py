@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from onegpu.batches import classification_targets
 from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.config import Config
-from onegpu.data.loader import classification_targets
 from onegpu.distributed.plan import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import LiveTensorBytes, storage_id
@@ -54,6 +54,11 @@ class MemoryPlan:
     """Every parameter once (tied ones once): how FSDP would shard them."""
     block_numels: list[int] = field(default_factory=list)
     """Parameters per block (FSDP gathers one block at a time)."""
+
+    @property
+    def peak_key(self) -> str:
+        """The column of a GPU's datasheet peaks its matmuls run at (fp32/tf32/bf16/fp16)."""
+        return {"bf16-pure": "bf16"}.get(self.precision, self.precision)
 
 
 def _kind(op: str, module: str, dtype: torch.dtype) -> str:

@@ -25,8 +25,8 @@ import torch
 from onegpu.build import Built, build
 from onegpu.config import Config
 from onegpu.memory.breakdown import GROUPS, memory_timeline
-from onegpu.train.run_folder import resolve_out_dir
-from onegpu.train.trainer import training_batches
+from onegpu.runs.folder import resolve_out_dir
+from onegpu.train.batches import training_batches
 
 PHASES = ("data", "forward", "backward", "optimizer")
 # Ops that make the host wait for the device (on CUDA); on CPU they are counted all the same,

@@ -9,19 +9,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from onegpu.build import make_model, materialize, resolve
 from onegpu.config import Config, ConfigError, load_config, with_overrides
 from onegpu.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
-from onegpu.models.hf import HFModel, open_hf_folder
+from onegpu.models.hf import folder_eos_id, open_hf_folder
+from onegpu.models.protocol import LanguageModel
 from onegpu.train import checkpoint as ckpt
 
 
 @dataclass
 class Trained:
     cfg: Config  # resolved: every model field filled in
-    model: nn.Module
+    model: LanguageModel
     tokenizer: Tokenizer | None
     source: Path
     weights: str  # where the weights came from
@@ -43,7 +43,7 @@ def load_trained(path: str | Path, device: torch.device | None = None) -> Traine
     )
 
 
-def _plain(cfg: Config, device: torch.device) -> tuple[Config, nn.Module]:
+def _plain(cfg: Config, device: torch.device) -> tuple[Config, LanguageModel]:
     if cfg.model.attention == "auto" and not cfg.model.hf:  # no timing for a few forwards
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="sdpa"))
     cfg = resolve(cfg, device).config
@@ -80,8 +80,7 @@ def _from_run(run: Path, device: torch.device) -> Trained:
         else:
             model.load_state_dict({k: v.float() for k, v in newest.state["model"].items()})
         weights = str(newest.path)
-    if isinstance(model, HFModel) or hasattr(model, "tie_weights"):
-        model.tie_weights()
+    model.tie_weights()
     return Trained(cfg, model, _run_tokenizer(run), run, weights)
 
 
@@ -106,7 +105,6 @@ def _from_hf_folder(folder: Path, device: torch.device) -> Trained:
     hf = open_hf_folder(str(folder))
     tok = None
     if hf.tokenizer is not None:
-        eos = getattr(hf.config, "eos_token_id", None)
-        tok = FileTokenizer(hf.tokenizer, eos[0] if isinstance(eos, list) else eos)
+        tok = FileTokenizer(hf.tokenizer, folder_eos_id(hf))
     weights = str(hf.weights[0]) if hf.weights else "none (initialised from config.json)"
     return Trained(cfg, model, tok, folder, weights)

@@ -27,10 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onegpu.build import check_distributed
-from onegpu.config import Config, ConfigError, to_toml, with_overrides
-from onegpu.techniques.precision import bf16_native
-from onegpu.tools.plan import plan_strategy, process_share, rank_memory
+from onegpu.config import (
+    Config,
+    ConfigError,
+    check_distributed,
+    resolve_strategy,
+    to_toml,
+    with_overrides,
+)
+from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
+from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, gpu_caps, process_share, rank_memory
 from onegpu.tools.planner import plan_memory
 
 # Extra compute of each checkpointing policy, as a fraction of a plain step (a ranking
@@ -58,7 +64,7 @@ def candidates(
             if m * world_size <= batch and batch % (m * world_size) == 0
         }
     )
-    lowp = ["bf16", "bf16-pure"] if device_type == "cuda" or bf16_native_cpu() else ["fp32"]
+    lowp = precisions(target_caps(device_type))
     space = {
         "train.micro_batch_size": [str(m) for m in micro],
         "memory.checkpointing": ["none", "selective", "attn+mlp", "block"],
@@ -79,25 +85,19 @@ def candidates(
         try:
             changed = with_overrides(cfg, change)
             if world_size > 1:
-                check_distributed(changed, _planned_context(changed, world_size))
+                strategy = resolve_strategy(changed.dist, world_size, "--world-size")
+                check_distributed(changed, strategy, world_size)
         except ConfigError:
             continue
         out.append(change)
     return out
 
 
-def _planned_context(cfg: Config, world_size: int):
-    """The DistContext a torchrun launch of `world_size` processes would build (no group)."""
-    from onegpu.distributed.context import DistContext
-
-    return DistContext(strategy=plan_strategy(cfg, world_size), world_size=world_size)
-
-
 def planned_peak(cfg: Config, target: str, world_size: int) -> int:
     """The planned peak of one process: the whole run, or rank 0's share of `world_size`."""
     if world_size == 1:
         return plan_memory(cfg, target).memory["peak"]
-    strategy = plan_strategy(cfg, world_size)
+    strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
     plan = plan_memory(process_share(cfg, world_size), target)
     return rank_memory(cfg, plan, world_size, strategy)["peak"]
 
@@ -111,10 +111,45 @@ def _vocab_size(cfg: Config) -> int:
     return cfg.model.vocab_size
 
 
-def bf16_native_cpu() -> bool:
+def target_caps(device_type: str, gpu: str | None = None) -> DeviceCaps:
+    """What the tuned device runs natively: a GPU of the table, the device here, or for a GPU
+    that is not here, a current one (bf16 and tf32)."""
     import torch
 
-    return bf16_native(torch.device("cpu"))
+    if gpu is not None:
+        return gpu_caps(gpu)
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return DeviceCaps(type="cuda", bf16=True, tf32=True)
+    return device_caps(torch.device(device_type))
+
+
+def precisions(caps: DeviceCaps) -> list[str]:
+    """The precisions worth trying: what `auto` picks there, and bf16-pure beside bf16."""
+    auto = resolve_precision("auto", caps).name
+    return [auto, "bf16-pure"] if auto == "bf16" else [auto]
+
+
+def budget(gpu: str | None, memory: int | None) -> tuple[int, str]:
+    """The memory budget and the target device kind: a GPU of the table (its memory less the
+    CUDA overhead), `memory` bytes, or the GPU here; on a CPU `memory` is required."""
+    import torch
+
+    from onegpu.perf.devices import GPUS
+
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    if gpu is not None:
+        if gpu not in GPUS:
+            raise ConfigError(
+                "--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table"
+            )
+        return GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES, target
+    if memory is not None:
+        if memory <= 0:
+            raise ConfigError("--memory", f"must be a positive number of bytes, got {memory}")
+        return memory, target
+    if target == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory - CUDA_OVERHEAD_BYTES, target
+    raise ConfigError("--memory", "on a CPU give the budget in bytes, e.g. --memory 4000000000")
 
 
 def estimated_cost(change: dict[str, str], batch: int) -> float:
@@ -145,8 +180,6 @@ def tune(
     world_size: int = 1,
     log=print,
 ) -> dict[str, Any]:
-    from onegpu.tools.bench import run_row
-
     t0 = time.perf_counter()
     cands = candidates(cfg, target, with_compile, world_size)
     if not cands:
@@ -155,9 +188,45 @@ def tune(
             f"no configuration splits the global batch {cfg.train.batch_size} into "
             f"{world_size} process(es); use a multiple of {world_size}",
         )
-    # Per setting of everything else, only the largest micro-batch that fits is worth running
-    # (a smaller one only adds accumulation steps), and memory grows with the micro-batch:
-    # plan from the largest down and stop at the first that fits.
+    planned, fitting = plan_candidates(cfg, cands, budget_bytes, target, world_size)
+    log(f"tune: {len(cands)} candidates, {len(planned)} planned in "
+        f"{time.perf_counter() - t0:.0f} s, {len(fitting)} to measure under {_size(budget_bytes)}")  # fmt: skip
+    if not fitting:
+        least = min(planned, key=lambda cp: cp[1])
+        raise ConfigError(
+            "--memory",
+            f"nothing fits {budget_bytes:,} bytes: the leanest candidate "
+            f"({', '.join(f'{k}={v}' for k, v in least[0].items())}) needs a planned "
+            f"{least[1]:,} bytes; raise the budget or shrink the model, sequence or batch",
+        )
+    fitting.sort(key=lambda cp: (estimated_cost(cp[0], cfg.train.batch_size), cp[1]))
+    run = {"preset": preset, "config_file": config_file, "steps": steps, "nproc": world_size}
+    trials = measure(fitting, run, base_overrides, time_budget_s, log)
+    best = max(trials, key=lambda r: r["tokens_per_s"])
+    result = {
+        "budget_bytes": budget_bytes,
+        "world_size": world_size,
+        "candidates": len(cands),
+        "planned": len(planned),
+        "fitting": len(fitting),
+        "trials": trials,
+        "frontier": pareto(trials),
+        "best": best,
+    }
+    write_results(result, with_overrides(cfg, best["change"]), out_dir)
+    return result
+
+
+Planned = list[tuple[dict[str, str], int]]
+
+
+def plan_candidates(
+    cfg: Config, cands: list[dict[str, str]], budget_bytes: int, target: str, world_size: int
+) -> tuple[Planned, Planned]:
+    """(every candidate planned, those that fit). Per setting of everything else, only the
+    largest micro-batch that fits is worth running (a smaller one only adds accumulation
+    steps), and memory grows with the micro-batch: plan from the largest down and stop at the
+    first that fits."""
     groups: dict[str, list[dict[str, str]]] = {}
     for change in cands:
         rest = {k: v for k, v in change.items() if k != "train.micro_batch_size"}
@@ -173,54 +242,38 @@ def tune(
             if peak <= budget_bytes:
                 fitting.append((change, peak))
                 break
-    log(f"tune: {len(cands)} candidates, {len(planned)} planned in "
-        f"{time.perf_counter() - t0:.0f} s, {len(fitting)} to measure under {_size(budget_bytes)}")  # fmt: skip
-    if not fitting:
-        least = min(planned, key=lambda cp: cp[1])
-        raise ConfigError(
-            "--memory",
-            f"nothing fits {budget_bytes:,} bytes: the leanest candidate "
-            f"({', '.join(f'{k}={v}' for k, v in least[0].items())}) needs a planned "
-            f"{least[1]:,} bytes; raise the budget or shrink the model, sequence or batch",
-        )
-    fitting.sort(key=lambda cp: (estimated_cost(cp[0], cfg.train.batch_size), cp[1]))
+    return planned, fitting
+
+
+def measure(
+    fitting: Planned, run: dict[str, Any], base: dict[str, str], time_budget_s: float, log
+) -> list[dict[str, Any]]:
+    """Short real runs of the fitting candidates, in order, until the time budget is spent
+    (the budget is for measuring, not for planning; at least one runs)."""
+    from onegpu.tools.bench import run_row
+
     trials = []
-    t_trials = time.perf_counter()  # the time budget is for measuring, not for planning
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         for change, peak in fitting:
-            if trials and time.perf_counter() - t_trials > time_budget_s:
+            if trials and time.perf_counter() - t0 > time_budget_s:
                 break
-            res = run_row(
-                preset,
-                config_file,
-                {**base_overrides, **change},
-                steps,
-                Path(workdir),
-                nproc=world_size,
-            )
+            res = run_row(run["preset"], run["config_file"], {**base, **change}, run["steps"],
+                          Path(workdir), nproc=run["nproc"])  # fmt: skip
             res.update(change=change, planned_peak_bytes=peak)
             trials.append(res)
             log(f"  {_label(change)}: {res['tokens_per_s']:,.0f} tokens/s, planned "
                 f"{peak / 2**20:,.0f} MiB, measured {res['peak_mem_bytes'] / 2**20:,.0f} MiB")  # fmt: skip
-    frontier = pareto(trials)
-    best = max(trials, key=lambda r: r["tokens_per_s"])
+    return trials
+
+
+def write_results(result: dict[str, Any], best_cfg: Config, out_dir: Path) -> None:
+    """best.toml, tune.json, tune.md and tune.png in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    best_cfg = with_overrides(cfg, best["change"])
     (out_dir / "best.toml").write_text(to_toml(best_cfg))
-    result = {
-        "budget_bytes": budget_bytes,
-        "world_size": world_size,
-        "candidates": len(cands),
-        "planned": len(planned),
-        "fitting": len(fitting),
-        "trials": trials,
-        "frontier": frontier,
-        "best": best,
-    }
     (out_dir / "tune.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / "tune.md").write_text(frontier_table(result))
-    plot(trials, frontier, budget_bytes, out_dir / "tune.png")
-    return result
+    plot(result["trials"], result["frontier"], result["budget_bytes"], out_dir / "tune.png")
 
 
 def _size(nbytes: int) -> str:

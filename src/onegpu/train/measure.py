@@ -11,12 +11,22 @@ from typing import Any
 
 import torch
 
+from onegpu.batches import classification_targets, count_targets
 from onegpu.build import Built, build
 from onegpu.config import Config
-from onegpu.data.loader import classification_targets, count_targets
 from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.step import StepOutput
+
+
+def measured_step(built: Built) -> int | None:
+    """The step whose memory a run measures (`train.measure_memory`): the second, when
+    optimizer states exist as in every later step; None on several processes (the profiler
+    follows one process) or when turned off."""
+    t = built.cfg.train
+    if not t.measure_memory or built.dist.enabled:
+        return None
+    return min(1, t.max_steps - 1)
 
 
 def measure_step(

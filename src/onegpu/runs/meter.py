@@ -1,28 +1,49 @@
-"""What the loop logs, gathered without syncing: step outputs are summed on the device and read
-back once per log interval (`flush`), the one host-device sync of the loop."""
+"""What the loop logs, gathered without syncing: the backend sums step outputs on the device
+(`Totals`) and they are read back once per log interval (`flush`), the one host-device sync of
+the loop. No framework import: the totals, the clock sync and the memory reading are the
+backend's."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
-import torch
 
-from onegpu.memory.measure import peak_bytes
-from onegpu.perf.devices import Peak
-from onegpu.step import StepOutput, TrainStep
+class Totals(Protocol):
+    """A backend's device-side sums of the step outputs of a log interval."""
+
+    def add(self, out: Any) -> None:
+        """Account one step's output (device-side adds only)."""
+
+    def read(self) -> dict[str, float]:
+        """loss_sum, skipped, in_a_row, grad_norm (the last step's) and lr, read once."""
+
+    def reset_interval(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Meter:
-    def __init__(self, step: TrainStep, flops_per_token: int, peak: Peak | None):
-        self.step, self.flops_per_token, self.peak = step, flops_per_token, peak
-        device = step.device
-        self._loss = torch.zeros((), device=device)
-        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self._in_a_row = torch.zeros((), dtype=torch.int64, device=device)  # skipped lately
+    """Steps, tokens, intervals and their speed; `peak` has the `flops` MFU is measured
+    against (None: no MFU)."""
+
+    def __init__(
+        self,
+        totals: Totals,
+        flops_per_token: int,
+        peak: Any | None,
+        *,
+        sync: Callable[[], None] = lambda: None,
+        peak_memory: Callable[[], int] = lambda: 0,
+        extras: Callable[[], dict[str, Any]] = dict,
+    ):
+        self.totals, self.flops_per_token, self.peak = totals, flops_per_token, peak
+        self._sync, self._peak_memory, self._extras = sync, peak_memory, extras
         self.skipped_in_a_row = 0
-        self._last: StepOutput | None = None
         self.steps = self.tokens = 0  # whole run
         self._steps = self._tokens = 0  # this interval
         self.intervals: list[tuple[float, float | None]] = []  # (tokens/s, mfu) per interval
@@ -36,9 +57,7 @@ class Meter:
         """The counts and the open log interval (a resumed run logs the same rows)."""
         return {
             "tokens": self.tokens,
-            "skipped": self._skipped.clone(),
-            "in_a_row": self._in_a_row.clone(),
-            "interval_loss": self._loss.clone(),
+            **self.totals.state_dict(),
             "interval_steps": self._steps,
             "interval_tokens": self._tokens,
         }
@@ -49,58 +68,44 @@ class Meter:
         if not state:
             return
         self.tokens = int(state["tokens"])
-        self._skipped.copy_(state["skipped"])
-        self._in_a_row.copy_(state["in_a_row"])
-        self._loss.copy_(state["interval_loss"])
+        self.totals.load_state_dict(state)
         self._steps, self._tokens = int(state["interval_steps"]), int(state["interval_tokens"])
 
-    def add(self, out: StepOutput, tokens: int) -> None:
+    def add(self, out: Any, tokens: int) -> None:
         """Account one step (device-side adds only)."""
-        self._loss += out.loss
-        self._skipped += out.skipped
-        self._in_a_row.add_(out.skipped).mul_(out.skipped)  # +1 when skipped, else back to 0
-        self._last = out
+        self.totals.add(out)
         self._steps += 1
         self._tokens += tokens
         self.steps += 1
         self.tokens += tokens
         if self._first:  # the first step, compilation and warm-up included
             self._first = False
-            if self.step.device.type == "cuda":
-                torch.cuda.synchronize(self.step.device)
+            self._sync()
             self.first_step_s = time.perf_counter() - self.t_start
 
     def flush(self) -> dict[str, Any]:
         """The log row of the interval since the last flush (reads the device once)."""
-        if self.step.device.type == "cuda":
-            torch.cuda.synchronize(self.step.device)
+        self._sync()
         dt = time.perf_counter() - self._t_last
-        loss_sum, skipped, in_a_row, grad_norm = torch.stack(
-            [
-                self._loss.double(),
-                self._skipped.double(),
-                self._in_a_row.double(),
-                self._last.grad_norm.double(),
-            ]
-        ).tolist()
-        self.loss = loss_sum / self._steps
-        self.skipped, self.skipped_in_a_row = int(skipped), int(in_a_row)
+        v = self.totals.read()
+        self.loss = v["loss_sum"] / self._steps
+        self.skipped, self.skipped_in_a_row = int(v["skipped"]), int(v["in_a_row"])
         tok_s = self._tokens / dt
         mfu = tok_s * self.flops_per_token / self.peak.flops if self.peak else None
         row = {
             "step": self.steps,
             "loss": self.loss,
-            "lr": self._last.lr,
-            "grad_norm": grad_norm,
+            "lr": v["lr"],
+            "grad_norm": v["grad_norm"],
             "tokens_per_s": tok_s,
             "mfu": mfu,
             "step_time_s": dt / self._steps,
-            "peak_mem_bytes": peak_bytes(self.step.device),
+            "peak_mem_bytes": self._peak_memory(),
             "skipped_steps": self.skipped,
-            **self.step.log_extras(),
+            **self._extras(),
         }
         self.intervals.append((tok_s, mfu))
-        self._loss.zero_()
+        self.totals.reset_interval()
         self._steps = self._tokens = 0
         self.restart_clock()
         return row

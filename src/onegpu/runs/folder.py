@@ -1,9 +1,9 @@
-"""The run folder contract (docs/architecture.md): config.toml, metrics.jsonl, summary.json, checkpoints/."""
+"""The run folder contract (docs/architecture.md): config.toml, metrics.jsonl, summary.json,
+checkpoints/. No framework import: every backend writes the same folder."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import shutil
@@ -12,11 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import onegpu
 from onegpu.config import Config, ConfigError, OutConfig, to_toml
-from onegpu.perf.allocator import active_allocator
+from onegpu.runs.sinks import JsonlSink, TensorBoardSink, strict
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json")
 # A model.hf folder's files other than weights, kept in the run folder's model/
@@ -77,16 +75,15 @@ def _git_commit() -> str | None:
         return None
 
 
-def environment() -> dict[str, Any]:
-    """Code, library and hardware versions, written into every run (modded-nanogpt does)."""
+def environment(**backend: Any) -> dict[str, Any]:
+    """Code, library and hardware versions, written into every run (modded-nanogpt does);
+    `backend` adds the framework's own (version, threads, allocator)."""
     return {
         "onegpu": onegpu.__version__,
         "git_commit": _git_commit(),
-        "torch": torch.__version__,
+        **backend,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "allocator": active_allocator(),
     }
 
 
@@ -117,7 +114,7 @@ class RunFolder:
             self._truncate_metrics(resume_step)
         self.checkpoints.mkdir(exist_ok=True)
         (path / "config.toml").write_text(to_toml(cfg))
-        self._metrics = open(path / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._metrics = JsonlSink(path / "metrics.jsonl")
         self._tensorboard = TensorBoardSink(path / "tensorboard") if cfg.out.tensorboard else None
 
     def write_model_files(self, cfg: Config, tokenizer: Any | None) -> None:
@@ -156,7 +153,7 @@ class RunFolder:
     def log(self, row: dict[str, Any]) -> None:
         if not self.main:
             return
-        self._metrics.write(json.dumps(_strict(row), allow_nan=False) + "\n")
+        self._metrics.log(row)
         if self._tensorboard is not None:
             self._tensorboard.log(row)
 
@@ -164,62 +161,11 @@ class RunFolder:
         if not self.main:
             return
         tmp = self.path / f"summary.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(_strict(summary), indent=1, allow_nan=False) + "\n")
+        tmp.write_text(json.dumps(strict(summary), indent=1, allow_nan=False) + "\n")
         os.replace(tmp, self.path / "summary.json")
 
     def close(self) -> None:
-        if self._metrics is not None and not self._metrics.closed:
+        if self._metrics is not None:
             self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
-
-
-class TensorBoardSink:
-    """The rows of metrics.jsonl as TensorBoard scalars (x axis: the optimizer step), under the
-    groups TensorBoard shows side by side: train/, eval/, speed/, memory/. A resumed run
-    appends to the same folder; TensorBoard keeps the newest value of a repeated step."""
-
-    TAGS = {
-        "loss": "train/loss",
-        "lr": "train/lr",
-        "grad_norm": "train/grad_norm",
-        "loss_scale": "train/loss_scale",
-        "skipped_steps": "train/skipped_steps",
-        "val_loss": "eval/loss",
-        "val_ppl": "eval/perplexity",
-        "tokens_per_s": "speed/tokens_per_s",
-        "mfu": "speed/mfu",
-        "step_time_s": "speed/step_time_s",
-        "peak_mem_bytes": "memory/peak_bytes",
-    }
-
-    def __init__(self, folder: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError(
-                "out.tensorboard", "needs the tensorboard package: pip install tensorboard"
-            ) from None
-        self._writer = SummaryWriter(log_dir=str(folder))
-
-    def log(self, row: dict[str, Any]) -> None:
-        step = int(row["step"])
-        for key, tag in self.TAGS.items():
-            value = row.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(tag, value, step)
-        self._writer.flush()  # one flush per logged row: a killed run loses nothing logged
-
-    def close(self) -> None:
-        self._writer.close()
-
-
-def _strict(value: Any) -> Any:
-    """Non-finite floats as null: strict JSON parsers reject NaN and Infinity."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value

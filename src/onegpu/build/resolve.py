@@ -1,0 +1,102 @@
+"""What actually runs, decided once: the device, then every `auto` (precision, attention, loss
+chunk), each decided by its own technique module. `train.compile auto` is decided later, in
+`build.model.apply_techniques`, because it times the materialised model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
+from onegpu.models.hf import chunkable_loss, default_attention, resolve_model_config
+from onegpu.techniques.attention import resolve_attention
+from onegpu.techniques.chunked_loss import resolve_loss_chunk
+from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What actually runs, decided once. `config` is the user's config with every `auto`
+    filled in (the run folder's config.toml); the user's own object is never changed."""
+
+    device: torch.device
+    precision: PrecisionPolicy
+    attention: str
+    checkpointing: Checkpointing
+    config: Config
+
+
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """`train.device` as a device; under torchrun (`local_rank` given), 'auto' and 'cuda' mean
+    this process's GPU, cuda:LOCAL_RANK. The one place a device name becomes a device."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and local_rank is not None:
+        name = f"cuda:{local_rank}"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            "train.device", f"{name!r} is not a device; use auto, cpu, cuda, cuda:N or mps"
+        ) from None
+    _check_available(device, name)
+    return device
+
+
+def _check_available(device: torch.device, name: str) -> None:
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError("train.device", f"unsupported device type {device.type!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device", "CUDA was asked for but no CUDA GPU is visible; use --train.device cpu"
+        )
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and device.index is not None and device.index >= visible:
+        raise ConfigError("train.device", f"{name}: only {visible} CUDA device(s) visible")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            "train.device", "mps was asked for but is not available; use --train.device cpu"
+        )
+
+
+def resolve(
+    cfg: Config, device: torch.device, caps: DeviceCaps | None = None, *, timed: bool = True
+) -> Resolved:
+    """Precision, attention and the loss chunk for `device` (whose capabilities are `caps`: read
+    from the device by default, or from the GPU table when planning for a GPU that is not here).
+    `timed` False (a plan): choices that time kernels take what a run here cached, if any."""
+    caps_given, caps = caps, caps or device_caps(device)
+    policy = resolve_precision(cfg.train.precision, caps)
+    model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
+    if cfg.model.hf and cfg.model.attention == "auto":
+        # the CPU timing compares our plain kernel, not the model's eager one
+        attention = default_attention(cfg.model)
+    else:
+        attention = resolve_attention(
+            model_cfg, device, policy.compute_dtype, cfg.train.micro_batch_size
+        )
+    model_cfg = dataclasses.replace(model_cfg, attention=attention)
+    loss_chunk = resolve_loss_chunk(
+        cfg.memory.loss_chunk,
+        model_cfg,
+        cfg.train.micro_batch_size * cfg.train_seq_len,
+        policy.compute_dtype,
+        device,
+        chunkable=chunkable_loss(model_cfg) if cfg.model.hf else True,
+        timed=timed and caps_given is None,
+    )
+    config = dataclasses.replace(
+        cfg,
+        model=model_cfg,
+        train=dataclasses.replace(cfg.train, precision=policy.name),
+        memory=dataclasses.replace(cfg.memory, loss_chunk=loss_chunk),
+    )
+    return Resolved(
+        device=device,
+        precision=policy,
+        attention=attention,
+        checkpointing=parse_checkpointing(cfg.memory.checkpointing),
+        config=config,
+    )

@@ -1,0 +1,50 @@
+"""What a model offers onegpu's techniques, typed: our GPT and the Hugging Face adapter both
+declare it, so techniques, losses and tools read attributes instead of probing with
+getattr/hasattr.
+
+- `blocks`: the repeated transformer blocks (checkpointing, regional compile, FSDP units)
+- `hidden(idx_BT)`: final-normed hidden states [B, T, D] (the chunked loss applies the head)
+- `lm_head`: the output layer, a Linear (vocabulary or classes)
+- `vocab_size`: rows of the output that are real tokens (targets lie below it)
+- `cfg`: the resolved ModelConfig
+- `is_classifier`: a sequence classifier (targets are labels, one per row)
+- `logit_transform`: the config attribute by which the model changes its logits after the
+  head (soft-capping, scaling), which a chunked loss would skip; None where there is none
+- `init_weights()`: initialise in place (after materialisation); `tie_weights()`: re-tie
+  shared input/output weights after parameters were replaced; `padding_params()`: parameters
+  that only pad the vocabulary
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from onegpu.config import ModelConfig
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    blocks: nn.ModuleList
+    lm_head: nn.Module
+    vocab_size: int
+    cfg: ModelConfig
+    is_classifier: bool
+    logit_transform: str | None
+
+    def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor: ...
+
+    def init_weights(self) -> None: ...
+
+    def tie_weights(self) -> None: ...
+
+    def padding_params(self) -> int:
+        """Parameters that only pad the vocabulary (counted in no model size)."""
+        ...
+
+    # nn.Module's own surface, used alongside
+    def parameters(self, recurse: bool = True): ...
+
+    def __call__(self, idx_BT: torch.Tensor) -> torch.Tensor: ...
