@@ -68,8 +68,8 @@ def test_each_available_sdpa_backend_equals_the_plain_reference(tiny_cfg):
     efficient has no CPU kernel and is refused before anything runs (exit 2 in the CLI)."""
     import pytest
 
-    from onegpu.techniques.attention import check_attention_backend
     from onegpu.config import ConfigError
+    from onegpu.techniques.attention import check_attention_backend
 
     _, plain = _pair(tiny_cfg)
     idx = torch.randint(0, 256, (2, tiny_cfg.model.seq_len))

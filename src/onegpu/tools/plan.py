@@ -101,6 +101,8 @@ def plan_report(
     budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes."""
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
+    if memory_bytes is not None and memory_bytes <= 0:
+        raise ConfigError("--memory", f"must be a positive number of bytes, got {memory_bytes}")
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
     check_distributed(cfg, strategy, world_size)  # what training would refuse, refused here
@@ -133,6 +135,17 @@ def plan_report(
                 cfg, capacity - overhead, target, caps, base_peak=mem["peak"]
             )
     return report
+
+
+def gpu_table() -> str:
+    """`onegpu plan --gpu list`: the GPUs a plan can target, their memory and peaks."""
+    lines = ["name        memory   peak dense TFLOP/s (fp32 / tf32 / bf16 / fp16)"]
+    for g in GPUS.values():
+        peaks = "/".join(
+            f"{g.peak[k] / 1e12:g}" if k in g.peak else "-" for k in ("fp32", "tf32", "bf16", "fp16")
+        )
+        lines.append(f"{g.name:<10} {g.memory_bytes / 2**30:5.0f} GiB   {peaks}")
+    return "\n".join(lines)
 
 
 def _memory_report(cfg: Config, plan: MemoryPlan, mem: dict[str, int]) -> dict[str, Any]:

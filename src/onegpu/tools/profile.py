@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from onegpu.build import Built, build
-from onegpu.config import Config
+from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline
 from onegpu.runs.folder import resolve_out_dir
 from onegpu.train.batches import training_batches
@@ -42,6 +42,10 @@ SYNC_OPS = (
 
 def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     """Run warmup + steps training steps, profile the last `steps`; write the files."""
+    if steps < 1:
+        raise ConfigError("--steps", f"must be at least 1 profiled step, got {steps}")
+    if warmup < 0:
+        raise ConfigError("--warmup", f"must be >= 0, got {warmup}")
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 

@@ -123,6 +123,13 @@ def target_caps(device_type: str, gpu: str | None = None) -> DeviceCaps:
     return device_caps(torch.device(device_type))
 
 
+def launch_line(world_size: int) -> str:
+    """How best.toml is run: `onegpu train`, or under torchrun for several processes."""
+    if world_size == 1:
+        return "onegpu train"
+    return f"torchrun --nproc-per-node {world_size} -m onegpu train"
+
+
 def precisions(caps: DeviceCaps) -> list[str]:
     """The precisions worth trying: what `auto` picks there, and bf16-pure beside bf16."""
     auto = resolve_precision("auto", caps).name

@@ -1,0 +1,131 @@
+"""The `onegpu` command: the subcommands of commands.py on an argparse parser, config options
+from the dataclasses' documentation, one-line errors with exit code 2. No logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+from onegpu.cli.commands import COMMANDS, Command, Env
+from onegpu.config import ConfigError, all_fields, all_keys, load_config, preset_names, type_name
+
+EPILOG = """Every option is --section.field VALUE (booleans: true/false). Precedence:
+--preset < --config FILE < command line. The resolved config is written to the run folder."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other bad input (not a usage dump)."""
+
+    def error(self, message: str):
+        raise ConfigError("command line", f"{message}; see `{self.prog} --help`")
+
+
+def _add_config_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset", help=f"named starting point: {', '.join(preset_names())} (default: small)"
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with [section] tables of options")
+    p.add_argument("--out", metavar="DIR", help="run folder (same as --out.dir)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, name, typ, default, doc in all_fields():
+        g = groups.setdefault(section, p.add_argument_group(f"[{section}]"))
+        shown = type_name(typ)
+        g.add_argument(
+            f"--{section}.{name}",
+            dest=f"{section}.{name}",
+            metavar=shown.upper() if "{" not in shown else shown,
+            default=argparse.SUPPRESS,
+            help=f"{doc} (default: {default!r})".replace("%", "%%"),
+        )
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="onegpu",
+        description="Train transformer language models efficiently on one GPU or a CPU.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for c in COMMANDS:
+        extra = {"epilog": EPILOG + c.epilog,
+                 "formatter_class": argparse.RawDescriptionHelpFormatter} if c.config else {}  # fmt: skip
+        p = sub.add_parser(c.name, help=c.help, allow_abbrev=not c.config, **extra)
+        for flags, kwargs in c.args:
+            p.add_argument(*flags, **kwargs)
+        if c.config:
+            _add_config_options(p)
+        p.set_defaults(command_spec=c)
+    return parser
+
+
+def _overrides(ns: argparse.Namespace, unknown: list[str], c: Command) -> dict[str, str]:
+    """The --section.field values of the command line; an unknown option is refused with the
+    closest known one."""
+    if unknown:
+        bad = unknown[0].split("=")[0]
+        key = bad.lstrip("-")
+        hint = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+        fix = f"did you mean --{hint[0]}?" if hint else "see --help for the options"
+        raise ConfigError(key, f"unknown option {bad}; {fix}")
+    values = {k: v for k, v in vars(ns).items() if "." in k}
+    if ns.out and not c.own_out:
+        values.setdefault("out.dir", ns.out)
+    return values
+
+
+def _env(ns: argparse.Namespace, unknown: list[str], c: Command, rank0: bool) -> Env:
+    if not c.config:
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown option for `onegpu {c.name}`; see --help")
+        return Env(rank0=rank0)
+
+    def load(overrides_only: bool = False):
+        values = _overrides(ns, unknown, c)
+        return values if overrides_only else load_config(ns.preset, ns.config, values)
+
+    return Env(rank0=rank0, load=load)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """onegpu's own warnings as one line, like its errors; others as Python shows them."""
+    if "onegpu" in str(filename):
+        print(f"onegpu: warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 speaks for every process
+    warnings.showwarning = _show_warning
+    if not rank0:
+        warnings.simplefilter("ignore")
+    try:
+        ns, unknown = make_parser().parse_known_args(argv)
+        c: Command = ns.command_spec
+        return c.run(ns, _env(ns, unknown, c, rank0))
+    except ConfigError as e:
+        if rank0:  # under torchrun: one message, not one per process
+            print(f"onegpu: error: {e}", file=sys.stderr)
+        return 2
+
+
+def entry() -> None:
+    """The `onegpu` command: the process-level defaults for the device, then main()."""
+    from onegpu.perf import allocator
+
+    if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile", "tune"):
+        allocator.maybe_reexec_with_fast_allocator(sys.argv[1:])
+        allocator.apply()  # where nothing was preloaded: glibc tuned in this process
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`onegpu plan --gpu list | head`): fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
+
+
+__all__ = ["entry", "main", "make_parser"]
