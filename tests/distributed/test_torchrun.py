@@ -32,6 +32,7 @@ BASE = {
     "train.log_every": 1,
     "train.eval_every": 0,
     "train.device": "cpu",
+    "train.precision": "fp32",  # `auto` is bf16 on CPUs with AVX512-BF16: compare in fp32
     "checkpoint.every": 2,
     "checkpoint.keep_last": 5,
     "out.progress": "false",

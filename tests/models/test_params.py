@@ -35,3 +35,21 @@ def test_meta_build_then_init_keeps_tying_and_gpt2_init(tiny_cfg):
     assert fc == pytest.approx(std, rel=0.1)
     assert proj == pytest.approx(std / (2 * 8) ** 0.5, rel=0.1)  # scaled residual projection
     assert torch.all(model.blocks[0].attn.qkv.bias == 0)
+
+
+def test_both_model_kinds_declare_the_model_protocol(tmp_path):
+    """What techniques read of a model is declared, not probed: GPT and the HF adapter both."""
+    from conftest import make_hf_config
+
+    from onegpu.build import build
+    from onegpu.models.protocol import LanguageModel
+
+    gpt = build(load_config("tiny", overrides={"train.device": "cpu"}), with_data=False).model
+    assert isinstance(gpt, LanguageModel)
+    assert (gpt.is_classifier, gpt.logit_transform) == (False, None)
+    folder = tmp_path / "llama"
+    make_hf_config("llama").save_pretrained(folder)
+    cfg = load_config("tiny", overrides={"train.device": "cpu", "model.hf": str(folder)})
+    hf = build(cfg, torch.device("cpu"), with_data=False).model
+    assert isinstance(hf, LanguageModel)
+    assert hf.vocab_size == hf.padded_vocab == hf.lm_head.out_features

@@ -121,24 +121,12 @@ def build(
         resolved = dataclasses.replace(resolved, config=cfg)
         model = applied.model
         on_host = cfg.dist.cpu_offload and ctx.enabled  # FSDP's shards live on the host
-        optimizer = build_optimizer(
-            model,
-            cfg.optim,
-            torch.device("cpu") if on_host else device,
-            param_dtype=resolved.precision.param_dtype,
-        )
-    step = TrainStep(
-        model=model,
-        loss_fn=applied.loss_fn,
-        optimizer=optimizer,
-        policy=resolved.precision,
-        device=device,
-        optim=cfg.optim,
-        max_steps=cfg.train.max_steps,
-        n_micro=cfg.grad_accum_steps // ctx.world_size,
-        dist=ctx,
-        no_sync=applied.no_sync,
-    )
+        optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if on_host else device,
+                                    param_dtype=resolved.precision.param_dtype)  # fmt: skip
+    step = TrainStep(model=model, loss_fn=applied.loss_fn, optimizer=optimizer,
+                     policy=resolved.precision, device=device, optim=cfg.optim,
+                     max_steps=cfg.train.max_steps, n_micro=cfg.grad_accum_steps // ctx.world_size,
+                     dist=ctx, no_sync=applied.no_sync)  # fmt: skip
     return Built(
         cfg=resolved.config,
         resolved=resolved,

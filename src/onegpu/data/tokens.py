@@ -186,6 +186,39 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _write_token_cache(folder: Path, corpus, tok: Tokenizer, dtype) -> None:
+    """Tokenize both splits into `folder` unless a complete cache is there: written under a
+    temporary name and renamed into place, so a killed run leaves no half-made cache."""
+    _remove_stale_tmp(folder)
+    if folder.exists() and not _complete(folder, dtype):
+        print(f"onegpu: the token cache {folder} is incomplete or corrupt; tokenizing again")
+        shutil.rmtree(folder, ignore_errors=True)
+    if not (folder / "meta.json").exists():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            counts = {
+                s: _tokenize_split(corpus, s, tok, tmp / f"{s}.bin", dtype)
+                for s in ("train", "val")
+            }
+        except BaseException:  # failed or interrupted: leave no half-made folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        meta = {
+            "source": str(corpus.path),
+            "kind": corpus.kind,
+            "tokenizer": tok.name,
+            "dtype": dtype.name,
+            **counts,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first: use its files
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def prepare_tokens(
     data: DataConfig, model_vocab: int, tokenizer: Tokenizer | None = None
 ) -> TokenSplits:
@@ -217,34 +250,7 @@ def prepare_tokens(
         / "tokens"
         / f"{corpus.key}-v{corpus.val_fraction}-{tok.name}-f{FORMAT_VERSION}"
     )
-    _remove_stale_tmp(folder)
-    if folder.exists() and not _complete(folder, dtype):
-        print(f"onegpu: the token cache {folder} is incomplete or corrupt; tokenizing again")
-        shutil.rmtree(folder, ignore_errors=True)
-    if not (folder / "meta.json").exists():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            counts = {
-                s: _tokenize_split(corpus, s, tok, tmp / f"{s}.bin", dtype)
-                for s in ("train", "val")
-            }
-        except BaseException:  # failed or interrupted: leave no half-made folder behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        meta = {
-            "source": str(corpus.path),
-            "kind": corpus.kind,
-            "tokenizer": tok.name,
-            "dtype": dtype.name,
-            **counts,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished first: use its files
-            shutil.rmtree(tmp, ignore_errors=True)
+    _write_token_cache(folder, corpus, tok, dtype)
     train = read_bin(folder / "train.bin", dtype)
     val = read_bin(folder / "val.bin", dtype)
     return TokenSplits(train, val, tok, f"{corpus.kind}:{corpus.path} ({tok.name})")

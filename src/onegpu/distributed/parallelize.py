@@ -73,8 +73,7 @@ def apply_fsdp(
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    if hasattr(model, "hidden"):
-        register_fsdp_forward_method(model, "hidden")
+    register_fsdp_forward_method(model, "hidden")
     return model
 
 

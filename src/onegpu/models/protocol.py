@@ -5,7 +5,8 @@ getattr/hasattr.
 - `blocks`: the repeated transformer blocks (checkpointing, regional compile, FSDP units)
 - `hidden(idx_BT)`: final-normed hidden states [B, T, D] (the chunked loss applies the head)
 - `lm_head`: the output layer, a Linear (vocabulary or classes)
-- `vocab_size`: rows of the output that are real tokens (targets lie below it)
+- `vocab_size`: rows of the output that are real tokens (targets lie below it);
+  `padded_vocab`: its rows with the padding for matrix units
 - `cfg`: the resolved ModelConfig
 - `is_classifier`: a sequence classifier (targets are labels, one per row)
 - `logit_transform`: the config attribute by which the model changes its logits after the
@@ -30,6 +31,7 @@ class LanguageModel(Protocol):
     blocks: nn.ModuleList
     lm_head: nn.Module
     vocab_size: int
+    padded_vocab: int
     cfg: ModelConfig
     is_classifier: bool
     logit_transform: str | None

@@ -29,6 +29,6 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward); the output layer's vocabulary padding is
     work, not model FLOPs, and is left out (MFU counts useful work)."""
     cfg = model.cfg
-    padding = (getattr(model, "padded_vocab", cfg.vocab_size) - cfg.vocab_size) * cfg.d_model
+    padding = (model.padded_vocab - model.vocab_size) * cfg.d_model
     useful = matmul_params(model) - padding
     return 6 * useful + attention_flops_per_token(cfg.n_layer, seq_len, cfg.d_model)

@@ -1,5 +1,5 @@
 """The one place onegpu changes transformers' behaviour: a workaround, applied only around our
-own forward calls (never process-wide), checked against transformers 4.56 - 5.x.
+own forward calls (never process-wide), checked against transformers 4.56 to 5.23.
 
 `transformers.masking_utils.find_packed_sequence_indices` looks at the position ids of every
 forward to detect packed sequences (positions restarting inside a row). onegpu's rows are never
@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 PATCHED = "transformers.masking_utils.find_packed_sequence_indices"
-CHECKED_WITH = ("4.56", "5.x")
+CHECKED_WITH = ("4.56", "5.23")
 """The transformers versions this workaround was checked against."""
 
 
