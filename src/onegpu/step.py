@@ -28,9 +28,9 @@ from onegpu.batches import count_targets
 from onegpu.config import OptimConfig
 from onegpu.distributed import DistContext, single_process
 from onegpu.distributed.parallelize import full_tensor
+from onegpu.models.protocol import LossFn
 from onegpu.optim import lr_at, set_lr
 from onegpu.optim.in_backward import OptimizerInBackward
-from onegpu.techniques.loss import LossFn
 from onegpu.techniques.precision import PrecisionPolicy
 
 

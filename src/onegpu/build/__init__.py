@@ -28,7 +28,7 @@ from onegpu.data.tokens import TokenSplits
 from onegpu.distributed import DistContext, single_process
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import count_params
-from onegpu.models.protocol import LanguageModel
+from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.optim import build_optimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
@@ -36,7 +36,6 @@ from onegpu.step import TrainStep
 from onegpu.techniques.attention import check_attention_backend
 from onegpu.techniques.checkpointing import selective_cache_tensors
 from onegpu.techniques.compile import CompileTrial
-from onegpu.techniques.loss import LossFn
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, apply_precision
 
 # Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the

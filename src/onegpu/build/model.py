@@ -23,12 +23,12 @@ from onegpu.distributed.parallelize import (
 )
 from onegpu.models.gpt import GPT
 from onegpu.models.hf import build_hf_model
-from onegpu.models.protocol import LanguageModel
+from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.techniques import compile as compile_
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum
-from onegpu.techniques.loss import LossFn, classification_loss_sum, token_loss_sum
+from onegpu.techniques.loss import classification_loss_sum, token_loss_sum
 from onegpu.techniques.offload import with_offload
 
 

@@ -27,8 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from onegpu.distributed.context import DistContext
-
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+from onegpu.models.protocol import LossFn
 
 
 def fsdp_mixed_precision(autocast_dtype: torch.dtype | None, param_dtype: torch.dtype):

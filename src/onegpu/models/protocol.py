@@ -18,12 +18,16 @@ getattr/hasattr.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from onegpu.config import ModelConfig
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A loss over a model: loss_fn(model, idx_BT, targets_BT) -> the summed loss (a scalar)."""
 
 
 @runtime_checkable

@@ -23,8 +23,8 @@ from onegpu.batches import IGNORE_INDEX
 from onegpu.cache import cached, peek
 from onegpu.config import ModelConfig
 from onegpu.models.gpt import padded_vocab
+from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
-from onegpu.techniques.loss import LossFn
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

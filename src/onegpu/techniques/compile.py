@@ -1,4 +1,4 @@
-"""torch.compile, whole or regional, applied after every module change (build.py's order).
+"""torch.compile, whole or regional, applied after every module change (build/model.py's order).
 
 - 'default' / 'max-autotune': the loss function (forward, output layer and cross-entropy) is
   compiled as one graph, so inductor can fuse the loss with the logits it consumes.
@@ -26,8 +26,8 @@ from torch import nn
 
 from onegpu.cache import cached
 from onegpu.config import Config, to_dict
+from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
-from onegpu.techniques.loss import LossFn
 
 
 def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str) -> LossFn:

@@ -8,15 +8,11 @@ transformers PR #34191). Logits are upcast to fp32 for the softmax.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from onegpu.batches import IGNORE_INDEX
-
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def token_loss_sum(

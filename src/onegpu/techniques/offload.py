@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from onegpu.techniques.loss import LossFn
+from onegpu.models.protocol import LossFn
 
 
 def with_offload(loss_fn: LossFn, device: torch.device) -> LossFn:

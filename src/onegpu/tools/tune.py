@@ -141,9 +141,10 @@ def budget(gpu: str | None, memory: int | None) -> tuple[int, str]:
     CUDA overhead), `memory` bytes, or the GPU here; on a CPU `memory` is required."""
     import torch
 
+    from onegpu.build import resolve_device
     from onegpu.perf.devices import GPUS
 
-    target = "cuda" if torch.cuda.is_available() else "cpu"
+    target = "cuda" if resolve_device("auto").type == "cuda" else "cpu"
     if gpu is not None:
         if gpu not in GPUS:
             raise ConfigError(

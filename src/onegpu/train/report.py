@@ -120,6 +120,7 @@ def summarize(
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         **torch_environment(),
         "config": to_dict(cfg),
+        **({"dist": distributed_summary(built)} if built.dist.enabled else {}),
     }
 
 def distributed_summary(built: Built) -> dict[str, Any]:
