@@ -30,6 +30,7 @@ from onegpu.distributed import DistContext, single_process
 from onegpu.distributed.parallelize import full_tensor
 from onegpu.models.protocol import LossFn
 from onegpu.optim import lr_at, set_lr
+from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.techniques.precision import PrecisionPolicy
 
@@ -66,7 +67,7 @@ class TrainStep:
         *,
         model: nn.Module,
         loss_fn: LossFn,
-        optimizer: torch.optim.Optimizer | OptimizerInBackward,
+        optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer,
         policy: PrecisionPolicy,
         device: torch.device,
         optim: OptimConfig,
@@ -88,6 +89,13 @@ class TrainStep:
             self._collect_in_backward_norm
             if isinstance(optimizer, OptimizerInBackward)
             else self._clip_and_step
+        )
+        # Where the batch's gradients are: on the parameters, or in the host optimizer's
+        # buffers (memory.offload_optimizer), in the model's parameter order either way.
+        self._gradients = (
+            optimizer.gradients
+            if isinstance(optimizer, HostOffloadOptimizer)
+            else lambda: [p for p in self.model.parameters() if p.grad is not None]
         )
 
     def __call__(
@@ -126,8 +134,8 @@ class TrainStep:
         return total
 
     def _clip_and_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        params = self._gradients()
         self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.optim.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip, foreach=True)
         else:

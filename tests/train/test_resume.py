@@ -75,10 +75,12 @@ GRID = {
     "block-chunked": {"memory.checkpointing": "block", "memory.loss_chunk": "96"},
     "every:2-offload": {"memory.checkpointing": "every:2", "memory.offload_activations": "true"},
     "gelu-2bit": {"memory.gelu_bits": "2"},
+    "offload-optimizer": {"memory.offload_optimizer": "true", "train.micro_batch_size": "2",
+                          "optim.grad_clip": "0.5"},
 }  # fmt: skip
 
 
-FAST = {"fp32"}  # the rest of the grid runs in the slow suite (CI runs both)
+FAST = {"fp32", "offload-optimizer"}  # the rest of the grid runs in the slow suite (CI runs both)
 
 
 @pytest.mark.parametrize(
@@ -238,3 +240,16 @@ def test_non_finite_weights_are_never_saved(tmp_path):
         saver.final_weights()
     assert not (tmp_path / "run" / "model.safetensors").exists()
     run.close()
+
+
+def test_a_run_resumes_with_the_optimizer_moved_to_or_from_the_host(tmp_path, monkeypatch):
+    """memory.offload_optimizer may change on resume: the states have one layout."""
+    over = {"train.precision": "fp32", "train.micro_batch_size": "2"}
+    train(_cfg(tmp_path / "straight", **over))
+    for first, then in (("true", "false"), ("false", "true")):
+        out = tmp_path / f"from-{first}"
+        _stop_after(monkeypatch, 3)
+        train(_cfg(out, **over, **{"memory.offload_optimizer": first}))
+        monkeypatch.undo()
+        train(_cfg(out, **over, **{"memory.offload_optimizer": then, "train.resume": "auto"}))
+        assert _losses(out) == _losses(tmp_path / "straight")

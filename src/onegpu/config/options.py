@@ -166,6 +166,10 @@ class MemoryConfig:
     matmul outputs, recompute element-wise ops). Gradients are unchanged, dropout included."""
     offload_activations: bool = False
     """Keep saved activations (including checkpoints) in host memory until backward needs them."""
+    offload_optimizer: bool = False
+    """Optimizer states and the weights it updates in host memory (ZeRO-Offload on one device):
+    gradients leave the device as backward produces them, the step runs on the CPU, the updated
+    weights are copied back. Any optimizer (8-bit AdamW then keeps 8-bit states on the host)."""
     loss_chunk: int | Literal["auto"] = "auto"
     """Compute output layer + cross-entropy in chunks of this many tokens so the full
     [tokens, vocab] logits never exist (0: off; same loss and gradients). 'auto': on where the

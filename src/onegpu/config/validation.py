@@ -165,6 +165,12 @@ def _validate_combinations(cfg: Config) -> None:
             "optim.in_backward cannot wait for; use bf16, bf16-pure or fp32",
         )
     _require(
+        not (cfg.memory.offload_optimizer and o.in_backward),
+        "memory.offload_optimizer",
+        "steps on the host after backward, optim.in_backward inside it on the device; "
+        "choose one (offload frees gradients as they are produced too)",
+    )
+    _require(
         not (cfg.memory.checkpointing == "selective" and t.compile == "regional"),
         "memory.checkpointing",
         "selective checkpointing inside per-block compile is not traced by torch.compile "
@@ -232,6 +238,11 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
     )
     if strategy == "none":
         return
+    _require(
+        not cfg.memory.offload_optimizer,
+        "memory.offload_optimizer",
+        "is for one process; under torchrun use dist.cpu_offload (FSDP2's shards on the host)",
+    )
     _require(
         t.compile not in ("default", "max-autotune"),
         "train.compile",

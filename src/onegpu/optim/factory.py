@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from onegpu.config import ConfigError, OptimConfig
+from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
 
@@ -64,10 +65,16 @@ def build_optimizer(
     device: torch.device,
     *,
     param_dtype: torch.dtype = torch.float32,
-) -> torch.optim.Optimizer | OptimizerInBackward:
+    offload: bool = False,
+) -> torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer:
     """The configured optimizer for weights stored in `param_dtype` (the precision policy's);
-    stepped inside backward, per parameter, if optim.in_backward."""
+    stepped inside backward, per parameter, if optim.in_backward; on host copies of the
+    weights, stepped on the CPU, if `offload` (memory.offload_optimizer)."""
     groups = param_groups(model, cfg.weight_decay)
+    if offload:
+        cpu = torch.device("cpu")
+        make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731
+        return HostOffloadOptimizer(groups, make, device, list(model.parameters()))
     if cfg.in_backward:
         return OptimizerInBackward(groups, lambda gs: _make(gs, cfg, device, param_dtype))
     return _make(groups, cfg, device, param_dtype)

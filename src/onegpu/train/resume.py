@@ -38,6 +38,7 @@ MAY_CHANGE = {
     "train.device",
     "data.num_workers",
     "data.cache_dir",
+    "memory.offload_optimizer",  # where the states live, not what they are
 }
 MAY_CHANGE_SECTIONS = {"out", "checkpoint", "dist"}
 
