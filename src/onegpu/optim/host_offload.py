@@ -150,6 +150,14 @@ class HostOffloadOptimizer:
         for p in self._host:
             p.grad = None
 
+    def host_bytes(self, *, staging: bool) -> int:
+        """Host memory besides the optimizer's states: the weight copies and the gradient
+        buffers (and, with an accelerator, the pinned staging buffers of the gradients)."""
+        copies = sum(2 * h.numel() * h.element_size() for h in self._host.values())
+        if not staging:
+            return copies
+        return copies + sum(p.numel() * p.element_size() for p in self._host)
+
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 

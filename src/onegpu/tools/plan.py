@@ -30,9 +30,12 @@ EFFICIENCY = 0.4  # assumed fraction of peak FLOP/s a training step reaches (a p
 # Candidate changes, cheapest first (by their usual cost in speed), for "what would fit".
 FIXES: list[tuple[str, dict[str, str]]] = [
     ("chunked loss", {"memory.loss_chunk": "1024"}),
+    # free where it applies (no accumulation, no clipping): refused, so skipped, elsewhere
+    ("optimizer step in backward, no clipping", {"optim.in_backward": "true", "optim.grad_clip": "0"}),
     ("8-bit AdamW", {"optim.name": "adamw8bit"}),
     ("selective checkpointing", {"memory.checkpointing": "selective"}),
     ("bf16-pure weights", {"train.precision": "bf16-pure"}),
+    ("optimizer in host memory", {"memory.offload_optimizer": "true", "optim.in_backward": "false"}),
     ("block checkpointing", {"memory.checkpointing": "block"}),
     ("half the micro-batch (accumulate)", {"train.micro_batch_size": "/2"}),
 ]
@@ -290,7 +293,7 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         label = "gathered for compute (FSDP all-gather)" if g == "gathered" else g
         lines.append(f"  {label:<38} {mem[g] / mib:9,.1f}   {per}")
     if mem.get("host"):
-        lines.append(f"  {'in host memory (cpu_offload)':<38} {mem['host'] / mib:9,.1f}")
+        lines.append(f"  {'in host memory (offloaded)':<38} {mem['host'] / mib:9,.1f}")
     return lines + [
         f"  {'peak (predicted)':<38} {mem['peak'] / mib:9,.1f}   {mem['peak'] / n:8.2f}",
         f"  the peak comes in {r['peak_at']}",

@@ -28,6 +28,7 @@ from onegpu.config import Config
 from onegpu.distributed.plan import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import LiveTensorBytes, storage_id
+from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
 from onegpu.techniques.precision import DeviceCaps, device_caps
 
@@ -188,6 +189,19 @@ class _FollowedStep:
     saved_bytes: int
 
 
+def _first_grad_hook(p: torch.Tensor, fn):
+    """register_post_accumulate_grad_hook, but run before the hooks already there: the
+    optimizer in backward and the host-offloaded optimizer free the gradient in theirs. (torch
+    calls them in the insertion order of the tensor's plain hook dict.)"""
+    handle = p.register_post_accumulate_grad_hook(fn)
+    hooks = p._post_accumulate_grad_hooks
+    earlier = [(k, v) for k, v in hooks.items() if k != handle.id]
+    hooks.clear()
+    hooks[handle.id] = fn
+    hooks.update(earlier)
+    return handle
+
+
 def _follow_step(built: Built, target: str, x: torch.Tensor, y: torch.Tensor) -> _FollowedStep:
     """Run the built step (a steady one: optimizer states already exist) op by op, labelling
     every storage it makes: saved for backward, gradient, or other."""
@@ -211,7 +225,7 @@ def _follow_step(built: Built, target: str, x: torch.Tensor, y: torch.Tensor) ->
 
     params = list({id(p): p for p in model.parameters()}.values())
     tracker.param_storages = {storage_id(p) for p in params}
-    hooks = [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
+    hooks = [_first_grad_hook(p, grad_ready) for p in params]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
             built.step(x, y, y.numel(), 1)
@@ -246,7 +260,7 @@ def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None
             y = classification_targets(x, built.classes)
         built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first real step does
         followed = _follow_step(built, target, x, y)
-    plan = _label(built, cfg.optim.name, followed, n_micro)
+    plan = _label(built, cfg.optim.name, followed, n_micro, target)
     plan.seconds = time.perf_counter() - t0
     return plan
 
@@ -266,7 +280,9 @@ def _block_of(module: str, prefixes: dict[str, str]) -> str:
     return "loss" if not head else "embeddings/head" if head == "hf" else head
 
 
-def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) -> MemoryPlan:
+def _label(
+    built: Built, optimizer: str, followed: _FollowedStep, n_micro: int, target: str
+) -> MemoryPlan:
     """The breakdown at the peak under the measured names, and the saved bytes by kind/block."""
     params = list({id(p): p for p in built.model.parameters()}.values())
     state_bytes = (
@@ -290,6 +306,10 @@ def _label(built: Built, optimizer: str, followed: _FollowedStep, n_micro: int) 
         "other": at_peak["other"],
     }
     memory["peak"] = sum(memory.values())
+    if isinstance(built.optimizer, HostOffloadOptimizer):  # states, copies, buffers: on the host
+        memory["peak"] -= memory["optimizer"]
+        memory["host"] = memory["optimizer"] + built.optimizer.host_bytes(staging=target == "cuda")
+        memory["optimizer"] = 0
     by_kind: dict[str, int] = defaultdict(int)
     by_block: dict[str, int] = defaultdict(int)
     prefixes = _block_prefixes(built.model)
