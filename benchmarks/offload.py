@@ -1,0 +1,99 @@
+"""What offloading costs per step: the same run with and without each offload tier.
+
+On a CPU the "device" and the host are the same memory, so nothing is saved there: what this
+measures is the machinery's overhead (gradient hooks, host accumulation, the copies back), the
+floor of what offloading costs on a GPU, where the copies cross the host link instead. Each row
+is `onegpu train` in a fresh process (`onegpu bench`'s row runner: median steady step), rounds
+interleaved; ratios against the row without offload of the same round set.
+
+Usage: python benchmarks/offload.py [--preset small] [--rounds 3] [--steps 12] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from onegpu.tools.bench import run_row
+
+ROWS = {
+    "on device": {},
+    "optimizer in host memory": {"memory.offload_optimizer": "true"},
+    "optimizer in host memory, accumulation x4": {"memory.offload_optimizer": "true",
+                                                  "train.micro_batch_size": "/4"},
+    "on device, accumulation x4": {"train.micro_batch_size": "/4"},
+}  # fmt: skip
+
+
+def _isa() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "AVX512-BF16" if "avx512_bf16" in flags else "AVX2 (no native bf16)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args()
+    from onegpu.config import load_config
+
+    batch = load_config(a.preset).train.batch_size
+    base = {"train.device": "cpu", "memory.loss_chunk": "0", "train.compile": "none",
+            "train.micro_batch_size": str(batch)}  # fmt: skip
+    results: dict[str, list[dict]] = {name: [] for name in ROWS}
+    with tempfile.TemporaryDirectory() as work:
+        for r in range(a.rounds):
+            names = list(ROWS) if r % 2 == 0 else list(reversed(ROWS))
+            for name in names:
+                over = {**base, **ROWS[name]}
+                if over["train.micro_batch_size"].startswith("/"):
+                    over["train.micro_batch_size"] = str(batch // int(over["train.micro_batch_size"][1:]))
+                res = run_row(a.preset, None, over, a.steps, Path(work))
+                results[name].append(res)
+                print(f"round {r + 1} {name}: {res['tokens_per_s']:,.0f} tokens/s, "
+                      f"peak RSS {res['peak_rss_bytes'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
+    rows = []
+    for name, runs in results.items():
+        tok = statistics.median(x["tokens_per_s"] for x in runs)
+        rss = statistics.median(x["peak_rss_bytes"] for x in runs)
+        rows.append({"row": name, "tokens_per_s": tok, "peak_rss_bytes": rss,
+                     "rounds": [x["tokens_per_s"] for x in runs], "precision": runs[0]["precision"]})  # fmt: skip
+    ref = {r["row"]: r["tokens_per_s"] for r in rows}
+    for r in rows:
+        plain = "on device, accumulation x4" if "x4" in r["row"] else "on device"
+        r["vs_on_device"] = r["tokens_per_s"] / ref[plain]
+    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    command = f"python benchmarks/offload.py --preset {a.preset} --rounds {a.rounds} --steps {a.steps}"
+    lines = [
+        f"# Offload overhead on this CPU ({a.preset}, {rows[0]['precision']})",
+        "",
+        f"`{command}`: {cpu}, {_isa()}, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}, {platform.platform()}. Fresh process per row, {a.rounds} "
+        "interleaved rounds, median steady step. On a CPU nothing is saved (one memory): "
+        "the ratio is the machinery's overhead.",
+        "",
+        "| configuration | tokens/s | x on device | peak RSS |",
+        "|---|---|---|---|",
+        *(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['vs_on_device']:.3f} | "
+          f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB |" for r in rows),
+        "",
+    ]  # fmt: skip
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"offload-{a.preset}.md").write_text("\n".join(lines))
+    (out / f"offload-{a.preset}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
