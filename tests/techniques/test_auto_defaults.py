@@ -186,3 +186,10 @@ def test_info_counts_the_cached_choices():
     stored = json.loads((cache_root() / "compile.json").read_text())
     assert cached_choices()["compile"] == len(stored)
     assert f"compile {len(stored)}" in format_info(device_info(measure=False))
+
+
+def test_compile_auto_never_times_what_dynamo_cannot_trace():
+    """Selective checkpointing's policy context does not trace under torch.compile here: `auto`
+    keeps such a run eager instead of failing in the timing (it used to, in plan_accuracy)."""
+    long = _cfg(**{"train.max_steps": 1000, "memory.checkpointing": "selective"})
+    assert compile.auto_candidate(long, CPU, distributed=False) == "none"

@@ -166,6 +166,11 @@ class MemoryConfig:
     matmul outputs, recompute element-wise ops). Gradients are unchanged, dropout included."""
     offload_activations: bool = False
     """Keep saved activations (including checkpoints) in host memory until backward needs them."""
+    offload_params: bool = False
+    """Weights (and with them gradients and optimizer states) in host memory, each block
+    gathered to the device for its forward and backward: FSDP2's CPUOffloadPolicy over a
+    process group of one, no torchrun needed (under torchrun: dist.cpu_offload). Checkpoints
+    are then DCP folders; the restrictions of [dist] apply (docs/offload.md)."""
     offload_optimizer: bool = False
     """Optimizer states and the weights it updates in host memory (ZeRO-Offload on one device):
     gradients leave the device as backward produces them, the step runs on the CPU, the updated

@@ -3,6 +3,7 @@ technique combinations that cannot work; each raises ConfigError naming the fiel
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -165,6 +166,12 @@ def _validate_combinations(cfg: Config) -> None:
             "optim.in_backward cannot wait for; use bf16, bf16-pure or fp32",
         )
     _require(
+        not (cfg.memory.offload_params and cfg.dist.strategy in ("none", "ddp")),
+        "memory.offload_params",
+        f"streams FSDP2's host-resident shards, which dist.strategy {cfg.dist.strategy} does "
+        "not have; use --dist.strategy auto (or fsdp)",
+    )
+    _require(
         not (cfg.memory.offload_optimizer and o.in_backward),
         "memory.offload_optimizer",
         "steps on the host after backward, optim.in_backward inside it on the device; "
@@ -206,6 +213,18 @@ def _validate_memory(cfg: Config) -> None:
 # Optimizers whose step and sharded checkpoints are tested under torchrun (FSDP2's DTensors,
 # DDP, Distributed Checkpoint); torchao's 8-bit states and Adafactor's factored ones are not yet.
 DIST_OPTIMIZERS = ("adamw", "sgd")
+
+
+def with_offload_params(cfg: Config) -> Config:
+    """memory.offload_params as what runs it: FSDP2 with its shards on the host (one process,
+    or each process of a torchrun job), whose optimizer then steps on the host too."""
+    if not cfg.memory.offload_params:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        dist=dataclasses.replace(cfg.dist, strategy="fsdp", cpu_offload=True),
+        memory=dataclasses.replace(cfg.memory, offload_optimizer=False),
+    )
 
 
 def resolve_strategy(dist: DistConfig, world_size: int, field: str = "dist.strategy") -> str:

@@ -114,13 +114,16 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(cfg: DistConfig, device_type: str) -> DistContext:
-    """Open the process group torchrun describes (once per process; later calls reuse it)."""
+def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) -> DistContext:
+    """Open the process group torchrun describes (once per process; later calls reuse it).
+    `alone`: outside torchrun, a process group of this one process (weights offloaded through
+    FSDP2 need no launcher)."""
     world_size = world_size_from_env()
     strategy = resolve_strategy(cfg, world_size)
     if strategy == "none":
         return single_process()
-    if "MASTER_ADDR" not in os.environ and not dist.is_initialized():
+    outside = "MASTER_ADDR" not in os.environ and not dist.is_initialized()
+    if outside and not alone:
         raise ConfigError(
             "dist.strategy",
             f"{strategy} needs the processes torchrun starts: launch with "
@@ -134,7 +137,9 @@ def init_distributed(cfg: DistConfig, device_type: str) -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
+    if outside:  # one process, its store in memory: no address, no port
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif not dist.is_initialized():
         dist.init_process_group(backend=backend)
     control = dist.new_group(backend="gloo") if backend != "gloo" else None
     # An asynchronous checkpoint's thread runs DCP's collectives while the loop runs its own:

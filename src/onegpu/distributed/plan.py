@@ -70,9 +70,11 @@ def per_rank_memory(
     largest = max(block_numels, default=0)
     blocks_gathered = sum(block_numels) if not reshard_after_forward else 2 * largest
     gathered = (root + blocks_gathered) * gather_bytes + largest * reduce_bytes
-    if world_size == 1:
+    if world_size == 1 and not cpu_offload:
         gathered = 0  # one process: FSDP's "shards" are the whole parameters, nothing gathered
-    host = sum(sharded.values()) if cpu_offload else 0
+    # on the host, every shard's gradient exists by the end of backward, whenever the
+    # device's peak comes: as many bytes as the shards of the weights
+    host = 2 * sharded["params"] + sharded["optimizer"] if cpu_offload else 0
     device_states = {g: 0 for g in sharded} if cpu_offload else sharded
     out = {
         **device_states,

@@ -123,9 +123,12 @@ def choose_compile(
 
 def auto_candidate(cfg: Config, device: torch.device, distributed: bool) -> str:
     """`train.compile` as set, or for 'auto' the mode to time against eager: 'default' on a
-    single-process CPU or CUDA run of at least MIN_STEPS steps, else 'none' (nothing to time)."""
+    single-process CPU or CUDA run of at least MIN_STEPS steps without selective checkpointing,
+    else 'none' (nothing to time)."""
     if cfg.train.compile != "auto":
         return cfg.train.compile
+    if cfg.memory.checkpointing == "selective":
+        return "none"  # dynamo cannot trace its policy context here: nothing to time
     worth = cfg.train.max_steps >= MIN_STEPS and device.type in ("cpu", "cuda")
     return "default" if worth and not distributed else "none"
 

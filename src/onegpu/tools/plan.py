@@ -12,9 +12,11 @@ import torch
 from onegpu.config import (
     Config,
     ConfigError,
+    DistConfig,
     check_batch_split,
     check_distributed,
     resolve_strategy,
+    with_offload_params,
     with_overrides,
 )
 from onegpu.distributed.plan import per_rank_memory
@@ -69,11 +71,15 @@ GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def process_share(cfg: Config, world_size: int) -> Config:
-    """The config one of `world_size` processes runs: its share of the global batch."""
+    """The config one of `world_size` processes runs, as one process: its share of the global
+    batch."""
     check_batch_split(cfg, world_size)
     t = cfg.train
+    # planned as one process: rank_memory adds what sharding and dist.cpu_offload change
     return dataclasses.replace(
-        cfg, train=dataclasses.replace(t, batch_size=t.batch_size // world_size)
+        cfg,
+        train=dataclasses.replace(t, batch_size=t.batch_size // world_size),
+        dist=DistConfig(),
     )
 
 
@@ -107,6 +113,7 @@ def plan_report(
     if memory_bytes is not None and memory_bytes <= 0:
         raise ConfigError("--memory", f"must be a positive number of bytes, got {memory_bytes}")
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
+    cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
     check_distributed(cfg, strategy, world_size)  # what training would refuse, refused here
     plan = plan_memory(process_share(cfg, world_size), target, caps)

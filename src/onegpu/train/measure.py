@@ -7,6 +7,7 @@ checks (tests, benchmarks/plan_accuracy.py).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -53,7 +54,9 @@ def measure_step(
 
 
 def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any]]:
-    """Two steps on random tokens (the first creates optimizer states), the second measured."""
+    """Two steps on random tokens (the first creates optimizer states), the second measured.
+    Eager, as the planner follows it (compile changes kernels, and `auto` would time it)."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile="none"))
     built = build(cfg, with_data=False)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train_seq_len + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]

@@ -39,6 +39,7 @@ MAY_CHANGE = {
     "data.num_workers",
     "data.cache_dir",
     "memory.offload_optimizer",  # where the states live, not what they are
+    "memory.offload_params",
 }
 MAY_CHANGE_SECTIONS = {"out", "checkpoint", "dist"}
 

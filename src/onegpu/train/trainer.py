@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from onegpu.batches import DevicePrefetcher
 from onegpu.build import Built, build, resolve_device
-from onegpu.config import Config
+from onegpu.config import Config, with_offload_params
 from onegpu.distributed import DistContext, init_distributed
 from onegpu.distributed.context import shutdown
 from onegpu.memory.measure import reset_peak
@@ -39,7 +39,9 @@ __all__ = ["TrainingOutOfMemory", "train"]
 def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary also written to summary.json."""
     allocator.apply()  # library users get the tuned glibc malloc too (perf/allocator.py)
-    ctx = init_distributed(cfg.dist, resolve_device(cfg.train.device).type)
+    cfg = with_offload_params(cfg)  # weights on the host: FSDP2's CPU offload, one process
+    device_type = resolve_device(cfg.train.device).type
+    ctx = init_distributed(cfg.dist, device_type, alone=cfg.memory.offload_params)
     try:
         return _train(cfg, ctx)
     finally:
