@@ -177,3 +177,21 @@ def test_every_fix_the_planner_offers_trains(name, change):
     for i in range(2):
         out = built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), i)
     assert torch.isfinite(out.loss) and not bool(out.skipped)
+
+
+def test_offloaded_plans_count_the_link_and_the_cpu_step():
+    """The predicted step of an offloaded run: compute beside the host-link copies (every
+    micro-batch's gradients out, the weights back once), then the CPU's optimizer step."""
+    from onegpu.perf.devices import GPUS
+    from onegpu.tools.offload_time import LINK_EFFICIENCY
+    from onegpu.tools.plan import plan_report
+
+    cfg = _cfg(**{"train.precision": "bf16", "memory.offload_optimizer": "true"})
+    r = plan_report(cfg, "RTX4090", None)
+    o, stored = r["offload"], r["memory"]["params"]
+    assert o["link_bytes"] == (cfg.grad_accum_steps + 1) * stored
+    assert o["link_s"] == pytest.approx(o["link_bytes"] / (GPUS["RTX4090"].host_link * LINK_EFFICIENCY))
+    assert o["host_step_s"] > 0 and "measured adamw" in o["host_step_source"]
+    want = max(r["predicted_compute_s"], o["link_s"]) + o["host_step_s"]
+    assert r["predicted_step_time_s"] == pytest.approx(want)
+    assert "offload" not in plan_report(_cfg(), "RTX4090", None)  # nothing offloaded

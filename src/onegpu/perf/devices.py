@@ -31,23 +31,29 @@ class GPUSpec:
     memory_bytes: int
     peak: dict[str, float]  # compute dtype name -> dense FLOP/s
     match: tuple[str, ...]  # substrings of torch.cuda.get_device_name()
+    host_link: float = 0.0
+    """The host link's datasheet rate per direction, bytes/s (PCIe x16: gen3 15.75 GB/s, gen4
+    31.5, gen5 63): what offloaded gradients and weights cross every step."""
 
 
-def _spec(name, mem_gib, fp32, tf32, bf16, fp16, match):
+PCIE = {3: 15.75e9, 4: 31.5e9, 5: 63e9}  # x16, per direction
+
+
+def _spec(name, mem_gib, fp32, tf32, bf16, fp16, match, pcie=4):
     peaks = {"fp32": fp32 * 1e12, "fp16": fp16 * 1e12}
     if tf32:
         peaks["tf32"] = tf32 * 1e12
     if bf16:
         peaks["bf16"] = bf16 * 1e12
-    return GPUSpec(name, int(mem_gib * GiB), peaks, match)
+    return GPUSpec(name, int(mem_gib * GiB), peaks, match, PCIE[pcie])
 
 
 GPUS: dict[str, GPUSpec] = {
     s.name: s
     for s in (
-        _spec("T4", 16, 8.1, None, None, 65, ("T4",)),
-        _spec("V100-16", 16, 15.7, None, None, 125, ("V100-SXM2-16", "V100-PCIE-16")),
-        _spec("V100-32", 32, 15.7, None, None, 125, ("V100",)),
+        _spec("T4", 16, 8.1, None, None, 65, ("T4",), pcie=3),
+        _spec("V100-16", 16, 15.7, None, None, 125, ("V100-SXM2-16", "V100-PCIE-16"), pcie=3),
+        _spec("V100-32", 32, 15.7, None, None, 125, ("V100",), pcie=3),
         _spec("A5000", 24, 27.8, 55.6, 111.1, 111.1, ("A5000",)),
         _spec("RTX3090", 24, 35.6, 35.6, 71, 71, ("3090",)),
         _spec("RTX4090", 24, 82.6, 82.6, 165.2, 165.2, ("4090",)),
@@ -55,8 +61,8 @@ GPUS: dict[str, GPUSpec] = {
         _spec("L4", 24, 30.3, 60, 121, 121, ("L4",)),
         _spec("A100-40", 40, 19.5, 156, 312, 312, ("A100-SXM4-40", "A100-PCIE-40", "A100 40")),
         _spec("A100-80", 80, 19.5, 156, 312, 312, ("A100",)),
-        _spec("H100-80", 80, 66.9, 494.5, 989.4, 989.4, ("H100",)),
-        _spec("H200-141", 141, 66.9, 494.5, 989.4, 989.4, ("H200",)),
+        _spec("H100-80", 80, 66.9, 494.5, 989.4, 989.4, ("H100",), pcie=5),
+        _spec("H200-141", 141, 66.9, 494.5, 989.4, 989.4, ("H200",), pcie=5),
     )
 }
 

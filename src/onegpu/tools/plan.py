@@ -23,6 +23,7 @@ from onegpu.distributed.plan import per_rank_memory
 from onegpu.memory.breakdown import GROUPS
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
 from onegpu.techniques.precision import DeviceCaps
+from onegpu.tools.offload_time import offload_costs
 from onegpu.tools.planner import MemoryPlan, plan_memory
 
 # Reserved on a GPU beyond tensors: CUDA context and kernels (~0.3-1 GiB) and allocator slack.
@@ -195,9 +196,12 @@ def _speed(cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int) -> d
     if not peak_flops:
         return {}
     tokens = cfg.train.batch_size * cfg.train_seq_len
-    step_s = plan.flops_per_token * tokens / (peak_flops * EFFICIENCY * world_size)
+    compute_s = plan.flops_per_token * tokens / (peak_flops * EFFICIENCY * world_size)
+    offload = offload_costs(cfg, plan, gpu, world_size)
+    step_s = max(compute_s, offload.get("link_s", 0.0)) + offload.get("host_step_s", 0.0)
     return {"predicted_step_time_s": step_s, "predicted_tokens_per_s": tokens / step_s,
-            "efficiency_assumed": EFFICIENCY}  # fmt: skip
+            "predicted_compute_s": compute_s, "efficiency_assumed": EFFICIENCY,
+            **({"offload": offload} if offload else {})}  # fmt: skip
 
 
 def _fits(mem: dict[str, int], capacity: int) -> bool:
@@ -330,6 +334,15 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             f"  speed on {gpu or 'this CPU'}: {r['predicted_tokens_per_s']:,.0f} tokens/s, "
             f"{r['predicted_step_time_s'] * 1e3:,.0f} ms/step (prediction: counted FLOPs at "
             f"{r['efficiency_assumed']:.0%} of the {'datasheet' if gpu else 'measured'} peak)"
+        )
+    if "offload" in r:
+        o = r["offload"]
+        link = (f"{o['link_bytes'] / GiB:,.2f} GiB over the host link ({o['link_s'] * 1e3:,.0f} ms "
+                f"at {o['link_rate'] / 1e9:,.1f} GB/s, beside compute)" if "link_s" in o
+                else "no link here (one memory)")  # fmt: skip
+        lines.append(
+            f"  offloaded: compute {r['predicted_compute_s'] * 1e3:,.0f} ms, {link}, then the "
+            f"CPU's optimizer step {o['host_step_s'] * 1e3:,.0f} ms ({o['host_step_source']})"
         )
     return lines
 
