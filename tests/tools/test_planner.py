@@ -195,3 +195,4 @@ def test_offloaded_plans_count_the_link_and_the_cpu_step():
     want = max(r["predicted_compute_s"], o["link_s"]) + o["host_step_s"]
     assert r["predicted_step_time_s"] == pytest.approx(want)
     assert "offload" not in plan_report(_cfg(), "RTX4090", None)  # nothing offloaded
+    assert r["fits"] and not plan_report(cfg, "RTX4090", None, host_memory=1000)["fits"]

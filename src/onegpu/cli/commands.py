@@ -99,7 +99,7 @@ def _plan(ns, env: Env) -> int:
     if ns.gpu == "list":
         print(gpu_table())
         return 0
-    report = plan_report(env.load(), ns.gpu, ns.memory, ns.world_size)
+    report = plan_report(env.load(), ns.gpu, ns.memory, ns.world_size, ns.host_memory)
     print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
     return 0
 
@@ -177,6 +177,8 @@ COMMANDS: tuple[Command, ...] = (
                 _a("--gpu", help="a GPU of the table (e.g. A100-40, RTX4090), or 'list'"),
                 _a("--memory", type=int, help="a memory budget in bytes (e.g. this machine's RAM)"),
                 _a("--json", action="store_true", help="print one JSON object"),
+                _a("--host-memory", type=int, metavar="BYTES",
+                   help="host memory for offloaded state (default: this machine's RAM)"),
                 WORLD_SIZE,
             )),
     Command("tune", "the fastest configuration that fits a memory budget (planned, then measured)",

@@ -105,14 +105,21 @@ def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -
 
 
 def plan_report(
-    cfg: Config, gpu: str | None, memory_bytes: int | None, world_size: int = 1
+    cfg: Config,
+    gpu: str | None,
+    memory_bytes: int | None,
+    world_size: int = 1,
+    host_memory: int | None = None,
 ) -> dict[str, Any]:
     """The plan of one process (of `world_size`) on `gpu` (None: this CPU, with an optional
-    budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes."""
+    budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes. What it keeps in
+    host memory must fit `host_memory` (default: this machine's RAM) too."""
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
     if memory_bytes is not None and memory_bytes <= 0:
         raise ConfigError("--memory", f"must be a positive number of bytes, got {memory_bytes}")
+    if host_memory is not None and host_memory <= 0:
+        raise ConfigError("--host-memory", f"must be a positive number of bytes, got {host_memory}")
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
@@ -138,14 +145,25 @@ def plan_report(
     if capacity:
         overhead = CUDA_OVERHEAD_BYTES if gpu else 0
         need = mem["peak"] + overhead
+        host = host_memory or machine_ram()
         report.update(
-            capacity_bytes=capacity, fits=need <= capacity, headroom_bytes=capacity - need
+            capacity_bytes=capacity,
+            fits=need <= capacity and mem.get("host", 0) <= host,
+            headroom_bytes=capacity - need,
+            host_memory_bytes=host,
         )
         if need > capacity and not distributed:
             report["fixes"] = fixes_for(
                 cfg, capacity - overhead, target, caps, base_peak=mem["peak"]
             )
     return report
+
+
+def machine_ram() -> int:
+    """This machine's physical memory in bytes (the default --host-memory)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def gpu_table() -> str:
@@ -355,6 +373,11 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         + f", headroom {r['headroom_bytes'] / GiB:+,.2f} GiB"
         + (" (0.5 GiB kept for the CUDA context)" if gpu else ""),
     ]
+    if r["memory"].get("host"):
+        host, cap = r["memory"]["host"], r["host_memory_bytes"]
+        lines.append(f"  host memory: {host / GiB:,.1f} GiB of {cap / GiB:,.1f} GiB -> "
+                     + ("fits" if host <= cap else "DOES NOT FIT: raise --host-memory or "
+                        "offload less"))  # fmt: skip
     for f in r.get("fixes", []):
         lines.append(
             f"  + {f['change']:<36} alone {f['peak_alone'] / GiB:6.2f} GiB"
