@@ -33,7 +33,7 @@ GRID: list[tuple[str, dict[str, str]]] = [
     ("small adafactor", {"__preset": "small", "optim.name": "adafactor"}),
     ("small sgd 8 layers", {"__preset": "small", "optim.name": "sgd", "model.n_layer": "8"}),
     ("small adamw8bit", {"__preset": "small", "optim.name": "adamw8bit"}),
-    ("seed-ref micro 4 fp32", {"__preset": "seed-ref", "train.precision": "fp32", "train.batch_size": "8", "train.micro_batch_size": "4"}),
+    ("seed-ref micro 4 fp32", {"__preset": "seed-ref", "train.precision": "fp32", "train.batch_size": "8", "train.micro_batch_size": "4", "memory.loss_chunk": "0"}),
     ("seed-ref micro 4 chunked", {"__preset": "seed-ref", "train.batch_size": "8", "train.micro_batch_size": "4", "memory.loss_chunk": "1024"}),
     ("seed-ref micro 8 bf16 block chunked", {"__preset": "seed-ref", "train.batch_size": "8", "train.micro_batch_size": "8", "memory.checkpointing": "block", "memory.loss_chunk": "2048"}),
 ]  # fmt: skip
