@@ -29,6 +29,8 @@ ROWS = {
     "optimizer in host memory, accumulation x4": {"memory.offload_optimizer": "true",
                                                   "train.micro_batch_size": "/4"},
     "on device, accumulation x4": {"train.micro_batch_size": "/4"},
+    "weights, gradients and optimizer in host memory (FSDP2 CPU offload, one process)":
+        {"memory.offload_params": "true"},
 }  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import count_params
 from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.optim import build_optimizer
+from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
 from onegpu.step import TrainStep
@@ -51,7 +52,7 @@ class Built:
     """The resolved config: what runs (config.toml)."""
     resolved: Resolved
     model: LanguageModel
-    optimizer: torch.optim.Optimizer | OptimizerInBackward
+    optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer
     loss_fn: LossFn
     step: TrainStep
     data: TokenSplits | None

@@ -136,6 +136,8 @@ class HostOffloadOptimizer:
 
     @torch.no_grad()
     def _copy_to_device(self) -> None:
+        if self._stream is not None:  # nothing queued on the device still reads the old weights
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext()
         with ctx:
             for p, h in self._host.items():
