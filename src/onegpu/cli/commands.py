@@ -94,7 +94,8 @@ def _bench(ns, env: Env) -> int:
 
 
 def _plan(ns, env: Env) -> int:
-    from onegpu.tools.plan import format_report, gpu_table, plan_report
+    from onegpu.tools.plan import gpu_table, plan_report
+    from onegpu.tools.plan_format import format_report
 
     if ns.gpu == "list":
         print(gpu_table())
