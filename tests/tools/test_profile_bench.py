@@ -75,3 +75,12 @@ def test_tune_with_an_impossible_budget_says_what_it_would_need(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.startswith("onegpu: error: --memory: nothing fits 1,000 bytes") and "needs" in err
     assert not (tmp_path / "t").exists()
+
+
+def test_grids_are_named_after_what_they_reproduce_and_old_names_still_work():
+    from onegpu.tools.bench import GRIDS, grid_names
+
+    assert set(GRIDS) == {"hf-guide", "hf-guide-bert", "lippe", "training-loop"}
+    assert grid_names("seed000,seed003,hf,hf-bert") == [
+        "lippe", "training-loop", "hf-guide", "hf-guide-bert"]  # fmt: skip
+    assert grid_names("all") == list(GRIDS)
