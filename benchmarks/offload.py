@@ -58,7 +58,9 @@ def main() -> None:
             for name in names:
                 over = {**base, **ROWS[name]}
                 if over["train.micro_batch_size"].startswith("/"):
-                    over["train.micro_batch_size"] = str(batch // int(over["train.micro_batch_size"][1:]))
+                    over["train.micro_batch_size"] = str(
+                        batch // int(over["train.micro_batch_size"][1:])
+                    )
                 res = run_row(a.preset, None, over, a.steps, Path(work))
                 results[name].append(res)
                 print(f"round {r + 1} {name}: {res['tokens_per_s']:,.0f} tokens/s, "
@@ -75,7 +77,9 @@ def main() -> None:
         r["vs_on_device"] = r["tokens_per_s"] / ref[plain]
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
                          capture_output=True, text=True).stdout.strip()  # fmt: skip
-    command = f"python benchmarks/offload.py --preset {a.preset} --rounds {a.rounds} --steps {a.steps}"
+    command = (
+        f"python benchmarks/offload.py --preset {a.preset} --rounds {a.rounds} --steps {a.steps}"
+    )
     lines = [
         f"# Offload overhead on this CPU ({a.preset}, {rows[0]['precision']})",
         "",
@@ -93,7 +97,9 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"offload-{a.preset}.md").write_text("\n".join(lines))
-    (out / f"offload-{a.preset}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+    (out / f"offload-{a.preset}.json").write_text(
+        json.dumps({"command": command, "rows": rows}, indent=1) + "\n"
+    )
     print("\n".join(lines))
 
 

@@ -19,12 +19,14 @@ def _by_block(by_block: dict[str, int]) -> str:
         return f"blocks.0-{len(blocks) - 1} {size / mib:,.1f} each, {rest}"
     return ", ".join(f"{k} {v / mib:,.1f}" for k, v in by_block.items())
 
+
 def format_report(r: dict[str, Any], gpu: str | None) -> str:
     """The report as the terminal shows it."""
     lines = _memory_lines(r) + [""] + _analytic_lines(r, gpu)
     if "capacity_bytes" in r:
         lines += [""] + _capacity_lines(r, gpu)
     return "\n".join(lines)
+
 
 def _memory_lines(r: dict[str, Any]) -> list[str]:
     mib, n, mem, c = 2**20, r["params"], r["memory"], r["config"]
@@ -59,6 +61,7 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         "  by block: " + _by_block(r["saved_by_block"]),
     ]
 
+
 def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
     mib, n, mem = 2**20, r["params"], r["memory"]
     lines = [
@@ -89,6 +92,7 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             f"CPU's optimizer step {o['host_step_s'] * 1e3:,.0f} ms ({o['host_step_source']})"
         )
     return lines
+
 
 def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
     cap = r["capacity_bytes"]

@@ -55,6 +55,7 @@ def describe(built: Built, out_dir: Path, start: int) -> str:
         f"{describe_auto(built)}data {built.data.description} | run folder {out_dir}{resumed}"
     )
 
+
 def describe_auto(built: Built) -> str:
     """What the `auto` loss chunk and compile chose ('' where neither was auto)."""
     cfg, parts = built.cfg, []
@@ -67,6 +68,7 @@ def describe_auto(built: Built) -> str:
             f"{trial.compiled_s * 1e3:,.0f} ms a micro-batch; {how})"
         )
     return "auto: " + ", ".join(parts) + " | " if parts else ""
+
 
 def progress_fields(row: dict[str, Any]) -> dict[str, str]:
     return {
@@ -123,6 +125,7 @@ def summarize(
         **({"dist": distributed_summary(built)} if built.dist.enabled else {}),
     }
 
+
 def distributed_summary(built: Built) -> dict[str, Any]:
     """Per-process measurements (a collective): peak memory and the bytes of this process's
     parameters, gradients' shards and optimizer states."""
@@ -143,6 +146,7 @@ def distributed_summary(built: Built) -> dict[str, Any]:
         "cpu_offload": built.cfg.dist.cpu_offload,
         "per_rank": ctx.gather(mine),
     }
+
 
 def recheck_peak(built: Built, summary: dict[str, Any]) -> None:
     """A CPU run faster than its cached matmul peak proves the figure stale (measured while

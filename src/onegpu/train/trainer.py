@@ -138,4 +138,3 @@ def checkpoint_due(cfg: Config, step: int, final: bool) -> bool:
         return False
     every = cfg.checkpoint.every
     return final or (every > 0 and step % every == 0)
-
