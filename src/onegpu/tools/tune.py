@@ -36,7 +36,7 @@ from onegpu.config import (
     with_overrides,
 )
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
-from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, gpu_caps, process_share, rank_memory
+from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, process_share, rank_memory
 from onegpu.tools.planner import plan_memory
 
 # Extra compute of each checkpointing policy, as a fraction of a plain step (a ranking
@@ -111,13 +111,11 @@ def _vocab_size(cfg: Config) -> int:
     return cfg.model.vocab_size
 
 
-def target_caps(device_type: str, gpu: str | None = None) -> DeviceCaps:
-    """What the tuned device runs natively: a GPU of the table, the device here, or for a GPU
-    that is not here, a current one (bf16 and tf32)."""
+def target_caps(device_type: str) -> DeviceCaps:
+    """What the tuned device runs natively: the device here, or for a GPU that is not here, a
+    current one (bf16 and tf32)."""
     import torch
 
-    if gpu is not None:
-        return gpu_caps(gpu)
     if device_type == "cuda" and not torch.cuda.is_available():
         return DeviceCaps(type="cuda", bf16=True, tf32=True)
     return device_caps(torch.device(device_type))
