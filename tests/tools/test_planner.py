@@ -97,7 +97,7 @@ def test_plan_command_json_gpu_table_and_budgets(capsys):
 def test_fixes_that_do_not_lower_the_peak_are_not_offered():
     """Micro-batch 1 of 16 tokens, width 128, vocab 4096: the chunked loss's fp32 [V, D] weight
     gradient buffer outweighs the [16, V] logits it saves, so it is no fix here."""
-    from onegpu.tools.plan import fixes_for
+    from onegpu.tools.fixes import fixes_for
 
     cfg = _cfg(**{"model.vocab_size": "4096", "model.d_model": "128", "model.seq_len": "16",
                   "train.batch_size": "1", "train.micro_batch_size": "1"})  # fmt: skip
@@ -135,28 +135,48 @@ def test_in_backward_plans_and_holds_fewer_gradients():
 
 
 def test_the_fix_list_reaches_for_host_memory_when_nothing_else_fits():
-    from onegpu.tools.plan import FIXES, _with, fixes_for
+    """A GPU plan under a budget that every on-device fix together misses: the list goes on to
+    the host tiers, ends on a configuration that fits, and hands it over as best.toml."""
+    import tomllib
 
+    from onegpu.tools.fixes import FIXES, HOST_TIERS, fixes_for
+    from onegpu.tools.fixes import with_fix as _with
+    from onegpu.tools.plan import gpu_caps
+
+    caps = gpu_caps("RTX4090")
     cfg = _cfg(**{"train.precision": "fp32", "memory.loss_chunk": "0", "model.d_model": "256",
                   "model.n_head": "4", "train.batch_size": "1", "train.micro_batch_size": "1",
                   "model.seq_len": "16"})  # fmt: skip
     others = cfg
     for name, change in FIXES:
-        if name != "optimizer in host memory":
+        if name not in HOST_TIERS:
             try:
                 others = _with(others, change)
             except Exception:  # refused here: skipped, as fixes_for does
                 continue
-    without_offload = plan_memory(others).memory["peak"]
-    budget = without_offload - 1
-    found = fixes_for(cfg, budget=budget, target="cpu", base_peak=plan_memory(cfg).memory["peak"])
-    offload = [f for f in found if f["change"] == "optimizer in host memory"]
-    assert offload and offload[0]["fits_alone"]  # what nothing else reaches, even together
-    assert all(not f["fits_alone"] for f in found if f is not offload[0])
+    without_offload = plan_memory(others, "cuda", caps).memory["peak"]
+    base = plan_memory(cfg, "cuda", caps).memory["peak"]
+    found = fixes_for(cfg, budget=without_offload - 1, target="cuda", caps=caps, base_peak=base)
+    assert found[-1]["fits_with_previous"]
+    assert any(f["change"] in HOST_TIERS for f in found)
+    best = tomllib.loads(found[-1]["best_toml"])
+    assert best["memory"]["offload_optimizer"] or best["memory"]["offload_params"]
+    steps = [f["step_s_alone"] for f in found]
+    assert all(s is not None for s in steps)
+
+
+def test_on_a_cpu_the_fix_list_offers_no_host_tier():
+    """On a CPU the device and the host are one memory: moving state there saves nothing."""
+    from onegpu.tools.fixes import HOST_TIERS, fixes_for
+
+    cfg = _cfg(**{"train.precision": "fp32"})
+    base = plan_memory(cfg).memory["peak"]
+    found = fixes_for(cfg, budget=base // 10, target="cpu", base_peak=base)
+    assert found and not any(f["change"] in HOST_TIERS for f in found)
 
 
 def _fix_params():
-    from onegpu.tools.plan import FIXES
+    from onegpu.tools.fixes import FIXES
 
     slow = {"8-bit AdamW"}  # torchao compiles its 8-bit step (~20 s on a CPU)
     return [pytest.param(n, c, id=n, marks=[pytest.mark.slow] if n in slow else [])
@@ -169,7 +189,7 @@ def test_every_fix_the_planner_offers_trains(name, change):
     import torch
 
     from onegpu.build import build
-    from onegpu.tools.plan import _with
+    from onegpu.tools.fixes import with_fix as _with
 
     cfg = _with(_cfg(**{"train.batch_size": "4", "train.micro_batch_size": "4"}), change)
     built = build(cfg, torch.device("cpu"), with_data=False)
@@ -190,9 +210,28 @@ def test_offloaded_plans_count_the_link_and_the_cpu_step():
     r = plan_report(cfg, "RTX4090", None)
     o, stored = r["offload"], r["memory"]["params"]
     assert o["link_bytes"] == (cfg.grad_accum_steps + 1) * stored
-    assert o["link_s"] == pytest.approx(o["link_bytes"] / (GPUS["RTX4090"].host_link * LINK_EFFICIENCY))
+    assert o["link_s"] == pytest.approx(
+        o["link_bytes"] / (GPUS["RTX4090"].host_link * LINK_EFFICIENCY)
+    )
     assert o["host_step_s"] > 0 and "measured adamw" in o["host_step_source"]
     want = max(r["predicted_compute_s"], o["link_s"]) + o["host_step_s"]
     assert r["predicted_step_time_s"] == pytest.approx(want)
     assert "offload" not in plan_report(_cfg(), "RTX4090", None)  # nothing offloaded
     assert r["fits"] and not plan_report(cfg, "RTX4090", None, host_memory=1000)["fits"]
+
+
+def test_offloaded_activations_wait_in_host_memory_on_a_gpu_plan():
+    """What save_on_cpu copies out leaves the device for the host (fake tensors all live on
+    the CPU, so the planner follows the copies itself); a CPU plan keeps them in the one
+    memory there is."""
+    from onegpu.tools.plan import gpu_caps
+
+    caps = gpu_caps("A100-40")
+    plain = plan_memory(_cfg(), "cuda", caps)
+    off = plan_memory(_cfg(**{"memory.offload_activations": "true"}), "cuda", caps)
+    assert off.memory["activations"] == 0 and plain.memory["activations"] > 0
+    assert off.memory["host"] >= plain.saved_per_micro_batch
+    assert off.memory["peak"] < plain.memory["peak"]
+    assert off.offloaded_per_micro_batch >= plain.saved_per_micro_batch
+    on_cpu = plan_memory(_cfg(**{"memory.offload_activations": "true"})).memory
+    assert "host" not in on_cpu

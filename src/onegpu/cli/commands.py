@@ -102,6 +102,10 @@ def _plan(ns, env: Env) -> int:
         return 0
     report = plan_report(env.load(), ns.gpu, ns.memory, ns.world_size, ns.host_memory)
     print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
+    best = next((f["best_toml"] for f in report.get("fixes", []) if "best_toml" in f), None)
+    if ns.best_toml and best:
+        Path(ns.best_toml).write_text(best)
+        print(f"wrote {ns.best_toml} (onegpu train --config {ns.best_toml})")
     return 0
 
 
@@ -180,6 +184,8 @@ COMMANDS: tuple[Command, ...] = (
                 _a("--json", action="store_true", help="print one JSON object"),
                 _a("--host-memory", type=int, metavar="BYTES",
                    help="host memory for offloaded state (default: this machine's RAM)"),
+                _a("--best-toml", metavar="PATH",
+                   help="where the fix list finds a configuration that fits: write it here"),
                 WORLD_SIZE,
             )),
     Command("tune", "the fastest configuration that fits a memory budget (planned, then measured)",

@@ -32,3 +32,24 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
     padding = (model.padded_vocab - model.vocab_size) * cfg.d_model
     useful = matmul_params(model) - padding
     return 6 * useful + attention_flops_per_token(cfg.n_layer, seq_len, cfg.d_model)
+
+
+RECOMPUTE = {
+    "none": 1.0,
+    "selective": 1.05,
+    "mlp": 1.15,
+    "attn": 1.2,
+    "attn+mlp": 1.3,
+    "block": 1.33,
+}
+"""Compute of a step under each checkpointing policy, as a multiple of a plain step: forward is
+about a third of a training step, so recomputing all of it in backward adds about a third
+(Chen et al., "Training Deep Nets with Sublinear Memory Cost"); the partial policies recompute a
+part of it (selective: only cheap element-wise ops, no matmuls)."""
+
+
+def recompute_factor(checkpointing: str) -> float:
+    """RECOMPUTE for a `memory.checkpointing` value (`every:K`: one block in K recomputed)."""
+    if checkpointing.startswith("every:"):
+        return 1.0 + (RECOMPUTE["block"] - 1.0) / int(checkpointing.split(":")[1])
+    return RECOMPUTE[checkpointing]

@@ -15,12 +15,18 @@ import torch
 from onegpu.models.protocol import LossFn
 
 
+def saved_to_host(pin: bool):
+    """The saved-tensor hooks that move what backward needs to host memory (looked up at each
+    call, so the planner can follow the copies as host bytes: tools/planner.py)."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=pin)
+
+
 def with_offload(loss_fn: LossFn, device: torch.device) -> LossFn:
     pin = device.type == "cuda"
 
     @functools.wraps(loss_fn)
     def offloaded(model, idx, targets):
-        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        with saved_to_host(pin):
             return loss_fn(model, idx, targets)
 
     return offloaded

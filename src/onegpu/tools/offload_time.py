@@ -3,6 +3,8 @@ optimizer step (a prediction, labelled as one; docs/offload.md).
 
 - memory.offload_optimizer: every micro-batch's gradients go to the host (one parameter-sized
   copy each), the updated weights come back once per step.
+- memory.offload_activations: every micro-batch's saved activations go to the host in forward
+  and come back in backward.
 - FSDP's CPU offload (memory.offload_params, dist.cpu_offload): every micro-batch gathers the
   weights to the device for forward and again for backward (once, with reshard_after_forward
   false) and sends the gradients back; each process moves its shard over its own link.
@@ -28,20 +30,24 @@ LINK_EFFICIENCY = 0.8
 def offload_costs(cfg: Config, plan: Any, gpu: str | None, world_size: int) -> dict[str, Any]:
     """{} when nothing is offloaded; else the link bytes and seconds and the host step."""
     fsdp_host = cfg.dist.cpu_offload
-    if not (cfg.memory.offload_optimizer or fsdp_host):
-        return {}
-    share = shard_fraction(plan.param_shapes, world_size) if fsdp_host else 1.0
-    numel = sum(p.numel for p in plan.param_shapes) * share
-    stored = sum(p.numel * p.element_size for p in plan.param_shapes) * share
     n_micro = cfg.grad_accum_steps // world_size
-    if fsdp_host:
-        gathers = 2 if cfg.dist.reshard_after_forward else 1
-        gathered = numel * (2 if plan.compute_dtype != plan.param_dtype else 4)
-        moved = n_micro * (gathers * gathered + stored)
-    else:
-        moved = n_micro * stored + stored
-    rate, how = host_step_rate(cfg.optim.name)
-    out = {"host_step_s": numel / rate, "host_step_source": how, "link_bytes": int(moved)}
+    moved = 2 * plan.offloaded_per_micro_batch * n_micro  # activations: out and back
+    out: dict[str, Any] = {"host_step_s": 0.0}
+    if cfg.memory.offload_optimizer or fsdp_host:
+        share = shard_fraction(plan.param_shapes, world_size) if fsdp_host else 1.0
+        numel = sum(p.numel for p in plan.param_shapes) * share
+        stored = sum(p.numel * p.element_size for p in plan.param_shapes) * share
+        if fsdp_host:
+            gathers = 2 if cfg.dist.reshard_after_forward else 1
+            gathered = numel * (2 if plan.compute_dtype != plan.param_dtype else 4)
+            moved += n_micro * (gathers * gathered + stored)
+        else:
+            moved += n_micro * stored + stored
+        rate, how = host_step_rate(cfg.optim.name)
+        out.update(host_step_s=numel / rate, host_step_source=how)
+    if not moved:
+        return {}
+    out["link_bytes"] = int(moved)
     if gpu:
         link = GPUS[gpu].host_link * LINK_EFFICIENCY
         out.update(link_s=moved / link, link_rate=link)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from onegpu.config import Config
-from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, fixes_for
+from onegpu.tools.fixes import fixes_for
+from onegpu.tools.plan import CUDA_OVERHEAD_BYTES
 from onegpu.tools.planner import plan_memory
 from onegpu.train.oom import TrainingOutOfMemory
 

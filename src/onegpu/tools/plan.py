@@ -17,10 +17,10 @@ from onegpu.config import (
     check_distributed,
     resolve_strategy,
     with_offload_params,
-    with_overrides,
 )
 from onegpu.distributed.plan import per_rank_memory
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
+from onegpu.perf.flops import recompute_factor
 from onegpu.techniques.precision import DeviceCaps
 from onegpu.tools.offload_time import offload_costs
 from onegpu.tools.planner import MemoryPlan, plan_memory
@@ -29,19 +29,6 @@ from onegpu.tools.planner import MemoryPlan, plan_memory
 CUDA_OVERHEAD_BYTES = GiB // 2
 EFFICIENCY = 0.4  # assumed fraction of peak FLOP/s a training step reaches (a prediction)
 
-# Candidate changes, cheapest first (by their usual cost in speed), for "what would fit".
-FIXES: list[tuple[str, dict[str, str]]] = [
-    ("chunked loss", {"memory.loss_chunk": "1024"}),
-    # free where it applies (no accumulation, no clipping): refused, so skipped, elsewhere
-    ("optimizer step in backward, no clipping", {"optim.in_backward": "true", "optim.grad_clip": "0"}),
-    ("8-bit AdamW", {"optim.name": "adamw8bit"}),
-    ("selective checkpointing", {"memory.checkpointing": "selective"}),
-    ("bf16-pure weights", {"train.precision": "bf16-pure"}),
-    ("optimizer in host memory", {"memory.offload_optimizer": "true", "optim.in_backward": "false"}),
-    ("block checkpointing", {"memory.checkpointing": "block"}),
-    ("half the micro-batch (accumulate)", {"train.micro_batch_size": "/2"}),
-]
-
 
 def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
     """Activation bytes per layer of Korthikanti et al., "Reducing Activation Recomputation in
@@ -49,15 +36,6 @@ def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
     dropout and the full attention matrix stored: s*b*h*(34 + 5*a*s/h)."""
     s, h, a = cfg.train_seq_len, cfg.model.d_model, cfg.model.n_head
     return int(s * micro_batch * h * (34 + 5 * a * s / h))
-
-
-def _with(cfg: Config, change: dict[str, str]) -> Config:
-    """cfg with a fix applied ('/2': the current micro-batch halved); refused if invalid."""
-    values = {
-        k: str(max(1, cfg.train.micro_batch_size // int(v[1:]))) if v.startswith("/") else v
-        for k, v in change.items()
-    }
-    return with_overrides(cfg, values)
 
 
 def gpu_caps(gpu: str) -> DeviceCaps:
@@ -139,7 +117,7 @@ def plan_report(
         report["gpus_needed"] = gpus_needed(
             cfg, plan, world_size, GPUS[gpu].memory_bytes, target, caps
         )
-    report.update(_speed(cfg, plan, gpu, world_size))
+    report.update(predicted_speed(cfg, plan, gpu, world_size))
     capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
     if capacity:
         overhead = CUDA_OVERHEAD_BYTES if gpu else 0
@@ -151,10 +129,11 @@ def plan_report(
             headroom_bytes=capacity - need,
             host_memory_bytes=host,
         )
-        if need > capacity and not distributed:
-            report["fixes"] = fixes_for(
-                cfg, capacity - overhead, target, caps, base_peak=mem["peak"]
-            )
+        if not report["fits"] and not distributed:
+            from onegpu.tools.fixes import fixes_for
+
+            report["fixes"] = fixes_for(cfg, capacity - overhead, target, caps,
+                                        base_peak=mem["peak"], gpu=gpu, host_budget=host)  # fmt: skip
     return report
 
 
@@ -170,7 +149,8 @@ def gpu_table() -> str:
     lines = ["name        memory   peak dense TFLOP/s (fp32 / tf32 / bf16 / fp16)"]
     for g in GPUS.values():
         peaks = "/".join(
-            f"{g.peak[k] / 1e12:g}" if k in g.peak else "-" for k in ("fp32", "tf32", "bf16", "fp16")
+            f"{g.peak[k] / 1e12:g}" if k in g.peak else "-"
+            for k in ("fp32", "tf32", "bf16", "fp16")
         )
         lines.append(f"{g.name:<10} {g.memory_bytes / 2**30:5.0f} GiB   {peaks}")
     return "\n".join(lines)
@@ -202,7 +182,9 @@ def _memory_report(cfg: Config, plan: MemoryPlan, mem: dict[str, int]) -> dict[s
     }
 
 
-def _speed(cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int) -> dict[str, Any]:
+def predicted_speed(
+    cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int
+) -> dict[str, Any]:
     """The predicted step time: counted FLOPs at EFFICIENCY of the peak for the compute dtype
     (a GPU's datasheet, or this CPU's measured matmul peak); {} when the peak is unknown."""
     if gpu:
@@ -213,11 +195,13 @@ def _speed(cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int) -> d
     if not peak_flops:
         return {}
     tokens = cfg.train.batch_size * cfg.train_seq_len
-    compute_s = plan.flops_per_token * tokens / (peak_flops * EFFICIENCY * world_size)
+    recompute = recompute_factor(cfg.memory.checkpointing)
+    compute_s = plan.flops_per_token * recompute * tokens / (peak_flops * EFFICIENCY * world_size)
     offload = offload_costs(cfg, plan, gpu, world_size)
     step_s = max(compute_s, offload.get("link_s", 0.0)) + offload.get("host_step_s", 0.0)
     return {"predicted_step_time_s": step_s, "predicted_tokens_per_s": tokens / step_s,
             "predicted_compute_s": compute_s, "efficiency_assumed": EFFICIENCY,
+            "recompute_factor": recompute,
             **({"offload": offload} if offload else {})}  # fmt: skip
 
 
@@ -245,37 +229,3 @@ def gpus_needed(
         rows.append({"world_size": n, "peak": peak, "fits": peak + CUDA_OVERHEAD_BYTES <= capacity})
     fewest = next((r["world_size"] for r in rows if r["fits"]), None)
     return {"fewest": fewest, "rows": rows}
-
-
-def fixes_for(
-    cfg: Config,
-    budget: int,
-    target: str,
-    caps: DeviceCaps | None = None,
-    *,
-    base_peak: int | None = None,
-) -> list[dict[str, Any]]:
-    """Single changes, then the cumulative ones in order, that bring the peak under budget. A
-    change that does not lower `base_peak` (the configuration's own planned peak) alone is left
-    out: e.g. the chunked loss at a huge vocabulary and micro-batch 1, where its fp32 weight
-    gradient buffer outweighs the logits it saves."""
-    found, current = [], cfg
-    applied: list[str] = []
-    for name, change in FIXES:
-        try:
-            alone = plan_memory(_with(cfg, change), target, caps).memory["peak"]
-            if base_peak is not None and alone >= base_peak:
-                continue
-            current = _with(current, change)
-            together = plan_memory(current, target, caps).memory["peak"]
-        except ConfigError:
-            continue
-        applied.append(name)
-        found.append({"change": name, "overrides": change, "peak_alone": alone,
-                      "fits_alone": alone <= budget, "peak_with_previous": together,
-                      "fits_with_previous": together <= budget, "cumulative": list(applied)})  # fmt: skip
-        if together <= budget:
-            break
-    return found
-
-

@@ -7,6 +7,7 @@ from typing import Any
 
 from onegpu.memory.breakdown import GROUPS
 from onegpu.perf.devices import GiB
+from onegpu.tools.plan import CUDA_OVERHEAD_BYTES
 
 
 def _by_block(by_block: dict[str, int]) -> str:
@@ -80,18 +81,29 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         lines.append(
             f"  speed on {gpu or 'this CPU'}: {r['predicted_tokens_per_s']:,.0f} tokens/s, "
             f"{r['predicted_step_time_s'] * 1e3:,.0f} ms/step (prediction: counted FLOPs at "
-            f"{r['efficiency_assumed']:.0%} of the {'datasheet' if gpu else 'measured'} peak)"
+            f"{r['efficiency_assumed']:.0%} of the {'datasheet' if gpu else 'measured'} peak"
+            + (
+                f", x{r['recompute_factor']:.2f} for recomputation"
+                if r.get("recompute_factor", 1) > 1
+                else ""
+            )
+            + ")"
         )
     if "offload" in r:
         o = r["offload"]
         link = (f"{o['link_bytes'] / GiB:,.2f} GiB over the host link ({o['link_s'] * 1e3:,.0f} ms "
                 f"at {o['link_rate'] / 1e9:,.1f} GB/s, beside compute)" if "link_s" in o
                 else "no link here (one memory)")  # fmt: skip
+        host_step = (f", then the CPU's optimizer step {o['host_step_s'] * 1e3:,.0f} ms "
+                     f"({o['host_step_source']})" if "host_step_source" in o else "")  # fmt: skip
         lines.append(
-            f"  offloaded: compute {r['predicted_compute_s'] * 1e3:,.0f} ms, {link}, then the "
-            f"CPU's optimizer step {o['host_step_s'] * 1e3:,.0f} ms ({o['host_step_source']})"
+            f"  offloaded: compute {r['predicted_compute_s'] * 1e3:,.0f} ms, {link}{host_step}"
         )
     return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return f", {seconds * 1e3:,.0f} ms" if seconds is not None else ""
 
 
 def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
@@ -107,12 +119,22 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         lines.append(f"  host memory: {host / GiB:,.1f} GiB of {cap / GiB:,.1f} GiB -> "
                      + ("fits" if host <= cap else "DOES NOT FIT: raise --host-memory or "
                         "offload less"))  # fmt: skip
+    if r.get("fixes"):
+        lines.append("  fixes, fastest first (planned alone, then with the ones above; device "
+                     "GiB, host GiB, predicted ms/step):")  # fmt: skip
     for f in r.get("fixes", []):
+        if f.get("instead"):
+            lines.append("  or instead, alone (predicted faster than the list above):")
         lines.append(
-            f"  + {f['change']:<36} alone {f['peak_alone'] / GiB:6.2f} GiB"
-            f"{' fits' if f['fits_alone'] else '     '}  |  with the ones above "
-            f"{f['peak_with_previous'] / GiB:6.2f} GiB{' fits' if f['fits_with_previous'] else ''}"
+            f"  + {f['change']:<40} alone {f['peak_alone'] / GiB:6.2f}"
+            f"{' fits' if f['fits_alone'] else '     '} | together "
+            f"{f['peak_with_previous'] / GiB:6.2f}, host {f['host_with_previous'] / GiB:5.1f}"
+            f"{_ms(f['step_s_with_previous'])}{'  FITS' if f['fits_with_previous'] else ''}"
         )
+    best = next((f for f in r.get("fixes", []) if "best_overrides" in f), None)
+    if best:
+        flags = " ".join(f"--{k} {v}" for k, v in best["best_overrides"].items())
+        lines.append(f"  -> fits with: {flags} (--best-toml PATH writes the whole configuration)")
     if "gpus_needed" in r:
         g = r["gpus_needed"]
         table = ", ".join(
@@ -126,7 +148,15 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             else f"  -> does not fit on the GPU counts the global batch splits into "
             f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more"
         )
-    if r.get("fixes") and not r["fixes"][-1]["fits_with_previous"]:
+    short = [f for f in r.get("fixes", []) if f["peak_with_previous"] + (CUDA_OVERHEAD_BYTES if gpu else 0)
+             <= r["capacity_bytes"] and f["host_with_previous"] > r["host_memory_bytes"]]  # fmt: skip
+    if short and not any(f["fits_with_previous"] for f in r["fixes"]):
+        lines.append(
+            f"  the device fits with {short[0]['host_with_previous'] / GiB:,.1f} GiB in host memory "
+            f"(after '{short[0]['change']}'), more than the {r['host_memory_bytes'] / GiB:,.1f} "
+            "GiB planned for: --host-memory BYTES plans for a larger host"
+        )
+    elif r.get("fixes") and not any(f["fits_with_previous"] for f in r["fixes"]):
         lines.append("  nothing in the list makes it fit: a smaller model, shorter sequences "
                      "or a larger GPU (or FSDP across several) are left")  # fmt: skip
     return lines

@@ -14,6 +14,7 @@ caching and fragmentation (`memory_reserved` above `allocated`), library workspa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
@@ -27,10 +28,11 @@ from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.config import Config
 from onegpu.distributed.plan import ParamShape
 from onegpu.memory.breakdown import GROUPS
-from onegpu.memory.tracker import LiveTensorBytes, storage_id
+from onegpu.memory.tracker import storage_id
 from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
 from onegpu.techniques.precision import DeviceCaps, device_caps
+from onegpu.tools.plan_tracker import ModuleStack, PlanTracker, saves_on_host
 
 
 @dataclass
@@ -55,6 +57,11 @@ class MemoryPlan:
     """Every parameter once (tied ones once): how FSDP would shard them."""
     block_numels: list[int] = field(default_factory=list)
     """Parameters per block (FSDP gathers one block at a time)."""
+    segments: list[dict[str, int]] = field(default_factory=list)
+    """With plan_memory(..., by_segment=True): the breakdown at the peak of each stretch of the
+    step in or out of backward (forward, backward, ..., the optimizer step)."""
+    offloaded_per_micro_batch: int = 0
+    """Bytes activation offload copies to the host per micro-batch (and back in backward)."""
 
     @property
     def peak_key(self) -> str:
@@ -87,103 +94,12 @@ def _kind(op: str, module: str, dtype: torch.dtype) -> str:
     return "other"
 
 
-class _ModuleStack:
-    """The name of the module running now (forward pre/post hooks on every submodule)."""
-
-    def __init__(self, model: nn.Module):
-        self.stack: list[str] = []
-        self.handles = []
-        for name, mod in model.named_modules():
-            self.handles.append(mod.register_forward_pre_hook(self._enter(name)))
-            self.handles.append(mod.register_forward_hook(self._leave))
-
-    def _enter(self, name):
-        def hook(mod, args):
-            self.stack.append(name)
-
-        return hook
-
-    def _leave(self, mod, args, out):
-        if self.stack:
-            self.stack.pop()
-
-    @property
-    def current(self) -> str:
-        return self.stack[-1] if self.stack else ""
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-WORKSPACE = -1  # pseudo storage id of a kernel's workspace in a peak snapshot
-_GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
-
-
-class _PlanTracker(LiveTensorBytes):
-    """LiveTensorBytes that also remembers which op made each storage and whether the peak
-    came in forward or in backward/optimizer."""
-
-    def __init__(self, modules: _ModuleStack, target: str):
-        super().__init__()
-        self.modules = modules
-        self.target = target
-        self.made_by: dict[int, tuple[str, str]] = {}
-        self.peak_op = ""
-        self.peak_in_backward = False
-        self._op = ""
-        self.param_storages: set[int] = set()
-        self.weight_copies: set[int] = set()  # allocation numbers of 16-bit copies of weights
-
-    def track(self, t: torch.Tensor) -> None:
-        sid = storage_id(t)
-        new = sid not in self.sizes
-        before = self.peak
-        super().track(t)
-        if new:
-            self.made_by[self.serials[sid]] = (self._op, self.modules.current)
-        if self.peak > before:
-            self.peak_op = self._op
-            self.peak_in_backward = torch._C._current_graph_task_id() != -1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._op = str(func.overloadpacket).replace("aten::", "aten.")
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if (
-            func.overloadpacket is torch.ops.aten._to_copy
-            and isinstance(out, torch.Tensor)
-            and storage_id(args[0]) in self.param_storages
-        ):  # autocast's copy of a weight (FSDP's mixed precision gathers it in 16 bits instead)
-            serial = self.serials.get(storage_id(out))
-            if serial is not None:
-                self.weight_copies.add(serial)
-        workspace = self._cpu_gemm_workspace(func, args)
-        if workspace and self.current + workspace > self.peak:
-            # the kernel's own buffer, alive while the op runs: counted at the peak as "other"
-            self.peak = self.current + workspace
-            self.peak_storages = {**self.live_by_serial(), WORKSPACE: workspace}
-            self.peak_op = self._op
-            self.peak_in_backward = torch._C._current_graph_task_id() != -1
-        return out
-
-    def _cpu_gemm_workspace(self, func, args) -> int:
-        """Measured on this CPU: a 16-bit GEMM (oneDNN) first copies each transposed operand
-        into a buffer of its own (e.g. g.T @ h with g 2048 x 50,304 bf16: 196 MiB beside the
-        output). Shape rules do not show it; this adds it, on CPU plans only."""
-        if self.target != "cpu" or func.overloadpacket not in _GEMMS:
-            return 0
-        mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
-        if not mats or mats[0].dtype not in (torch.bfloat16, torch.float16):
-            return 0
-        return sum(m.numel() * m.element_size() for m in mats if not m.is_contiguous())
-
-
 @dataclass
 class _FollowedStep:
     """What following one step recorded: the tracker (live bytes, peak, who made what), the
     saved storages with their module, the gradients' storages, and the exact saved total."""
 
-    tracker: _PlanTracker
+    tracker: PlanTracker
     saved: dict[int, tuple[int, torch.dtype, str]]  # allocation number -> (bytes, dtype, module)
     grad_serials: set[int]
     saved_bytes: int
@@ -202,12 +118,15 @@ def _first_grad_hook(p: torch.Tensor, fn):
     return handle
 
 
-def _follow_step(built: Built, target: str, x: torch.Tensor, y: torch.Tensor) -> _FollowedStep:
+def _follow_step(
+    built: Built, target: str, x: torch.Tensor, y: torch.Tensor, by_segment: bool = False
+) -> _FollowedStep:
     """Run the built step (a steady one: optimizer states already exist) op by op, labelling
     every storage it makes: saved for backward, gradient, or other."""
     model = built.model
-    modules = _ModuleStack(model)
-    tracker = _PlanTracker(modules, target)
+    modules = ModuleStack(model)
+    tracker = PlanTracker(modules, target)
+    tracker.by_segment = by_segment
     followed = _FollowedStep(tracker, {}, set(), 0)
     counter = built.saved_counter()  # the exact total, selective caches included
 
@@ -224,10 +143,11 @@ def _follow_step(built: Built, target: str, x: torch.Tensor, y: torch.Tensor) ->
             followed.grad_serials.add(serial)
 
     params = list({id(p): p for p in model.parameters()}.values())
+    host_saves = saves_on_host(tracker) if target != "cpu" else contextlib.nullcontext()
     tracker.param_storages = {storage_id(p) for p in params}
     hooks = [_first_grad_hook(p, grad_ready) for p in params]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_saves, tracker:
             built.step(x, y, y.numel(), 1)
     finally:
         modules.remove()
@@ -237,7 +157,9 @@ def _follow_step(built: Built, target: str, x: torch.Tensor, y: torch.Tensor) ->
     return followed
 
 
-def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None) -> MemoryPlan:
+def plan_memory(
+    cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None, *, by_segment: bool = False
+) -> MemoryPlan:
     """Build the configured run on fake tensors and follow one steady-state training step.
 
     `target` is the device type the plan is for ('cpu' or 'cuda') and `caps` its capabilities
@@ -259,7 +181,7 @@ def plan_memory(cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None
         if built.classes:
             y = classification_targets(x, built.classes)
         built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first real step does
-        followed = _follow_step(built, target, x, y)
+        followed = _follow_step(built, target, x, y, by_segment)
     plan = _label(built, cfg.optim.name, followed, n_micro, target)
     plan.seconds = time.perf_counter() - t0
     return plan
@@ -291,25 +213,29 @@ def _label(
         else optimizer_state_bytes(built.optimizer)
     )
     tracker, saved = followed.tracker, followed.saved
-    at_peak: dict[str, int] = defaultdict(int)
-    weight_copies = 0
-    for serial, nbytes in tracker.peak_storages.items():
-        in_grads, in_saved = serial in followed.grad_serials, serial in saved
-        at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
-        if in_saved and serial in tracker.weight_copies:
-            weight_copies += nbytes
-    memory = {
-        "params": sum(p.untyped_storage().nbytes() for p in params),
-        "grads": at_peak["grads"],
-        "optimizer": state_bytes,
-        "activations": at_peak["activations"],
-        "other": at_peak["other"],
-    }
-    memory["peak"] = sum(memory.values())
-    if isinstance(built.optimizer, HostOffloadOptimizer):  # states, copies, buffers: on the host
-        memory["peak"] -= memory["optimizer"]
-        memory["host"] = memory["optimizer"] + built.optimizer.host_bytes(staging=target == "cuda")
-        memory["optimizer"] = 0
+    param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+
+    def breakdown(storages: dict[int, int]) -> tuple[dict[str, int], int]:
+        at_peak: dict[str, int] = defaultdict(int)
+        weight_copies = 0
+        for serial, nbytes in storages.items():
+            in_grads, in_saved = serial in followed.grad_serials, serial in saved
+            at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
+            if in_saved and serial in tracker.weight_copies:
+                weight_copies += nbytes
+        memory = {"params": param_bytes, "grads": at_peak["grads"], "optimizer": state_bytes,
+                  "activations": at_peak["activations"], "other": at_peak["other"]}  # fmt: skip
+        memory["peak"] = sum(memory.values())
+        if isinstance(built.optimizer, HostOffloadOptimizer):  # states, copies, buffers: host
+            memory["peak"] -= memory["optimizer"]
+            staging = target == "cuda"
+            memory["host"] = memory["optimizer"] + built.optimizer.host_bytes(staging=staging)
+            memory["optimizer"] = 0
+        if tracker.host_peak:  # offloaded activations, at their most (the end of forward)
+            memory["host"] = memory.get("host", 0) + tracker.host_peak
+        return memory, weight_copies
+
+    memory, weight_copies = breakdown(tracker.peak_storages)
     by_kind: dict[str, int] = defaultdict(int)
     by_block: dict[str, int] = defaultdict(int)
     prefixes = _block_prefixes(built.model)
@@ -324,6 +250,8 @@ def _label(
         saved_by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         saved_by_block=dict(by_block),
         saved_per_micro_batch=followed.saved_bytes // n_micro,
+        offloaded_per_micro_batch=tracker.host_total // n_micro,
+        segments=[breakdown(storages)[0] for _, storages in tracker.segments],
         n_params=built.n_params,  # vocabulary padding left out, as everywhere
         flops_per_token=built.flops_per_token,
         precision=built.policy.name,

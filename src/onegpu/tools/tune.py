@@ -35,20 +35,10 @@ from onegpu.config import (
     to_toml,
     with_overrides,
 )
+from onegpu.perf.flops import RECOMPUTE
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
 from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, process_share, rank_memory
 from onegpu.tools.planner import plan_memory
-
-# Extra compute of each checkpointing policy, as a fraction of a plain step (a ranking
-# heuristic only: forward is ~1/3 of a step, recomputing it all adds ~1/3).
-RECOMPUTE = {
-    "none": 1.0,
-    "selective": 1.05,
-    "mlp": 1.15,
-    "attn": 1.2,
-    "attn+mlp": 1.3,
-    "block": 1.33,
-}
 
 
 def candidates(

@@ -1,0 +1,144 @@
+"""The same model at another depth or width: what fast planning (two shallow copies, extrapolated
+in depth) and `onegpu plan --largest` (a ladder of sizes of one family) are built on.
+
+A shape is the handful of numbers that set a decoder's size. For onegpu's GPT they are
+[model] fields; for a model.hf folder they are its config.json's, so a reshaped folder is
+written (config.json only: an architecture, no weights) under the cache and planned like any
+other. Everything else of the configuration is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from onegpu.cache import cache_root
+from onegpu.config import Config
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int  # = n_head where the model has no grouped-query attention
+    d_ff: int  # the MLP's hidden width
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def label(self) -> str:
+        kv = f" ({self.n_kv_head} kv)" if self.n_kv_head != self.n_head else ""
+        return (
+            f"{self.n_layer} layers x d_model {self.d_model}, {self.n_head} heads{kv}, "
+            f"MLP {self.d_ff}"
+        )
+
+
+def _hf_config(cfg: Config):
+    from onegpu.models.hf.folder import open_hf_folder
+
+    return open_hf_folder(cfg.model.hf, cfg.model.hf_head).config
+
+
+def shape_of(cfg: Config) -> Shape:
+    """The shape `cfg` trains."""
+    if not cfg.model.hf:
+        m = cfg.model
+        return Shape(m.n_layer, m.d_model, m.n_head, m.n_head, m.mlp_ratio * m.d_model)
+    c = _hf_config(cfg)
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    d, heads = int(c.hidden_size), int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    d_ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d
+    return Shape(int(c.num_hidden_layers), d, heads, kv, int(d_ff))
+
+
+def with_shape(cfg: Config, shape: Shape) -> Config:
+    """`cfg` training a model of `shape` (a model.hf folder: a reshaped copy of its config.json
+    under the cache, keyed by its content)."""
+    if not cfg.model.hf:
+        if shape.d_ff % shape.d_model or shape.n_kv_head != shape.n_head:
+            raise ValueError(f"onegpu's GPT has no shape {shape}: MLP width a multiple of d_model")
+        m = dataclasses.replace(
+            cfg.model,
+            n_layer=shape.n_layer,
+            d_model=shape.d_model,
+            n_head=shape.n_head,
+            mlp_ratio=shape.d_ff // shape.d_model,
+        )
+        return dataclasses.replace(cfg, model=m)
+    config = _hf_config(cfg)
+    values = config.to_dict()
+    text = values.get("text_config") if isinstance(values.get("text_config"), dict) else values
+    explicit_head_dim = text.get("head_dim")
+    for key, value in _hf_keys(config, shape).items():
+        text[key] = value
+    if explicit_head_dim:
+        text["head_dim"] = shape.head_dim
+    blob = json.dumps(values, sort_keys=True, default=str)
+    folder = cache_root() / "shapes" / hashlib.sha256(blob.encode()).hexdigest()[:16]
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / "config.json.tmp"
+        tmp.write_text(blob)
+        tmp.replace(folder / "config.json")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf=str(folder)))
+
+
+def _hf_keys(config, shape: Shape) -> dict[str, int]:
+    """config.json's own names for the shape's numbers (GPT-2's n_layer, Llama's
+    num_hidden_layers, ...: transformers maps the common names to them)."""
+    amap = getattr(config, "attribute_map", {}) or {}
+    out = {
+        amap.get("num_hidden_layers", "num_hidden_layers"): shape.n_layer,
+        amap.get("hidden_size", "hidden_size"): shape.d_model,
+        amap.get("num_attention_heads", "num_attention_heads"): shape.n_head,
+    }
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "num_key_value_heads", None):
+        out["num_key_value_heads"] = shape.n_kv_head
+    if getattr(text, "intermediate_size", None):
+        out["intermediate_size"] = shape.d_ff
+    elif hasattr(text, "n_inner"):
+        out["n_inner"] = shape.d_ff
+    return out
+
+
+def with_depth(cfg: Config, n_layer: int) -> Config:
+    """`cfg` with `n_layer` blocks, everything else as it is."""
+    return with_shape(cfg, dataclasses.replace(shape_of(cfg), n_layer=n_layer))
+
+
+def scaled(base: Shape, factor: float) -> Shape:
+    """`base` grown (or shrunk) in width by `factor`, depth in proportion, as decoder families
+    grow (Llama 3: 2048 x 16 layers at 1B, 3072 x 28 at 3B, 4096 x 32 at 8B, 8192 x 80 at
+    70B; the width-to-depth ratio stays near 100-130, 8 kv heads throughout): the head size,
+    the number of kv heads and the MLP's ratio are kept, widths rounded to whole kv groups
+    (and a non-integer MLP ratio to 256)."""
+    if base.n_kv_head != base.n_head:  # grouped queries: Llama keeps 8 kv heads at every size
+        kv = base.n_kv_head
+        heads = max(kv, round(base.n_head * factor / kv) * kv)
+    else:
+        heads = kv = max(1, round(base.n_head * factor))
+    d_model = heads * base.head_dim
+    n_layer = max(1, round(base.n_layer * factor))
+    if base.d_ff % base.d_model == 0:  # an integer MLP ratio (GPT-2's 4) stays exact
+        d_ff = d_model * (base.d_ff // base.d_model)
+    else:
+        d_ff = max(256, round(d_model * base.d_ff / base.d_model / 256) * 256)
+    return Shape(n_layer, d_model, heads, kv, d_ff)
+
+
+def ladder(base: Shape, down: int = 8, up: int = 12, step: float = 2 ** (1 / 4)) -> list[Shape]:
+    """Shapes of `base`'s family from small to large, `step` apart in width (x1.19 in width and
+    depth: about x1.7 in parameters), `base` itself included, duplicates dropped."""
+    out: list[Shape] = []
+    for k in range(-down, up + 1):
+        s = base if k == 0 else scaled(base, step**k)
+        if s not in out and s.n_layer >= 1:
+            out.append(s)
+    return out
