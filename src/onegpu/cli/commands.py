@@ -100,6 +100,13 @@ def _plan(ns, env: Env) -> int:
     if ns.gpu == "list":
         print(gpu_table())
         return 0
+    if ns.largest:
+        from onegpu.tools.largest import find_largest, format_largest
+
+        found = find_largest(env.load(), ns.gpu, ns.memory, ns.host_memory,
+                             log=lambda line: print(line, flush=True))  # fmt: skip
+        print(json.dumps(found, indent=1) if ns.json else format_largest(found))
+        return 0
     report = plan_report(env.load(), ns.gpu, ns.memory, ns.world_size, ns.host_memory)
     print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
     best = next((f["best_toml"] for f in report.get("fixes", []) if "best_toml" in f), None)
@@ -184,6 +191,9 @@ COMMANDS: tuple[Command, ...] = (
                 _a("--json", action="store_true", help="print one JSON object"),
                 _a("--host-memory", type=int, metavar="BYTES",
                    help="host memory for offloaded state (default: this machine's RAM)"),
+                _a("--largest", action="store_true",
+                   help="the largest model of the configured one's family (depth and width "
+                   "scaled together) that trains in full on --gpu / --memory, and how"),
                 _a("--best-toml", metavar="PATH",
                    help="where the fix list finds a configuration that fits: write it here"),
                 WORLD_SIZE,

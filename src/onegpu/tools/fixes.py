@@ -59,6 +59,12 @@ def resolved(cfg: Config, change: dict[str, str]) -> dict[str, str]:
     }
 
 
+def _differs(cfg: Config, key: str, value: str) -> bool:
+    section, name = key.split(".")
+    current = getattr(getattr(cfg, section), name)
+    return (str(current).lower() if isinstance(current, bool) else str(current)) != value
+
+
 def with_fix(cfg: Config, change: dict[str, str]) -> Config:
     """cfg with a fix applied; refused (ConfigError) if the result is invalid."""
     return with_overrides(cfg, resolved(cfg, change))
@@ -72,6 +78,7 @@ class Planned:
     peak: int
     host: int
     step_s: float | None
+    n_params: int = 0
 
 
 def planned(
@@ -88,7 +95,8 @@ def planned(
     plan = plan_extrapolated(share, target, caps) if fast else plan_memory(share, target, caps)
     mem = rank_memory(cfg, plan, 1, strategy) if strategy != "none" else plan.memory
     speed = predicted_speed(cfg, plan, gpu, 1)
-    return Planned(mem["peak"], mem.get("host", 0), speed.get("predicted_step_time_s"))
+    step_s = speed.get("predicted_step_time_s")
+    return Planned(mem["peak"], mem.get("host", 0), step_s, plan.n_params)
 
 
 def fixes_for(
@@ -168,7 +176,8 @@ class _Search:
                     continue  # nothing more saved on top of the ones above (or it undoes one)
                 together = self.confirmed(candidate, together)
                 fits = self.fits(together)
-                applied.update(resolved(current, change))
+                applied.update({k: v for k, v in resolved(current, change).items()
+                                if _differs(current, k, v)})  # fmt: skip
                 current, current_peak = candidate, together.peak
                 found.append(self.entry(name, change, p, together, fits, found))
                 if fits:
@@ -198,7 +207,8 @@ class _Search:
                     f.pop("best_overrides", None)
                 found.append(self.entry(name, change, p, confirmed, True, []))
                 found[-1].update(instead=True, best_toml=to_toml(candidate),
-                                 best_overrides=resolved(cfg, change))  # fmt: skip
+                                 best_overrides={k: v for k, v in resolved(cfg, change).items()
+                                                 if _differs(cfg, k, v)})  # fmt: skip
                 break
         return found
 
