@@ -117,12 +117,20 @@ def _plan(ns, env: Env) -> int:
 
 
 def _tune(ns, env: Env) -> int:
-    from onegpu.tools.tune import budget, launch_line, tune
+    from onegpu.tools.tune import budget, launch_line, predicted_only, tune
 
     overrides = env.load(overrides_only=True)
     cfg = env.load()
-    budget_bytes, target = budget(ns.gpu, ns.memory)
     out = Path(ns.out or "tune")
+    if predicted_only(ns.gpu, ns.world_size):
+        from onegpu.tools.tune_plan import tune_predicted
+
+        tune_predicted(cfg, ns.gpu, ns.host_memory, out, log=lambda s: print(s, flush=True))
+        print((out / "tune.md").read_text())
+        print(f"wrote {out}/tune.md, {out}/tune.json, {out}/best.toml "
+              f"(onegpu train --config {out}/best.toml on a {ns.gpu})")  # fmt: skip
+        return 0
+    budget_bytes, target = budget(ns.gpu, ns.memory)
     result = tune(cfg, budget_bytes=budget_bytes, target=target, time_budget_s=ns.time_budget,
                   steps=ns.steps, out_dir=out, preset=ns.preset, config_file=ns.config,
                   base_overrides=overrides, with_compile=ns.with_compile,
@@ -207,6 +215,8 @@ COMMANDS: tuple[Command, ...] = (
                    help="seconds of measured trials (default: 300)"),
                 _a("--steps", type=int, default=6, help="steps per trial (default: 6)"),
                 _a("--with-compile", action="store_true", help="also try regional compile"),
+                _a("--host-memory", type=int, metavar="BYTES",
+                   help="host memory for offloaded state (default: this machine's RAM)"),
                 _a("--world-size", type=int, default=1, metavar="N",
                    help="tune one of N processes under torchrun: the strategy joins the search, "
                    "the budget is per process, trials launch N processes"),

@@ -62,7 +62,7 @@ def per_rank_memory(
     """What rank 0 holds at its step's peak, from the single-device plan `single` of one
     process's share (the measured breakdown's names; `gathered` and `host` added)."""
     if strategy != "fsdp" or world_size < 1:
-        return {**single, "gathered": 0, "host": 0}
+        return {**single, "gathered": 0, "host": single.get("host", 0)}
     r = shard_fraction(params, world_size)
     sharded = {g: int(single[g] * r) for g in ("params", "grads", "optimizer")}
     total_numel = sum(p.numel for p in params)
@@ -75,6 +75,7 @@ def per_rank_memory(
     # on the host, every shard's gradient exists by the end of backward, whenever the
     # device's peak comes: as many bytes as the shards of the weights
     host = 2 * sharded["params"] + sharded["optimizer"] if cpu_offload else 0
+    host += single.get("host", 0)  # offloaded activations (and a host optimizer's bytes)
     device_states = {g: 0 for g in sharded} if cpu_offload else sharded
     out = {
         **device_states,

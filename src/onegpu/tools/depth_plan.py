@@ -61,7 +61,11 @@ def plan_extrapolated(
         memory=memory,
         segments=[],
         saved_by_kind=lines(pa.saved_by_kind, pb.saved_by_kind),
-        saved_by_block={},  # per block: see the full plan
+        # the middle blocks all alike: the shallow model's last block stands for each one
+        saved_by_block={
+            **{k: v for k, v in pb.saved_by_block.items() if not k.startswith("blocks.")},
+            **{f"blocks.{i}": pb.saved_by_block.get(f"blocks.{b - 1}", 0) for i in range(depth)},
+        },  # fmt: skip
         saved_per_micro_batch=line(pa.saved_per_micro_batch, pb.saved_per_micro_batch),
         n_params=line(pa.n_params, pb.n_params),
         flops_per_token=line(pa.flops_per_token, pb.flops_per_token),

@@ -79,6 +79,7 @@ class Planned:
     host: int
     step_s: float | None
     n_params: int = 0
+    flops_per_token: int = 0
 
 
 def planned(
@@ -96,7 +97,7 @@ def planned(
     mem = rank_memory(cfg, plan, 1, strategy) if strategy != "none" else plan.memory
     speed = predicted_speed(cfg, plan, gpu, 1)
     step_s = speed.get("predicted_step_time_s")
-    return Planned(mem["peak"], mem.get("host", 0), step_s, plan.n_params)
+    return Planned(mem["peak"], mem.get("host", 0), step_s, plan.n_params, plan.flops_per_token)
 
 
 def fixes_for(

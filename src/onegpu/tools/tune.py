@@ -33,6 +33,7 @@ from onegpu.config import (
     check_distributed,
     resolve_strategy,
     to_toml,
+    with_offload_params,
     with_overrides,
 )
 from onegpu.perf.flops import RECOMPUTE
@@ -55,6 +56,7 @@ def candidates(
         }
     )
     lowp = precisions(target_caps(device_type))
+    host_tiers = device_type == "cuda" and world_size == 1
     space = {
         "train.micro_batch_size": [str(m) for m in micro],
         "memory.checkpointing": ["none", "selective", "attn+mlp", "block"],
@@ -62,6 +64,9 @@ def candidates(
         "optim.name": ["adamw", "adamw8bit"],
         "memory.loss_chunk": ["0", "1024"] if _vocab_size(cfg) > 4096 else ["0"],
         "memory.offload_activations": ["false", "true"] if device_type == "cuda" else ["false"],
+        # the host tiers (one process; under torchrun FSDP's own CPU offload below)
+        "memory.offload_optimizer": ["false", "true"] if host_tiers else ["false"],
+        "memory.offload_params": ["false", "true"] if host_tiers else ["false"],
         "train.compile": ["none", "regional"] if with_compile else ["none"],
     }
     if world_size > 1:
@@ -72,11 +77,15 @@ def candidates(
     out = []
     for values in itertools.product(*(space[k] for k in keys)):
         change = dict(zip(keys, values, strict=True))
+        if change["memory.offload_params"] == "true" == change["memory.offload_optimizer"]:
+            continue  # weights on the host take their optimizer with them: one candidate
         try:
             changed = with_overrides(cfg, change)
             if world_size > 1:
                 strategy = resolve_strategy(changed.dist, world_size, "--world-size")
                 check_distributed(changed, strategy, world_size)
+            elif changed.memory.offload_params:  # as the build runs it: FSDP2 over one process
+                check_distributed(with_offload_params(changed), "fsdp", 1)
         except ConfigError:
             continue
         out.append(change)
@@ -124,6 +133,23 @@ def precisions(caps: DeviceCaps) -> list[str]:
     return [auto, "bf16-pure"] if auto == "bf16" else [auto]
 
 
+def predicted_only(gpu: str | None, world_size: int) -> bool:
+    """Whether a search cannot measure: a GPU of the table was named and none is here (the
+    search is then by prediction alone: tools/tune_plan.py)."""
+    import torch
+
+    from onegpu.perf.devices import GPUS
+
+    if gpu is None or torch.cuda.is_available():
+        return False
+    if gpu not in GPUS:
+        raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
+    if world_size > 1:
+        raise ConfigError("--world-size", f"no {gpu} here to launch processes on; the "
+                          "predicted search (--gpu without a GPU) is for one process")  # fmt: skip
+    return True
+
+
 def budget(gpu: str | None, memory: int | None) -> tuple[int, str]:
     """The memory budget and the target device kind: a GPU of the table (its memory less the
     CUDA overhead), `memory` bytes, or the GPU here; on a CPU `memory` is required."""
@@ -155,6 +181,8 @@ def estimated_cost(change: dict[str, str], batch: int) -> float:
     cost *= 1.0 + 0.15 * (batch // int(change["train.micro_batch_size"]) - 1) ** 0.5
     cost *= 1.03 if change["optim.name"] == "adamw8bit" else 1.0
     cost *= 1.2 if change["memory.offload_activations"] == "true" else 1.0
+    cost *= 1.5 if change["memory.offload_optimizer"] == "true" else 1.0
+    cost *= 2.0 if change["memory.offload_params"] == "true" else 1.0
     # FSDP gathers every block's weights twice a step (DDP: one all-reduce), offload adds copies
     cost *= 1.1 if change.get("dist.strategy") == "fsdp" else 1.0
     cost *= 1.3 if change.get("dist.cpu_offload") == "true" else 1.0
@@ -279,7 +307,9 @@ def _size(nbytes: int) -> str:
 def _label(change: dict[str, str]) -> str:
     short = {"train.micro_batch_size": "micro", "memory.checkpointing": "remat",
              "train.precision": "", "optim.name": "", "memory.loss_chunk": "chunk",
-             "memory.offload_activations": "offload", "train.compile": "compile",
+             "memory.offload_activations": "activations on host",
+             "memory.offload_optimizer": "optimizer on host",
+             "memory.offload_params": "weights on host", "train.compile": "compile",
              "dist.strategy": "", "dist.cpu_offload": "shards on host"}  # fmt: skip
     parts = []
     for k, v in change.items():

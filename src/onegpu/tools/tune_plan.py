@@ -1,0 +1,203 @@
+"""`onegpu tune --gpu NAME` where that GPU is not here: the search by prediction alone.
+
+Nothing can be measured for a GPU that is not in the machine (an 8B model does not run on a
+laptop CPU), so the candidates are ranked by the planner's predicted step time, as `onegpu
+plan` prices it (FLOPs at the GPU's datasheet peak, recomputation, host-link transfers, the
+CPU's optimizer step), and the winner is written as best.toml like a measured search's.
+
+The search is branch and bound, in three steps, so an 8B model on a named GPU takes minutes:
+
+1. Arithmetic, no planning: a candidate whose weights, gradients and optimizer states alone
+   (those it keeps on the device) exceed the GPU, or whose host-side bytes exceed the host
+   memory, is pruned. So is one with a lower bound on its step time (compute with its
+   recomputation, its host step, its link bytes) no better than a candidate already planned.
+2. The survivors are planned fastest-bound first from two shallow copies of the model
+   (tools/depth_plan.py), largest micro-batch first per setting of the rest.
+3. The fastest that fits is confirmed by following the full model (the next one if not).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from onegpu.config import Config, ConfigError, to_toml, with_overrides
+from onegpu.perf.devices import GPUS
+from onegpu.perf.flops import recompute_factor
+from onegpu.perf.host_step import host_step_rate
+from onegpu.techniques.precision import resolve_precision
+from onegpu.tools.fixes import Planned, planned
+from onegpu.tools.offload_time import LINK_EFFICIENCY
+from onegpu.tools.plan import EFFICIENCY, gpu_caps
+
+
+@dataclass
+class Bound:
+    """What arithmetic alone says of a candidate (no planning)."""
+
+    device: int  # bytes it must keep on the device at least
+    host: int  # bytes it must keep on the host at least
+    step_s: float  # seconds a step takes at least
+
+
+def state_bytes_per_param(optimizer: str) -> float:
+    """At least this many bytes of optimizer state per parameter."""
+    return {"adamw": 8.0, "adam": 8.0, "adamw8bit": 2.0, "sgd": 0.0}.get(optimizer, 0.0)
+
+
+def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_blocks: int) -> Bound:
+    """Lower bounds of a candidate's device bytes, host bytes and step time. On the device at
+    least: the weights and states it keeps there, and beside them either the blocks' saved
+    activations (at the end of a forward: `saved_blocks` per sequence, planned) or
+    its gradients (at the optimizer step)."""
+    m, o = cfg.memory, cfg.optim
+    spec = GPUS[gpu]
+    precision = resolve_precision(cfg.train.precision, gpu_caps(gpu)).name
+    weight = 2 if precision == "bf16-pure" else 4
+    states = state_bytes_per_param(o.name) * n_params
+    host_states = m.offload_optimizer or m.offload_params
+    weights = 0 if m.offload_params else weight * n_params
+    grads = 0 if host_states or o.in_backward else weight * n_params
+    activations = 0 if m.offload_activations else saved_blocks * cfg.train.micro_batch_size
+    device = weights + (0 if host_states else states) + max(activations, grads)
+    host = (weight * n_params + states) if host_states else 0
+    peak = spec.peak.get({"bf16-pure": "bf16"}.get(precision, precision), spec.peak["fp32"])
+    tokens = cfg.train.batch_size * cfg.train_seq_len
+    compute = flops_per_token * recompute_factor(m.checkpointing) * tokens / (peak * EFFICIENCY)
+    link = 0.0
+    if host_states:  # the gradients out once per micro-batch, weights back once a step
+        link = (cfg.grad_accum_steps + 1) * weight * n_params / (spec.host_link * LINK_EFFICIENCY)
+    host_step = n_params / host_step_rate(o.name)[0] if host_states else 0.0
+    return Bound(int(device), int(host), max(compute, link) + host_step)
+
+
+def activation_floors(cfg: Config, gpu: str, cands: list[dict[str, str]]) -> dict[tuple, int]:
+    """(checkpointing, precision) -> saved activations of one sequence that grow with the
+    micro-batch, planned (two shallow copies each: a few plans in all)."""
+    from onegpu.tools.depth_plan import plan_extrapolated
+
+    floors = {}
+    for key in {(c["memory.checkpointing"], c["train.precision"]) for c in cands}:
+        one = with_overrides(cfg, {"memory.checkpointing": key[0], "train.precision": key[1],
+                                   "train.micro_batch_size": "1", "train.batch_size": "1",
+                                   "memory.offload_activations": "false"})  # fmt: skip
+        plan = plan_extrapolated(one, "cuda", gpu_caps(gpu))
+        # per sequence: not autocast's copies of the weights (one per forward, whatever the
+        # micro-batch) nor the logits (the chunked loss changes them)
+        per_forward = ("16-bit copies (autocast)", "logits / loss")
+        floors[key] = sum(v for k, v in plan.saved_by_kind.items() if k not in per_forward)
+    return floors
+
+
+def search(
+    cfg: Config,
+    cands: list[dict[str, str]],
+    gpu: str,
+    budget: int,
+    host_budget: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Candidates ranked by predicted step time; the fastest that fits confirmed in full."""
+    t0 = time.perf_counter()
+    target, caps = "cuda", gpu_caps(gpu)
+    base = planned(cfg, target, caps, gpu, fast=True)
+    floors = activation_floors(cfg, gpu, cands)
+    log(f"  {len(floors)} activation floors planned in {time.perf_counter() - t0:.0f} s")
+    scored = []
+    pruned = 0
+    for change in cands:
+        c = with_overrides(cfg, change)
+        saved = floors[(change["memory.checkpointing"], change["train.precision"])]
+        b = bound(c, base.n_params, base.flops_per_token, gpu, saved)
+        if b.device > budget or b.host > host_budget:
+            pruned += 1
+            continue
+        scored.append((b.step_s, -c.train.micro_batch_size, change, c))
+    scored.sort(key=lambda s: (s[0], s[1]))
+    log(f"tune (predicted for {gpu}): {len(cands)} candidates, {pruned} pruned by arithmetic "
+        f"(what they must keep exceeds {budget / 2**30:.1f} GiB on the device "
+        f"or {host_budget / 2**30:.1f} GiB on the host), {len(scored)} to plan, fastest bound first")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    for i, (lower, _, change, c) in enumerate(scored):
+        if best is not None and lower >= best["step_s"]:
+            log(f"  stopped after {i} planned: no candidate left can beat "
+                f"{best['step_s'] * 1e3:,.0f} ms/step")  # fmt: skip
+            break
+        try:
+            p = planned(c, target, caps, gpu, fast=True)
+        except ConfigError:
+            continue
+        fits = p.peak <= budget and p.host <= host_budget
+        row = _row(change, p, fits, c)
+        rows.append(row)
+        if fits and (best is None or (p.step_s or 0) < best["step_s"]):
+            full = planned(c, target, caps, gpu, fast=False)
+            if full.peak <= budget and full.host <= host_budget:
+                best = _row(change, full, True, c)
+                rows[-1] = best
+        if (i + 1) % 10 == 0:
+            so_far = f", best so far {best['step_s'] * 1e3:,.0f} ms/step" if best else ""
+            log(f"  {i + 1}/{len(scored)} planned in {time.perf_counter() - t0:.0f} s{so_far}")
+    return {"gpu": gpu, "candidates": len(cands), "pruned_by_arithmetic": pruned,
+            "host_budget": host_budget,
+            "planned": len(rows), "rows": rows, "best": best,
+            "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def _row(change: dict[str, str], p: Planned, fits: bool, c: Config) -> dict[str, Any]:
+    tokens = c.train.batch_size * c.train_seq_len
+    return {"change": change, "peak_bytes": p.peak, "host_bytes": p.host, "step_s": p.step_s,
+            "tokens_per_s": tokens / p.step_s if p.step_s else None, "fits": fits}  # fmt: skip
+
+
+def tune_predicted(
+    cfg: Config, gpu: str, host_memory: int | None, out_dir: Path, log=print
+) -> dict[str, Any]:
+    """The predicted search for `gpu`; best.toml, tune.json and tune.md in `out_dir`."""
+    from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, machine_ram
+    from onegpu.tools.tune import candidates
+
+    cands = candidates(cfg, "cuda", with_compile=False)
+    budget = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES
+    result = search(cfg, cands, gpu, budget, host_memory or machine_ram(), log)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tune.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / "tune.md").write_text(predicted_table(result, budget))
+    if result["best"] is None:
+        raise ConfigError(
+            "--gpu",
+            f"nothing in the search fits {gpu} with {result['host_budget'] / 2**30:.1f} GiB of "
+            "host memory; --host-memory BYTES plans for a larger host, or `onegpu plan "
+            "--largest` says which size of this model fits",
+        )
+    (out_dir / "best.toml").write_text(to_toml(with_overrides(cfg, result["best"]["change"])))
+    return result
+
+
+def predicted_table(result: dict[str, Any], budget: int) -> str:
+    from onegpu.tools.tune import _label
+
+    rows = sorted((r for r in result["rows"] if r["fits"]), key=lambda r: r["step_s"])[:10]
+    lines = [
+        f"# onegpu tune for {result['gpu']}: predicted, not measured (no such GPU here)",
+        "",
+        f"{result['candidates']} candidates; {result['pruned_by_arithmetic']} pruned by "
+        f"arithmetic; {result['planned']} planned (fastest lower bound first, until none left "
+        f"could be faster) in {result['seconds']:.0f} s. Budget {budget / 2**30:.1f} GiB on the "
+        f"device, {result['host_budget'] / 2**30:.1f} GiB on the host. Fastest that fit:",
+        "",
+        "| configuration | predicted tokens/s | device | host |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {_label(r['change'])} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['peak_bytes'] / 2**30:,.2f} GiB | {r['host_bytes'] / 2**30:,.1f} GiB |")  # fmt: skip
+    if result["best"]:
+        lines += ["", f"Fastest that fits: {_label(result['best']['change'])} (best.toml; "
+                  "confirmed by following the full model)."]  # fmt: skip
+    return "\n".join(lines) + "\n"

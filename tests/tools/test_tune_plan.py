@@ -1,0 +1,64 @@
+"""`onegpu tune --gpu NAME` without that GPU: a search by prediction whose arithmetic pruning is
+sound (its bounds never exceed what planning finds) and whose winner fits."""
+
+import random
+
+import pytest
+
+from onegpu.config import load_config, with_overrides
+from onegpu.tools.fixes import planned
+from onegpu.tools.plan import gpu_caps
+from onegpu.tools.tune import candidates
+from onegpu.tools.tune_plan import activation_floors, bound, search
+
+GPU = "RTX4090"
+
+
+def _cfg():
+    return load_config("tiny", overrides={"train.device": "cpu", "model.n_layer": "4",
+                                          "model.dropout": "0.0", "train.batch_size": "8",
+                                          "train.micro_batch_size": "8"})  # fmt: skip
+
+
+def test_the_arithmetic_bounds_are_lower_bounds_of_the_plan():
+    """Pruning without planning is only sound if no candidate needs less than its bound: a
+    sample across every option, each planned in full for the GPU."""
+    cfg, caps = _cfg(), gpu_caps(GPU)
+    cands = random.Random(0).sample(candidates(cfg, "cuda", with_compile=False), 8)
+    floors = activation_floors(cfg, GPU, cands)
+    base = planned(cfg, "cuda", caps, GPU, fast=False)
+    for change in cands:
+        c = with_overrides(cfg, change)
+        key = (change["memory.checkpointing"], change["train.precision"])
+        b = bound(c, base.n_params, base.flops_per_token, GPU, floors[key])
+        p = planned(c, "cuda", caps, GPU, fast=False)
+        assert b.device <= p.peak and b.host <= p.host, change
+        assert b.step_s <= p.step_s * (1 + 1e-9), change
+
+
+def test_the_search_returns_the_fastest_planned_candidate_that_fits():
+    cfg, caps = _cfg(), gpu_caps(GPU)
+    plain = planned(cfg, "cuda", caps, GPU, fast=False)
+    budget = plain.peak - 1  # as configured it does not fit
+    result = search(cfg, candidates(cfg, "cuda", with_compile=False), GPU, budget, 2**40,
+                    log=lambda line: None)  # fmt: skip
+    best = result["best"]
+    assert best is not None and best["fits"]
+    again = planned(with_overrides(cfg, best["change"]), "cuda", caps, GPU, fast=False)
+    assert again.peak <= budget
+    fitting = [r for r in result["rows"] if r["fits"]]
+    assert all(best["step_s"] <= r["step_s"] for r in fitting)
+    assert result["pruned_by_arithmetic"] + result["planned"] <= result["candidates"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="measures on a GPU here")
+def test_tune_for_a_gpu_that_is_not_here_writes_a_predicted_best_toml(tmp_path):
+    import tomllib
+
+    from onegpu.cli import main
+
+    out = tmp_path / "tune"
+    assert main(["tune", "--preset", "tiny", "--gpu", GPU, "--out", str(out)]) == 0
+    best = tomllib.loads((out / "best.toml").read_text())
+    assert best["train"]["micro_batch_size"] >= 1
+    assert "predicted, not measured" in (out / "tune.md").read_text()
