@@ -31,7 +31,36 @@ ROWS = {
     "on device, accumulation x4": {"train.micro_batch_size": "/4"},
     "weights, gradients and optimizer in host memory (FSDP2 CPU offload, one process)":
         {"memory.offload_params": "true"},
+    "optimizer states and weight copies on disk (memory.offload_dir)":
+        {"memory.offload_optimizer": "true", "memory.offload_dir": "{disk}"},
 }  # fmt: skip
+
+
+def disk_rates(folder: Path, nbytes: int = 2**30) -> dict[str, float]:
+    """This disk's rates for the disk tier's files: writing a memory-mapped file and flushing
+    it (fsync), then reading it back with its pages dropped from the page cache first
+    (posix_fadvise DONTNEED), so the read comes from the disk, not from RAM."""
+    import os
+    import time
+
+    path = folder / "rate.bin"
+    t = torch.from_file(str(path), shared=True, size=nbytes // 4, dtype=torch.float32)
+    t0 = time.perf_counter()
+    t.fill_(1.0)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    write = nbytes / (time.perf_counter() - t0)
+    del t
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    t = torch.from_file(str(path), shared=True, size=nbytes // 4, dtype=torch.float32)
+    t0 = time.perf_counter()
+    total = float(t.sum())
+    read = nbytes / (time.perf_counter() - t0)
+    assert total == nbytes // 4
+    del t
+    path.unlink()
+    return {"write_bytes_per_s": write, "read_bytes_per_s": read, "bytes": nbytes}
 
 
 def _isa() -> str:
@@ -45,6 +74,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--disk-dir", default="", help="folder on the disk to measure (default: a "
+                    "temporary folder, usually /tmp)")  # fmt: skip
     a = ap.parse_args()
     from onegpu.config import load_config
 
@@ -57,6 +88,8 @@ def main() -> None:
             names = list(ROWS) if r % 2 == 0 else list(reversed(ROWS))
             for name in names:
                 over = {**base, **ROWS[name]}
+                if over.get("memory.offload_dir") == "{disk}":
+                    over["memory.offload_dir"] = str(Path(a.disk_dir or work) / "tier")
                 if over["train.micro_batch_size"].startswith("/"):
                     over["train.micro_batch_size"] = str(
                         batch // int(over["train.micro_batch_size"][1:])
@@ -65,6 +98,7 @@ def main() -> None:
                 results[name].append(res)
                 print(f"round {r + 1} {name}: {res['tokens_per_s']:,.0f} tokens/s, "
                       f"peak RSS {res['peak_rss_bytes'] / 2**20:,.0f} MiB", flush=True)  # fmt: skip
+        rates = disk_rates(Path(a.disk_dir or work))
     rows = []
     for name, runs in results.items():
         tok = statistics.median(x["tokens_per_s"] for x in runs)
@@ -93,12 +127,16 @@ def main() -> None:
         *(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['vs_on_device']:.3f} | "
           f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB |" for r in rows),
         "",
+        f"Disk tier's files on this disk ({rates['bytes'] / 2**30:.0f} GiB memory-mapped): write + "
+        f"fsync {rates['write_bytes_per_s'] / 1e9:,.2f} GB/s, read with the page cache dropped "
+        f"{rates['read_bytes_per_s'] / 1e9:,.2f} GB/s.",
+        "",
     ]  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"offload-{a.preset}.md").write_text("\n".join(lines))
     (out / f"offload-{a.preset}.json").write_text(
-        json.dumps({"command": command, "rows": rows}, indent=1) + "\n"
+        json.dumps({"command": command, "rows": rows, "disk": rates}, indent=1) + "\n"
     )
     print("\n".join(lines))
 

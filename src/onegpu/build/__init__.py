@@ -123,7 +123,8 @@ def build(
         on_host = cfg.dist.cpu_offload and ctx.enabled  # FSDP's shards live on the host
         optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if on_host else device,
                                     param_dtype=resolved.precision.param_dtype,
-                                    offload=cfg.memory.offload_optimizer)  # fmt: skip
+                                    offload=cfg.memory.offload_optimizer,
+                                    offload_dir=cfg.memory.offload_dir, fake=fake)  # fmt: skip
     step = TrainStep(model=model, loss_fn=applied.loss_fn, optimizer=optimizer,
                      policy=resolved.precision, device=device, optim=cfg.optim,
                      max_steps=cfg.train.max_steps, n_micro=cfg.grad_accum_steps // ctx.world_size,

@@ -175,6 +175,10 @@ class MemoryConfig:
     """Optimizer states and the weights it updates in host memory (ZeRO-Offload on one device):
     gradients leave the device as backward produces them, the step runs on the CPU, the updated
     weights are copied back. Any optimizer (8-bit AdamW then keeps 8-bit states on the host)."""
+    offload_dir: str = ""
+    """With memory.offload_optimizer: a folder on a local disk where the optimizer's states and
+    its weight copies live in memory-mapped files (ZeRO-Infinity's disk tier), for when host
+    memory is short; the gradient buffers stay in RAM. '' (default): all in host memory."""
     loss_chunk: int | Literal["auto"] = "auto"
     """Compute output layer + cross-entropy in chunks of this many tokens so the full
     [tokens, vocab] logits never exist (0: off; same loss and gradients). 'auto': on where the

@@ -172,6 +172,19 @@ def _validate_combinations(cfg: Config) -> None:
         "not have; use --dist.strategy auto (or fsdp)",
     )
     _require(
+        not (cfg.memory.offload_dir and not cfg.memory.offload_optimizer),
+        "memory.offload_dir",
+        "holds the host optimizer's states and weight copies; add --memory.offload_optimizer "
+        "true (or leave memory.offload_dir empty)",
+    )
+    if cfg.memory.offload_dir:
+        _require(
+            _writable_folder(cfg.memory.offload_dir),
+            "memory.offload_dir",
+            f"{cfg.memory.offload_dir} is not a folder this user can write to (nor can it be "
+            "made); give a folder on a local disk with room for the optimizer's states",
+        )
+    _require(
         not (cfg.memory.offload_optimizer and o.in_backward),
         "memory.offload_optimizer",
         "steps on the host after backward, optim.in_backward inside it on the device; "
@@ -324,3 +337,17 @@ def check_data_sizes(cfg: Config, train_tokens: int, val_tokens: int) -> None:
         f"the validation split has {val_tokens} tokens, fewer than one sequence ({T + 1}); "
         "raise data.val_fraction or turn evaluation off with --train.eval_every 0",
     )
+
+
+def _writable_folder(path: str) -> bool:
+    """Whether `path` is a writable folder, or could be made as one (its nearest existing
+    parent is a writable folder): checked without touching the disk."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser().absolute()
+    while not p.exists():
+        if p.parent == p:
+            return False
+        p = p.parent
+    return p.is_dir() and os.access(p, os.W_OK | os.X_OK)

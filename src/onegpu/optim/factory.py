@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from onegpu.config import ConfigError, OptimConfig
+from onegpu.optim.disk_tier import DiskTier
 from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
@@ -66,15 +67,20 @@ def build_optimizer(
     *,
     param_dtype: torch.dtype = torch.float32,
     offload: bool = False,
+    offload_dir: str = "",
+    fake: bool = False,
 ) -> torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer:
     """The configured optimizer for weights stored in `param_dtype` (the precision policy's);
     stepped inside backward, per parameter, if optim.in_backward; on host copies of the
-    weights, stepped on the CPU, if `offload` (memory.offload_optimizer)."""
+    weights, stepped on the CPU, if `offload` (memory.offload_optimizer), their copies and
+    states in files under `offload_dir` if given (none made on a `fake` build: a plan)."""
     groups = param_groups(model, cfg.weight_decay)
     if offload:
         cpu = torch.device("cpu")
         make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731
-        return HostOffloadOptimizer(groups, make, device, list(model.parameters()))
+        disk = DiskTier(offload_dir) if offload_dir and not fake else None
+        return HostOffloadOptimizer(groups, make, device, list(model.parameters()), disk=disk,
+                                    on_disk=bool(offload_dir))  # fmt: skip
     if cfg.in_backward:
         return OptimizerInBackward(groups, lambda gs: _make(gs, cfg, device, param_dtype))
     return _make(groups, cfg, device, param_dtype)

@@ -25,6 +25,9 @@ parameter (its checkpoints do not load into the non-offloaded optimizer). Here:
   the layout of the device optimizer's, so a checkpoint written offloaded resumes without
   offload and the other way round.
 
+With `memory.offload_dir` the weight copies and the states live in memory-mapped files instead
+(optim/disk_tier.py); the gradient buffers stay in RAM.
+
 On a CPU the "device" and the host are the same memory: offloading then only adds copies (the
 machinery's overhead, measured in benchmarks/offload.py), and is what the tests run.
 """
@@ -36,6 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from onegpu.optim.disk_tier import DiskTier, step_into_disk
 
 
 class HostOffloadOptimizer:
@@ -51,16 +56,25 @@ class HostOffloadOptimizer:
         make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
         device: torch.device,
         model_params: list[torch.Tensor],
+        *,
+        disk: DiskTier | None = None,
+        on_disk: bool = False,
     ):
         self.device = device
         pin = device.type == "cuda"
+        self.disk = disk  # memory.offload_dir: weight copies and states in mapped files
+        self.on_disk = on_disk or disk is not None  # (a plan has the tier but makes no files)
+        self._states_on_disk = False
         self._host: dict[torch.Tensor, torch.Tensor] = {}  # device param -> host copy
         host_groups = []
         for group in groups:
             host_params = []
             for p in group["params"]:
-                h = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
-                h.copy_(p.detach())
+                if disk is not None:
+                    h = disk.tensor_like(p.detach().to("cpu"))
+                else:
+                    h = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                    h.copy_(p.detach())
                 h.grad = torch.zeros_like(h)  # the accumulation buffer, reused every step
                 self._host[p] = h
                 host_params.append(h)
@@ -131,7 +145,11 @@ class HostOffloadOptimizer:
     def step(self, closure=None) -> None:
         """Step the host copies, then bring the updated weights back to the device."""
         self.wait_for_gradients()
-        self.inner.step()
+        if self.disk is not None and not self._states_on_disk:
+            step_into_disk(self.inner, self.disk)  # states made one parameter at a time
+            self._states_on_disk = True
+        else:
+            self.inner.step()
         self._copy_to_device()
 
     @torch.no_grad()
@@ -153,12 +171,20 @@ class HostOffloadOptimizer:
             p.grad = None
 
     def host_bytes(self, *, staging: bool) -> int:
-        """Host memory besides the optimizer's states: the weight copies and the gradient
-        buffers (and, with an accelerator, the pinned staging buffers of the gradients)."""
-        copies = sum(2 * h.numel() * h.element_size() for h in self._host.values())
+        """Host memory besides the optimizer's states: the weight copies (unless they are on
+        the disk) and the gradient buffers (and, with an accelerator, the pinned staging
+        buffers of the gradients)."""
+        copies = sum(h.numel() * h.element_size() for h in self._host.values())
+        host = copies if self.on_disk else 2 * copies
         if not staging:
-            return copies
-        return copies + sum(p.numel() * p.element_size() for p in self._host)
+            return host
+        return host + sum(p.numel() * p.element_size() for p in self._host)
+
+    def disk_bytes(self) -> int:
+        """Bytes of weight copies the disk tier holds (the states' come on top)."""
+        if not self.on_disk:
+            return 0
+        return sum(h.numel() * h.element_size() for h in self._host.values())
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
@@ -168,6 +194,10 @@ class HostOffloadOptimizer:
         """The states as saved (by this optimizer or a device one: same layout), and the host
         copies taken from the device weights, which a checkpoint loads first."""
         self.inner.load_state_dict(state)
+        if self.disk is not None and self.inner.state:
+            for per_param in self.inner.state.values():
+                self.disk.move_state(per_param)
+            self._states_on_disk = True
         self.sync_from_device()
 
     @torch.no_grad()

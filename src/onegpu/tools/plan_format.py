@@ -53,6 +53,8 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         lines.append(f"  {label:<38} {mem[g] / mib:9,.1f}   {per}")
     if mem.get("host"):
         lines.append(f"  {'in host memory (offloaded)':<38} {mem['host'] / mib:9,.1f}")
+    if mem.get("disk"):
+        lines.append(f"  {'on disk (memory.offload_dir)':<38} {mem['disk'] / mib:9,.1f}")
     return lines + [
         f"  {'peak (predicted)':<38} {mem['peak'] / mib:9,.1f}   {mem['peak'] / n:8.2f}",
         f"  the peak comes in {r['peak_at']}",

@@ -226,10 +226,15 @@ def _label(
         memory = {"params": param_bytes, "grads": at_peak["grads"], "optimizer": state_bytes,
                   "activations": at_peak["activations"], "other": at_peak["other"]}  # fmt: skip
         memory["peak"] = sum(memory.values())
-        if isinstance(built.optimizer, HostOffloadOptimizer):  # states, copies, buffers: host
+        opt = built.optimizer
+        if isinstance(opt, HostOffloadOptimizer):  # states, copies, buffers: host (or disk)
             memory["peak"] -= memory["optimizer"]
-            staging = target == "cuda"
-            memory["host"] = memory["optimizer"] + built.optimizer.host_bytes(staging=staging)
+            host = opt.host_bytes(staging=target == "cuda")
+            if opt.on_disk:  # memory.offload_dir: states and weight copies in mapped files
+                memory["disk"] = memory["optimizer"] + opt.disk_bytes()
+                memory["host"] = host
+            else:
+                memory["host"] = memory["optimizer"] + host
             memory["optimizer"] = 0
         if tracker.host_peak:  # offloaded activations, at their most (the end of forward)
             memory["host"] = memory.get("host", 0) + tracker.host_peak
