@@ -60,7 +60,8 @@ TARGETS = ("RTX4090", "A100-40", "H100-80")
 def tokens_per_s(r: dict, gpu: str) -> float:
     """The plan's predicted speed re-priced for `gpu` (same model of the step as onegpu plan)."""
     spec, tokens = GPUS[gpu], 8 * 2048
-    step = r["flops_per_token"] * tokens / (spec.peak["bf16"] * EFFICIENCY)
+    recompute = r.get("recompute_factor", 1.0)  # block checkpointing runs forward twice
+    step = r["flops_per_token"] * recompute * tokens / (spec.peak["bf16"] * EFFICIENCY)
     if o := r.get("offload"):
         link = o["link_bytes"] / (spec.host_link * LINK_EFFICIENCY)
         step = max(step, link) + o["host_step_s"]
