@@ -14,6 +14,7 @@ from typing import Any
 
 import onegpu
 from onegpu.config import Config, ConfigError, OutConfig, to_toml
+from onegpu.runs.lock import LOCK_NAME, hold_run_folder
 from onegpu.runs.sinks import JsonlSink, TensorBoardSink, strict
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json")
@@ -33,13 +34,15 @@ def resolve_out_dir(out: OutConfig, *, resuming: bool = False) -> Path:
     path = Path(out.dir) if out.dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if path.exists() and not path.is_dir():
         raise ConfigError("out.dir", f"{path} exists and is not a folder; pick a new folder")
-    if path.is_dir() and any(path.iterdir()) and not (out.overwrite or resuming):
+    occupied = path.is_dir() and any(p.name != LOCK_NAME for p in path.iterdir())
+    if occupied and not (out.overwrite or resuming):
         raise ConfigError(
             "out.dir",
             f"{path} is not empty; pick a new folder, continue it with --train.resume auto, "
             "or replace it with --out.overwrite true",
         )
     check_writable(path, "out.dir")
+    hold_run_folder(path)  # one writer: a second run into this folder exits 2 from here on
     return path
 
 

@@ -10,6 +10,7 @@ process, distributed/context.py).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from torch.profiler import record_function
@@ -23,6 +24,7 @@ from onegpu.distributed.context import shutdown
 from onegpu.memory.measure import reset_peak
 from onegpu.perf import allocator
 from onegpu.runs.folder import RunFolder, resolve_out_dir
+from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter
 from onegpu.runs.signals import GracefulStop
 from onegpu.train import resume
@@ -49,12 +51,34 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
-    # the folder is checked before any work (by rank 0; every process gets its answer)
+    # the folder is checked and locked before any work (by rank 0; every process gets its
+    # answer); refused before the run folder is written, it is left as it was
     out_dir = ctx.on_main(lambda: resolve_out_dir(cfg.out, resuming=bool(cfg.train.resume)))
-    previous = resume.find(cfg, out_dir, ctx)  # a bad checkpoint fails before the build
-    built = build(cfg, dist_ctx=ctx)
-    start = resume.restore(built, previous) if previous else 0
-    run = RunFolder(out_dir, built.cfg, resume_step=start if previous else None, main=ctx.is_main)
+    try:
+        previous = resume.find(cfg, out_dir, ctx)  # a bad checkpoint fails before the build
+        built = build(cfg, dist_ctx=ctx)
+        start = resume.restore(built, previous) if previous else 0
+        run = RunFolder(out_dir, built.cfg, resume_step=start if previous else None,
+                        main=ctx.is_main)  # fmt: skip
+    except BaseException:
+        release_run_folder(out_dir, unused=True)
+        raise
+    try:
+        return _run(cfg, ctx, built, run, previous, start, out_dir)
+    finally:
+        release_run_folder(out_dir)
+
+
+def _run(
+    cfg: Config,
+    ctx: DistContext,
+    built: Built,
+    run: RunFolder,
+    previous: Any,
+    start: int,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """The run, once its folder is written and its model built (and restored)."""
     run.write_model_files(built.cfg, built.data.tokenizer)
     ctx.barrier()  # the folder is ready (an overwritten run's checkpoints gone) for every rank
     # the batches first: their loader draws its seed from the global generator, before the
