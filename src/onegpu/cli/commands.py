@@ -58,10 +58,13 @@ def _train(ns, env: Env) -> int:
               "continue with --train.resume auto", file=sys.stderr)  # fmt: skip
         return 128 + signal.Signals[summary["signal"]].value
     if summary["diverged"]:
+        good = summary.get("last_good_checkpoint")
+        kept = (f"the last checkpoint from before them is kept: {good}" if good
+                else "no checkpoint was written before them")  # fmt: skip
         print(f"onegpu: stopped at step {summary['steps']}: "
               f"{cfg.train.max_consecutive_skips} updates in a row had a non-finite loss or "
-              "gradient (skipped, so the weights and the last checkpoint are from before); "
-              "lower optim.lr, or raise optim.warmup_steps or optim.grad_clip", file=sys.stderr)  # fmt: skip
+              f"gradient (skipped); {kept}; lower optim.lr, or raise optim.warmup_steps or "
+              "optim.grad_clip", file=sys.stderr)  # fmt: skip
         return 1
     keys = ("params", "tokens", "tokens_per_s", "mfu", "peak_mem_bytes", "loss", "val_loss",
             "train_time_s")  # fmt: skip

@@ -122,6 +122,10 @@ class TrainConfig:
     resume: str = ""
     """Continue a run: 'auto' (from the newest complete checkpoint in the run folder; none there:
     start afresh) or the path of a checkpoint file. Empty: a new run."""
+    resume_new_data: bool = False
+    """Resume even though the training data differs from the checkpoint's (its fingerprint is
+    recorded in every checkpoint): the run continues at the same sample index of the new data.
+    Off: such a resume is refused, naming data.source."""
     max_consecutive_skips: int = 20
     """Stop the run (with a checkpoint from before the divergence) after this many updates in a
     row were skipped for non-finite loss or gradients."""

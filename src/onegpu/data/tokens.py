@@ -6,6 +6,7 @@ header: nanoGPT's format, so files prepared by nanoGPT's scripts load as they ar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +29,26 @@ class TokenSplits:
     val: np.ndarray
     tokenizer: Tokenizer | None  # None for pre-tokenized .bin input
     description: str
+    _fingerprint: str = ""
+
+    def fingerprint(self) -> str:
+        """What the run trains on, in a few words: the splits' sizes and a hash of their
+        tokens (all of them up to 64 MiB a split; beyond, 1,024 windows of 64 KiB spread over
+        it, first and last included), computed once. A checkpoint records it, so a resume on
+        changed data (text appended, another file) is caught."""
+        if not self._fingerprint:
+            h = hashlib.blake2b(digest_size=12)
+            for split in (self.train, self.val):
+                a = np.ascontiguousarray(split).view(np.uint8).reshape(-1)
+                h.update(f"{split.dtype.str}:{len(split)};".encode())
+                if a.nbytes <= 64 * 2**20:
+                    h.update(a.data)
+                    continue
+                window = 64 * 2**10
+                for start in np.linspace(0, a.nbytes - window, 1024).astype(np.int64):
+                    h.update(a[start : start + window].data)
+            self._fingerprint = f"{len(self.train)}+{len(self.val)} tokens, {h.hexdigest()}"
+        return self._fingerprint
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -20,6 +20,9 @@ class Totals(Protocol):
     def read(self) -> dict[str, float]:
         """loss_sum, skipped, in_a_row, grad_norm (the last step's) and lr, read once."""
 
+    def in_a_row(self) -> int:
+        """Updates skipped in a row up to now (read from the device: a sync)."""
+
     def reset_interval(self) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -82,6 +85,10 @@ class Meter:
             self._first = False
             self._sync()
             self.first_step_s = time.perf_counter() - self.t_start
+
+    def good_until(self) -> int:
+        """The last step before the current run of skipped updates (this step if none)."""
+        return self.steps - self.totals.in_a_row()
 
     def flush(self) -> dict[str, Any]:
         """The log row of the interval since the last flush (reads the device once)."""

@@ -108,14 +108,21 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def prune(folder: Path, *, keep_last: int, keep_every: int) -> None:
-    """Keep the newest `keep_last` checkpoints and every multiple of `keep_every` steps."""
+def prune(
+    folder: Path, *, keep_last: int, keep_every: int, keep_before: int | None = None
+) -> Path | None:
+    """Keep the newest `keep_last` checkpoints, every multiple of `keep_every` steps, and the
+    newest at or before step `keep_before` (the last good one, while updates are being
+    skipped: it outlives a divergence whatever keep_last says); returns that one."""
     ckpts = complete_checkpoints(folder)
     newest = {step for step, _ in ckpts[-keep_last:]} if keep_last > 0 else set()
+    good = [(step, path) for step, path in ckpts if keep_before is not None and step <= keep_before]
+    last_good = good[-1] if good else None
     for step, path in ckpts:
-        if step in newest or (keep_every and step % keep_every == 0):
+        if step in newest or (keep_every and step % keep_every == 0) or (step, path) == last_good:
             continue
         _remove(path)
+    return last_good[1] if last_good else None
 
 
 # ---------------------------------------------------------------------------- RNG states

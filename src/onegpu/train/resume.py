@@ -35,6 +35,7 @@ MAY_CHANGE = {
     "train.eval_batches",
     "train.measure_memory",
     "train.resume",
+    "train.resume_new_data",
     "train.device",
     "data.num_workers",
     "data.cache_dir",
@@ -55,9 +56,30 @@ def find(cfg: Config, out_dir: Path, ctx: DistContext | None = None) -> ckpt.Che
         if folder.is_dir() and ctx.is_main:
             ckpt.remove_partial(folder)
         ctx.barrier()
-        found = ckpt.complete_checkpoints(folder)
-        return ckpt.load(found[-1][1]) if found else None
+        return newest_that_loads(ckpt.complete_checkpoints(folder), ctx)
     return ckpt.load(Path(how).expanduser())
+
+
+def newest_that_loads(found: list[tuple[int, Path]], ctx: DistContext) -> ckpt.Checkpoint | None:
+    """The newest checkpoint that loads; a damaged newer one (a disk error, a file cut short
+    by a copy) is skipped with a warning naming it and why. None: no checkpoint at all."""
+    errors = []
+    for _, path in reversed(found):
+        try:
+            previous = ckpt.load(path)
+        except ConfigError as e:
+            errors.append(str(e).removeprefix("train.resume: "))
+            if ctx.is_main:
+                warnings.warn(f"train.resume auto: skipping {path}: {errors[-1]}", stacklevel=2)
+            continue
+        return previous
+    if errors:
+        raise ConfigError(
+            "train.resume",
+            f"none of the {len(found)} checkpoints loads (the newest: {errors[0]}); "
+            "start a new run, or give a checkpoint file that loads",
+        )
+    return None
 
 
 def check_same_run(saved: dict[str, Any], cfg: Config) -> None:
@@ -80,6 +102,21 @@ def check_same_run(saved: dict[str, Any], cfg: Config) -> None:
             )
 
 
+def check_same_data(saved: str | None, built: Built) -> None:
+    """ConfigError naming data.source when the run's data is not what the checkpoint trained
+    on (checkpoints from before fingerprints, or without data, are not checked)."""
+    if not saved or built.data is None or built.cfg.train.resume_new_data:
+        return
+    now = built.data.fingerprint()
+    if now != saved:
+        raise ConfigError(
+            "data.source",
+            f"the data changed since the checkpoint (it trained on {saved}; "
+            f"{built.cfg.data.source} now gives {now}): resuming would continue on shifted data; "
+            "restore the data, start a new run, or --train.resume_new_data true if you mean it",
+        )
+
+
 def state_of(built: Built, *, step: int, meter: dict[str, Any]) -> dict[str, Any]:
     """Everything a continuation needs, as tensors and plain containers."""
     return {
@@ -92,6 +129,7 @@ def state_of(built: Built, *, step: int, meter: dict[str, Any]) -> dict[str, Any
         "rng": ckpt.rng_state(),
         "meter": meter,
         "config": to_dict(built.cfg),
+        "data": built.data.fingerprint() if built.data is not None else None,
     }
 
 
@@ -108,6 +146,7 @@ def train_state_of(
         "rng": rngs,
         "meter": meter,
         "config": to_dict(built.cfg),
+        "data": built.data.fingerprint() if built.data is not None else None,
         "world_size": built.dist.world_size,
         "strategy": built.dist.strategy,
     }
@@ -119,6 +158,7 @@ def restore(built: Built, previous: ckpt.Checkpoint) -> int:
     drawn from them.)"""
     state = previous.state
     check_same_run(state["config"], built.cfg)
+    check_same_data(state.get("data"), built)
     try:
         if previous.sharded:  # any world size, re-cut on load
             dcp.load(previous.path, built.model, built.optimizer)

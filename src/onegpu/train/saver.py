@@ -44,6 +44,10 @@ class Saver(Protocol):
     def finish(self) -> None:
         """Wait for a save still in flight, if any."""
 
+    last_good: Path | None
+    """The newest checkpoint from before the updates being skipped now (kept whatever
+    checkpoint.keep_last says), as of the last save."""
+
 
 def make_saver(run: RunFolder, built: Built) -> Saver:
     """Sharded (DCP) checkpoints under torchrun, single files otherwise."""
@@ -81,6 +85,7 @@ class FileSaver:
 
     def __init__(self, run: RunFolder, built: Built):
         self.run, self.built = run, built
+        self.last_good: Path | None = None
 
     def save(self, meter: Meter, *, wait: bool = True) -> Path | None:
         if _refuse_non_finite(self.built, f"step {meter.steps}: checkpoint"):
@@ -89,7 +94,8 @@ class FileSaver:
         path = self.run.checkpoints / ckpt.checkpoint_name(meter.steps)
         ckpt.write_atomic(path, state)
         c = self.built.cfg.checkpoint
-        ckpt.prune(self.run.checkpoints, keep_last=c.keep_last, keep_every=c.keep_every)
+        self.last_good = ckpt.prune(self.run.checkpoints, keep_last=c.keep_last,
+                                    keep_every=c.keep_every, keep_before=meter.good_until())  # fmt: skip
         return path
 
     def final_weights(self) -> None:
@@ -114,6 +120,7 @@ class _Pending:
     tmp: Path
     path: Path
     state: dict[str, Any] | None  # rank 0's train_state, taken when the save began
+    good_until: int  # the last step before the skipped updates in a row, if any
 
 
 class ShardedSaver:
@@ -123,6 +130,7 @@ class ShardedSaver:
         self.run, self.built = run, built
         self.asynchronous = async_enabled(built)
         self._pending: _Pending | None = None
+        self.last_good: Path | None = None
 
     def save(self, meter: Meter, *, wait: bool) -> Path | None:
         """Checkpoint the state after `meter.steps` steps (collective). Unless `wait`, an
@@ -142,12 +150,12 @@ class ShardedSaver:
             state = resume.train_state_of(built, step=meter.steps, meter=meter.state_dict(), rngs=rngs)  # fmt: skip
         if self.asynchronous:
             future = dcp.async_save(tmp, built.model, built.optimizer, group=ctx.saver)
-            self._pending = _Pending(future, tmp, path, state)
+            self._pending = _Pending(future, tmp, path, state, meter.good_until())
             if wait:
                 self.finish()
         else:
             dcp.save(tmp, built.model, built.optimizer)
-            self._commit(path, state)
+            self._commit(path, state, meter.good_until())
         return path
 
     def finish(self) -> None:
@@ -155,9 +163,9 @@ class ShardedSaver:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.future.result()  # a failed write raises here, on the process it failed on
-            self._commit(pending.path, pending.state)
+            self._commit(pending.path, pending.state, pending.good_until)
 
-    def _commit(self, path: Path, state: dict[str, Any] | None) -> None:
+    def _commit(self, path: Path, state: dict[str, Any] | None, good_until: int) -> None:
         ctx = self.built.dist
         ctx.barrier()  # every process's shards are written
         if ctx.is_main:
@@ -165,7 +173,8 @@ class ShardedSaver:
                 shutil.rmtree(path)
             ckpt.write_train_state_atomic(path, state)
             c = self.built.cfg.checkpoint
-            ckpt.prune(self.run.checkpoints, keep_last=c.keep_last, keep_every=c.keep_every)
+            self.last_good = ckpt.prune(self.run.checkpoints, keep_last=c.keep_last,
+                                        keep_every=c.keep_every, keep_before=good_until)  # fmt: skip
         ctx.barrier()
 
     def final_weights(self) -> None:

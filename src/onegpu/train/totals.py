@@ -42,6 +42,9 @@ class DeviceTotals:
             "lr": self._last.lr
         }
 
+    def in_a_row(self) -> int:
+        return int(self._in_a_row.item())
+
     def reset_interval(self) -> None:
         self._loss.zero_()
 

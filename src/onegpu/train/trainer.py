@@ -93,6 +93,7 @@ def _run(
         memory, val_loss = _loop(built, run, meter, saver, stop, batches, start)
     saver.finish()  # a background save still in flight (e.g. skipped non-finite last)
     summary = summarize(built, meter, memory, stop, val_loss)
+    summary["last_good_checkpoint"] = str(saver.last_good) if saver.last_good else None
     recheck_peak(built, summary)
     if built.cfg.out.save_checkpoint and meter.steps == built.cfg.train.max_steps and not stop.diverged:  # fmt: skip
         saver.final_weights()
