@@ -60,6 +60,8 @@ def shape_of(cfg: Config) -> Shape:
 def with_shape(cfg: Config, shape: Shape) -> Config:
     """`cfg` training a model of `shape` (a model.hf folder: a reshaped copy of its config.json
     under the cache, keyed by its content)."""
+    if shape == shape_of(cfg):
+        return cfg
     if not cfg.model.hf:
         if shape.d_ff % shape.d_model or shape.n_kv_head != shape.n_head:
             raise ValueError(f"onegpu's GPT has no shape {shape}: MLP width a multiple of d_model")
