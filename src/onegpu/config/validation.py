@@ -22,6 +22,7 @@ def validate(cfg: Config) -> None:
     _validate_optim(cfg)
     _validate_memory(cfg)
     _validate_combinations(cfg)
+    _validate_offload(cfg)
     t, o = cfg.train, cfg.optim
     if 0 < t.max_steps < o.warmup_steps:  # valid, but almost certainly not what was meant
         warnings.warn(
@@ -166,6 +167,27 @@ def _validate_combinations(cfg: Config) -> None:
             "optim.in_backward cannot wait for; use bf16, bf16-pure or fp32",
         )
     _require(
+        not (
+            cfg.memory.checkpointing == "selective"
+            and t.compile in ("regional", "default", "max-autotune")
+        ),
+        "memory.checkpointing",
+        f"selective checkpointing is not traced by torch.compile here (dynamo: checkpoint not "
+        f"implemented for its policy context), so train.compile {t.compile} cannot take it; "
+        "use block or attn+mlp checkpointing with compile, or --train.compile none (or auto)",
+    )
+    _require(
+        not (t.precision == "bf16-pure" and o.name == "adafactor"),
+        "optim.name",
+        "adafactor has no bf16-weight variant (its updates would be rounded away in bf16); "
+        "with train.precision bf16-pure use adamw, adamw8bit or sgd",
+    )
+
+
+def _validate_offload(cfg: Config) -> None:
+    """Where offloaded state may live, and what it cannot be combined with."""
+    o = cfg.optim
+    _require(
         not (cfg.memory.offload_params and cfg.dist.strategy in ("none", "ddp")),
         "memory.offload_params",
         f"streams FSDP2's host-resident shards, which dist.strategy {cfg.dist.strategy} does "
@@ -189,19 +211,6 @@ def _validate_combinations(cfg: Config) -> None:
         "memory.offload_optimizer",
         "steps on the host after backward, optim.in_backward inside it on the device; "
         "choose one (offload frees gradients as they are produced too)",
-    )
-    _require(
-        not (cfg.memory.checkpointing == "selective" and t.compile == "regional"),
-        "memory.checkpointing",
-        "selective checkpointing inside per-block compile is not traced by torch.compile "
-        "here (its policy context); use block or attn+mlp checkpointing with regional "
-        "compile, or --train.compile none",
-    )
-    _require(
-        not (t.precision == "bf16-pure" and o.name == "adafactor"),
-        "optim.name",
-        "adafactor has no bf16-weight variant (its updates would be rounded away in bf16); "
-        "with train.precision bf16-pure use adamw, adamw8bit or sgd",
     )
 
 

@@ -84,10 +84,10 @@ GRIDS: dict[str, list[Row]] = {
     "training-loop": [
         ("naive loop (fp32, full batch)", {}),
         (
-            "optimized (bf16, selective remat, chunked loss, compile)",
+            "optimized (bf16, remat attn+mlp, chunked loss, compile)",
             {
                 "train.precision": "bf16",
-                "memory.checkpointing": "selective",
+                "memory.checkpointing": "attn+mlp",
                 "memory.loss_chunk": "1024",
                 "train.compile": "default",
             },

@@ -21,12 +21,16 @@ from onegpu.models.convert import gpt2_config_kwargs, hf_gpt2_state_dict
 from onegpu.models.gpt import GPT
 from onegpu.models.hf import HFModel, require_transformers
 from onegpu.runs.folder import MODEL_FOLDER_FILES
+from onegpu.runs.folders import recover, staging
 from onegpu.tools.trained import Trained, load_trained
 
 
 def export(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> dict[str, Any]:
-    """Write the folder; returns what was written and the parity figures."""
-    out = Path(out).expanduser()
+    """Write the folder; returns what was written and the parity figures. The folder is
+    written beside `out` under a temporary name, checked, then renamed into place: a kill at
+    any moment leaves the old folder or the new one, never a mix (folders.py)."""
+    out = Path(out).expanduser().absolute()
+    recover(out)  # a previous export killed between its two renames
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError("--out", f"{out} exists and is not empty; choose a new folder")
     require_transformers()  # imported quietly, or a clear error if it is missing
@@ -37,10 +41,10 @@ def export(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> 
         hf = _as_gpt2(trained)
     else:  # pragma: no cover - every model onegpu builds is one of the two
         raise ConfigError("RUN_DIR", f"cannot export a {type(trained.model).__name__}")
-    out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out, safe_serialization=True)
-    tokenizer = _write_tokenizer(trained, out)
-    parity = check_parity(trained, out)
+    with staging(out) as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tokenizer = _write_tokenizer(trained, tmp)
+        parity = check_parity(trained, tmp)
     return {
         "out": str(out),
         "architecture": type(hf).__name__,
@@ -53,8 +57,20 @@ def export(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> 
 def _as_hf_model(trained: Trained) -> torch.nn.Module:
     """The run's transformers model itself, fp32, with the trained weights."""
     hf = trained.model.hf.float()
-    hf.config.use_cache = True  # for whoever loads it to generate
+    _for_generation(hf, trained)
     return hf
+
+
+def _for_generation(hf: torch.nn.Module, trained: Trained) -> None:
+    """Training turned the KV cache off (config and generation_config); whoever loads the
+    export generates: on again, and a pad token (the end-of-text one) so batches work."""
+    hf.config.use_cache = True
+    gen = getattr(hf, "generation_config", None)
+    if gen is not None:
+        gen.use_cache = True
+        eos = gen.eos_token_id if gen.eos_token_id is not None else hf.config.eos_token_id
+        if gen.pad_token_id is None and eos is not None:
+            gen.pad_token_id = eos[0] if isinstance(eos, list) else eos
 
 
 def _as_gpt2(trained: Trained) -> torch.nn.Module:
@@ -69,6 +85,7 @@ def _as_gpt2(trained: Trained) -> torch.nn.Module:
     if missing or unexpected:  # a bug in the converter, never the user's input
         raise RuntimeError(f"GPT-2 export: missing {missing}, unexpected {unexpected}")
     hf.tie_weights()
+    _for_generation(hf, trained)
     return hf.eval()
 
 
@@ -90,8 +107,8 @@ def _write_tokenizer(trained: Trained, out: Path) -> str | None:
     tok = HFTokenizer.from_file(str(run_tok))
     eot = trained.tokenizer.eot_id if trained.tokenizer is not None else 0
     eot_token = tok.id_to_token(eot)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=eot_token, bos_token=eot_token
+    fast = transformers.PreTrainedTokenizerFast(  # pad = end of text: batched pipelines run
+        tokenizer_object=tok, eos_token=eot_token, bos_token=eot_token, pad_token=eot_token
     )
     fast.save_pretrained(out)
     return "the run's data tokenizer"
@@ -113,9 +130,7 @@ def check_parity(trained: Trained, folder: Path, *, batch: int = 2, seed: int = 
     T = min(trained.cfg.model.seq_len, 64)
     idx = torch.randint(0, vocab, (batch, T), generator=torch.Generator().manual_seed(seed))
     ours = (
-        trained.model(idx)[..., :vocab]
-        if not trained.model.is_classifier
-        else trained.model(idx)
+        trained.model(idx)[..., :vocab] if not trained.model.is_classifier else trained.model(idx)
     )
     theirs = back(input_ids=idx).logits
     diff = (ours - theirs).abs().max().item()

@@ -202,6 +202,42 @@ def _block_of(module: str, prefixes: dict[str, str]) -> str:
     return "loss" if not head else "embeddings/head" if head == "hf" else head
 
 
+def _breakdown(
+    built: Built,
+    followed: _FollowedStep,
+    storages: dict[int, int],
+    param_bytes: int,
+    state_bytes: int,
+    target: str,
+) -> tuple[dict[str, int], int]:
+    """The measured names' bytes of the storages alive at one moment (and the autocast weight
+    copies among them); offloaded state as host (or disk) bytes."""
+    tracker, saved = followed.tracker, followed.saved
+    at_peak: dict[str, int] = defaultdict(int)
+    weight_copies = 0
+    for serial, nbytes in storages.items():
+        in_grads, in_saved = serial in followed.grad_serials, serial in saved
+        at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
+        if in_saved and serial in tracker.weight_copies:
+            weight_copies += nbytes
+    memory = {"params": param_bytes, "grads": at_peak["grads"], "optimizer": state_bytes,
+              "activations": at_peak["activations"], "other": at_peak["other"]}  # fmt: skip
+    memory["peak"] = sum(memory.values())
+    opt = built.optimizer
+    if isinstance(opt, HostOffloadOptimizer):  # states, copies, buffers: host (or disk)
+        memory["peak"] -= memory["optimizer"]
+        host = opt.host_bytes(staging=target == "cuda")
+        if opt.on_disk:  # memory.offload_dir: states and weight copies in mapped files
+            memory["disk"] = memory["optimizer"] + opt.disk_bytes()
+            memory["host"] = host
+        else:
+            memory["host"] = memory["optimizer"] + host
+        memory["optimizer"] = 0
+    if tracker.host_peak:  # offloaded activations, at their most (the end of forward)
+        memory["host"] = memory.get("host", 0) + tracker.host_peak
+    return memory, weight_copies
+
+
 def _label(
     built: Built, optimizer: str, followed: _FollowedStep, n_micro: int, target: str
 ) -> MemoryPlan:
@@ -216,29 +252,7 @@ def _label(
     param_bytes = sum(p.untyped_storage().nbytes() for p in params)
 
     def breakdown(storages: dict[int, int]) -> tuple[dict[str, int], int]:
-        at_peak: dict[str, int] = defaultdict(int)
-        weight_copies = 0
-        for serial, nbytes in storages.items():
-            in_grads, in_saved = serial in followed.grad_serials, serial in saved
-            at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
-            if in_saved and serial in tracker.weight_copies:
-                weight_copies += nbytes
-        memory = {"params": param_bytes, "grads": at_peak["grads"], "optimizer": state_bytes,
-                  "activations": at_peak["activations"], "other": at_peak["other"]}  # fmt: skip
-        memory["peak"] = sum(memory.values())
-        opt = built.optimizer
-        if isinstance(opt, HostOffloadOptimizer):  # states, copies, buffers: host (or disk)
-            memory["peak"] -= memory["optimizer"]
-            host = opt.host_bytes(staging=target == "cuda")
-            if opt.on_disk:  # memory.offload_dir: states and weight copies in mapped files
-                memory["disk"] = memory["optimizer"] + opt.disk_bytes()
-                memory["host"] = host
-            else:
-                memory["host"] = memory["optimizer"] + host
-            memory["optimizer"] = 0
-        if tracker.host_peak:  # offloaded activations, at their most (the end of forward)
-            memory["host"] = memory.get("host", 0) + tracker.host_peak
-        return memory, weight_copies
+        return _breakdown(built, followed, storages, param_bytes, state_bytes, target)
 
     memory, weight_copies = breakdown(tracker.peak_storages)
     by_kind: dict[str, int] = defaultdict(int)

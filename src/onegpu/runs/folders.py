@@ -1,0 +1,62 @@
+"""Folders a user keeps (an export, bench and tune results) written whole or not at all.
+
+A folder is written under a temporary name beside its destination, then renamed into place;
+an existing folder is first renamed aside and removed once the new one is in place. A kill
+between the two renames leaves the old folder under its aside name: `recover` puts it back
+the next time the same destination is written. So at any moment the destination holds the
+old folder or the new one, never a mix of both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+_TMP, _OLD = ".onegpu-tmp-", ".onegpu-old-"
+
+
+def _aside(dest: Path, kind: str) -> Path:
+    return dest.with_name(f"{kind}{dest.name}.{os.getpid()}")
+
+
+def recover(dest: Path) -> None:
+    """Undo what a killed writer of `dest` left: its half-written folder goes; its renamed-aside
+    old folder comes back if `dest` is missing."""
+    parent = dest.parent
+    if not parent.is_dir():
+        return
+    for p in parent.glob(f"{_TMP}{dest.name}.*"):
+        shutil.rmtree(p, ignore_errors=True)
+    olds = sorted(parent.glob(f"{_OLD}{dest.name}.*"))
+    for p in olds:
+        if not dest.exists():
+            os.rename(p, dest)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging(dest: Path) -> Iterator[Path]:
+    """A temporary folder beside `dest`; on success it becomes `dest` (replacing what was
+    there), on failure it goes and `dest` is untouched."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _aside(dest, _TMP)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.iterdir():  # on disk before the rename makes them visible
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = _aside(dest, _OLD)
+        if dest.exists():
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
