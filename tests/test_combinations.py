@@ -25,7 +25,7 @@ DIMS: dict[str, list[str]] = {
 }
 OFFLOAD = {"none": {}, "activations": {"memory.offload_activations": "true"},
            "optimizer": {"memory.offload_optimizer": "true"}}  # fmt: skip
-BASE = {"train.device": "cpu", "train.batch_size": "4", "train.max_steps": "2",
+BASE = {"train.device": "cpu", "train.batch_size": "4", "train.max_steps": "2", "optim.warmup_steps": "0",
         "model.dropout": "0.0", "out.progress": "false"}  # fmt: skip
 
 
