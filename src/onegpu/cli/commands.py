@@ -5,6 +5,7 @@ checks of their arguments live with the functions they call."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -47,6 +48,11 @@ def _train(ns, env: Env) -> int:
     from onegpu.train.trainer import train
 
     cfg = env.load()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: plan before allocating
+        from onegpu.build import resolve_device
+        from onegpu.tools.memory_check import check_memory
+
+        check_memory(cfg, resolve_device(cfg.train.device))
     try:
         summary = train(cfg)
     except TrainingOutOfMemory as e:

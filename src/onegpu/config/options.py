@@ -126,6 +126,9 @@ class TrainConfig:
     """Resume even though the training data differs from the checkpoint's (its fingerprint is
     recorded in every checkpoint): the run continues at the same sample index of the new data.
     Off: such a resume is refused, naming data.source."""
+    skip_memory_check: bool = False
+    """Start even where the planner predicts the run does not fit (a single-process run plans
+    its peak before it allocates anything and exits 2 with the planner's fixes otherwise)."""
     max_consecutive_skips: int = 20
     """Stop the run (with a checkpoint from before the divergence) after this many updates in a
     row were skipped for non-finite loss or gradients."""

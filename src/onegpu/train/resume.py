@@ -36,6 +36,7 @@ MAY_CHANGE = {
     "train.measure_memory",
     "train.resume",
     "train.resume_new_data",
+    "train.skip_memory_check",
     "train.device",
     "data.num_workers",
     "data.cache_dir",
