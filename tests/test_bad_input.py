@@ -30,6 +30,9 @@ def world(tmp_path_factory):
     (root / "a-file").write_text("x")
     (root / "garbage.pt").write_bytes(os.urandom(1000))
     (root / "not-utf8.txt").write_bytes(b"caf\xe9 " * 1000)
+    (root / "preset-number.toml").write_text("preset = 3\n")
+    (root / "top-level.toml").write_text("max_steps = 3\n")
+    (root / "array.json").write_text('["a", "b"]\n')
     _hf_folders(root)
     return root
 
@@ -50,6 +53,12 @@ def _hf_folders(root: Path) -> None:
     (root / "hf-bad" / "config.json").write_text("{not json")
     make_hf_config("gpt2").save_pretrained(root / "hf-pickled")
     (root / "hf-pickled" / "pytorch_model.bin").write_bytes(b"pickle")
+    import json
+
+    make_hf_config("llama").save_pretrained(root / "hf-no-width")
+    raw = json.loads((root / "hf-no-width" / "config.json").read_text())
+    del raw["hidden_size"]
+    (root / "hf-no-width" / "config.json").write_text(json.dumps(raw))
 
 
 def W(root: Path) -> dict[str, str]:
@@ -60,6 +69,8 @@ def W(root: Path) -> dict[str, str]:
         "table": "not-a-table.toml", "file": "a-file", "garbage": "garbage.pt",
         "latin1": "not-utf8.txt", "new": "new-run", "llama": "hf-llama", "bert": "hf-bert",
         "gemma2": "hf-gemma2", "hfbad": "hf-bad", "pickled": "hf-pickled",
+        "preset3": "preset-number.toml", "toplevel": "top-level.toml", "array": "array.json",
+        "nowidth": "hf-no-width",
     }.items()}  # fmt: skip
 
 
@@ -141,6 +152,10 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("no command", [], "command"),
     ("missing option value", ["train", "--preset"], "--preset"),
     ("unknown command", ["trian"], "command"),
+    ("preset = 3 in a file", ["train", "--config", "{preset3}"], "preset"),
+    ("a setting outside its section", ["train", "--config", "{toplevel}"], "[train]"),
+    ("a JSON array as data", T + ["--data.source", "{array}"], "data.source"),
+    ("hf: config.json without hidden_size", T + ["--model.hf", "{nowidth}"], "hidden_size"),
 ]  # fmt: skip
 
 

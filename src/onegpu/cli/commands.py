@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import Config, ConfigError
+from onegpu.runs.sinks import strict
 
 Arg = tuple[tuple[str, ...], dict[str, Any]]
 """An argparse argument: its flags and keyword arguments."""
@@ -74,8 +75,8 @@ def _train(ns, env: Env) -> int:
         return 1
     keys = ("params", "tokens", "tokens_per_s", "mfu", "peak_mem_bytes", "loss", "val_loss",
             "train_time_s")  # fmt: skip
-    if env.rank0:
-        print(json.dumps({k: summary[k] for k in keys}, indent=1))
+    if env.rank0:  # strict JSON: a run of no steps has no loss (null, not NaN)
+        print(json.dumps(strict({k: summary[k] for k in keys}), indent=1, allow_nan=False))
     return 0
 
 

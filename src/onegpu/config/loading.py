@@ -164,8 +164,14 @@ def flatten_toml(doc: dict[str, Any], origin: str) -> dict[str, Any]:
     for section, table in doc.items():
         if section == "preset":
             continue
-        if not isinstance(table, dict):
+        if not isinstance(table, dict) and section in SECTIONS:
             raise ConfigError(section, f"expected a [{section}] table in {origin}")
+        if not isinstance(table, dict):
+            owner = next((sec for sec, cls in SECTIONS.items()
+                          if section in {f.name for f in fields(cls)}), None)  # fmt: skip
+            fix = (f"put `{section} = ...` under [{owner}]" if owner
+                   else f"sections are {', '.join(SECTIONS)}")  # fmt: skip
+            raise ConfigError(section, f"a top-level setting in {origin}: {fix}")
         for name, value in table.items():
             flat[f"{section}.{name}"] = value
     return flat
@@ -224,6 +230,9 @@ def load_config(
     """
     cfg = Config()
     doc = load_toml(Path(file)) if file else {}
+    if "preset" in doc and not isinstance(doc["preset"], str):
+        raise ConfigError("preset", f"must be a preset's name in quotes (e.g. preset = \"small\") "
+                          f"in {file}, got {doc['preset']!r}")  # fmt: skip
     preset = preset or doc.get("preset") or DEFAULT_PRESET
     if preset:
         apply_values(cfg, preset_values(preset), f"preset {preset}")

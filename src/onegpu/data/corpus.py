@@ -57,7 +57,14 @@ class Corpus:
                         raise ConfigError(
                             "data.source", f"{self.path}:{lineno} is not valid JSON ({e})"
                         ) from None
-                    text = record.get(self.text_field) if isinstance(record, dict) else None
+                    if not isinstance(record, dict):
+                        raise ConfigError(
+                            "data.source",
+                            f"line {lineno} of {self.path} is a JSON {type(record).__name__}, not "
+                            'an object: give JSON Lines, one {"text": "..."} object per line '
+                            "(or a .txt file)",
+                        )
+                    text = record.get(self.text_field)
                     if not isinstance(text, str):
                         raise ConfigError(
                             "data.text_field",

@@ -160,6 +160,13 @@ class RunFolder:
         if self._tensorboard is not None:
             self._tensorboard.log(row)
 
+    def read_summary(self) -> dict[str, Any] | None:
+        """summary.json as written (None if missing or unreadable)."""
+        try:
+            return json.loads((self.path / "summary.json").read_text())
+        except (OSError, ValueError):
+            return None
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         if not self.main:
             return

@@ -18,6 +18,14 @@ from pathlib import Path
 _TMP, _OLD = ".onegpu-tmp-", ".onegpu-old-"
 
 
+def file_mode() -> int:
+    """The mode a plain `open()` gives a new file under this process's umask (0644 usually):
+    writers that create files privately (safetensors: 0600) are brought in line with it."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _aside(dest: Path, kind: str) -> Path:
     return dest.with_name(f"{kind}{dest.name}.{os.getpid()}")
 
@@ -50,6 +58,7 @@ def staging(dest: Path) -> Iterator[Path]:
         yield tmp
         for f in tmp.iterdir():  # on disk before the rename makes them visible
             if f.is_file():
+                os.chmod(f, file_mode())
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         old = _aside(dest, _OLD)

@@ -28,6 +28,7 @@ from onegpu.build import Built, make_model
 from onegpu.distributed import dcp
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.runs.folder import RunFolder
+from onegpu.runs.folders import file_mode
 from onegpu.runs.meter import Meter
 from onegpu.train import checkpoint as ckpt
 from onegpu.train import resume
@@ -77,6 +78,7 @@ def write_safetensors(model: torch.nn.Module, path: Path) -> None:
 
     tmp = path.with_name(f"{ckpt.TMP_PREFIX}{path.name}.{os.getpid()}")
     save_model(model, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, file_mode())  # safetensors creates 0600; the run's other files are 0644
     os.replace(tmp, path)
 
 

@@ -79,6 +79,13 @@ def _run(
     out_dir: Path,
 ) -> dict[str, Any]:
     """The run, once its folder is written and its model built (and restored)."""
+    if previous is not None and start >= cfg.train.max_steps:  # resumed a finished run
+        done = run.read_summary()
+        if done is not None:
+            ctx.say(f"onegpu: {out_dir} finished at step {start} already; raise "
+                    "--train.max_steps to train on")  # fmt: skip
+            run.close()
+            return done
     run.write_model_files(built.cfg, built.data.tokenizer)
     ctx.barrier()  # the folder is ready (an overwritten run's checkpoints gone) for every rank
     # the batches first: their loader draws its seed from the global generator, before the

@@ -70,6 +70,7 @@ def open_hf_folder(path: str, head: str = "auto") -> HFFolder:
     except (OSError, ValueError, KeyError, TypeError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError("model.hf", f"{folder}/config.json cannot be read: {reason}") from None
+    _require_shape(folder, config)
     if head == "auto":
         archs = getattr(config, "architectures", None) or []
         classify = any(a.endswith("ForSequenceClassification") for a in archs)
@@ -82,6 +83,29 @@ def open_hf_folder(path: str, head: str = "auto") -> HFFolder:
         tokenizer=tokenizer if tokenizer.is_file() else None,
         head=head,
     )
+
+
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def _require_shape(folder: Path, config: Any) -> None:
+    """ConfigError unless config.json states the model's size itself: where a key is missing,
+    transformers silently uses its class default (a Llama without hidden_size becomes a
+    4096-wide model nobody asked for)."""
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # AutoConfig read it: a format it knows
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    aliases = getattr(cfg, "attribute_map", {}) or {}
+    for key in _SHAPE_KEYS:
+        if key not in text and aliases.get(key, key) not in text:
+            raise ConfigError(
+                "model.hf",
+                f"{folder}/config.json has no {key!r}: transformers would use its default "
+                f"({getattr(cfg, key, '?')}), a model of another size; write the value in",
+            )
 
 
 def packaged_models() -> list[str]:
