@@ -24,21 +24,49 @@ def cache_root(cache_dir: str = "") -> Path:
 def entries(name: str) -> dict[str, Any]:
     """Everything cache file `name` holds ({} where it is missing or unreadable)."""
     try:
-        return json.loads((cache_root() / name).read_text())
+        found = json.loads((cache_root() / name).read_text())
     except (OSError, ValueError):
         return {}
+    return found if isinstance(found, dict) else {}  # valid JSON of another shape: ignored
 
 
-def peek(name: str, key: str) -> Any | None:
-    """The value stored under `key` in cache file `name`, or None: never measures."""
-    return entries(name).get(key)
+def has(*numbers: str, text: tuple[str, ...] = ()) -> Callable[[Any], bool]:
+    """A check of a stored value: a JSON object holding `numbers` as numbers and `text` as
+    strings."""
+
+    def valid(value: Any) -> bool:
+        if not isinstance(value, dict):
+            return False
+        numeric = all(
+            isinstance(value.get(k), (int, float)) and not isinstance(value.get(k), bool)
+            for k in numbers
+        )
+        return numeric and all(isinstance(value.get(k), str) for k in text)
+
+    return valid
 
 
-def cached(name: str, key: str, measure: Callable[[], Any], *, refresh: bool = False) -> Any:
-    """The value stored under `key` in cache file `name`, measuring (and storing) it if absent."""
+def peek(name: str, key: str, valid: Callable[[Any], bool] | None = None) -> Any | None:
+    """The value stored under `key` in cache file `name`, or None (also for a value `valid`
+    rejects: a file edited by hand or by another version): never measures."""
+    found = entries(name).get(key)
+    return found if found is not None and (valid is None or valid(found)) else None
+
+
+def cached(
+    name: str,
+    key: str,
+    measure: Callable[[], Any],
+    *,
+    refresh: bool = False,
+    valid: Callable[[Any], bool] | None = None,
+) -> Any:
+    """The value stored under `key` in cache file `name`, measuring (and storing) it if absent
+    or if `valid` rejects what is stored."""
     path = cache_root() / name
     cache = entries(name)
-    if refresh or key not in cache:
+    stale = key in cache and valid is not None and not valid(cache[key])
+    if refresh or key not in cache or stale:
         cache[key] = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -110,6 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank0:  # under torchrun: one message, not one per process
             print(f"onegpu: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine, not the input: a full disk, a folder made read-only
+        if e.filename is None:
+            raise
+        print(f"onegpu: error: {e.filename}: {e.strerror or e}; what was saved before is intact "
+              "(an interrupted save leaves no partial file that a resume would load); fix "
+              "this and continue with --train.resume auto", file=sys.stderr)  # fmt: skip
+        return 1
 
 
 def entry() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from onegpu.cache import cached
+from onegpu.cache import cached, has
 
 GiB = 2**30
 
@@ -184,7 +184,9 @@ def cpu_peak(dtype: torch.dtype, *, refresh: bool = False, n: int = 4096) -> Cpu
         return {"flops": flops, "measured": when}
 
     key = cpu_peak_key(dtype)
-    entry = cached("cpu-peaks.json", key, measure, refresh=refresh)
+    entry = cached(
+        "cpu-peaks.json", key, measure, refresh=refresh, valid=has("flops", text=("measured",))
+    )
     return CpuPeak(float(entry["flops"]), key, str(entry["measured"]))
 
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from onegpu.cache import cached
+from onegpu.cache import cached, has
 from onegpu.perf.devices import cpu_peak_key
 
 MEASURED = ("adamw", "sgd")
@@ -44,7 +44,7 @@ def host_step_rate(optimizer: str, *, refresh: bool = False) -> tuple[float, str
         return {"params_per_s": _measure(name), "measured": when}
 
     entry = cached("host-step.json", f"{cpu_peak_key(torch.float32)}|{name}", measure,
-                   refresh=refresh)  # fmt: skip
+                   refresh=refresh, valid=has("params_per_s", text=("measured",)))  # fmt: skip
     how = f"measured {name} step on this CPU ({entry['measured']})"
     if name != optimizer:
         how += f"; {optimizer} planned at AdamW's rate"

@@ -54,7 +54,9 @@ def resolve_attention(
     key = (
         f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}|{shape}"
     )
-    return cached("attention.json", key, lambda: measure_cpu_attention(shape, dtype))
+    choice = cached("attention.json", key, lambda: measure_cpu_attention(shape, dtype),
+                    valid=lambda v: v in ("sdpa", "plain"))  # fmt: skip
+    return choice
 
 
 def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:

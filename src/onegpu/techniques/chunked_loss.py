@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onegpu.batches import IGNORE_INDEX
-from onegpu.cache import cached, peek
+from onegpu.cache import cached, has, peek
 from onegpu.config import ModelConfig
 from onegpu.models.gpt import padded_vocab
 from onegpu.models.protocol import LossFn
@@ -214,9 +214,12 @@ def resolve_loss_chunk(
         return UNTIMED_CHUNK
     key = f"{device_key(device)}|{dtype}|tokens={tokens}|d={m.d_model}|vocab={vocab}"
     if not timed:  # a plan: what a run here chose, if one did
-        found = peek("loss_chunk.json", key)
+        found = peek("loss_chunk.json", key, valid=has("chunk"))
         return int(found["chunk"]) if found else UNTIMED_CHUNK
     found = cached(
-        "loss_chunk.json", key, lambda: measure_loss_chunk(tokens, m.d_model, vocab, dtype, device)
+        "loss_chunk.json",
+        key,
+        lambda: measure_loss_chunk(tokens, m.d_model, vocab, dtype, device),
+        valid=has("chunk"),
     )
     return int(found["chunk"])

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from onegpu.cache import cached
+from onegpu.cache import cached, has
 from onegpu.config import Config, to_dict
 from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
@@ -110,7 +110,9 @@ def choose_compile(
         ran.append(measure())
         return {k: v for k, v in ran[0].as_dict().items() if k != "cached"}
 
-    found = cached("compile.json", key, run)
+    found = cached(
+        "compile.json", key, run, valid=has("eager_step_s", "compiled_step_s", "compile_s")
+    )
     trial = (
         ran[0]
         if ran

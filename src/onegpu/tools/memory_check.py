@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from onegpu.cache import cached
+from onegpu.cache import cached, has
 from onegpu.config import Config, ConfigError, to_dict
 from onegpu.perf.devices import GiB
 
@@ -57,7 +57,7 @@ def planned_need(cfg: Config, target: str) -> dict[str, int]:
         p = planned(cfg, target, None, None, fast=True)
         return {"peak": p.peak, "host": p.host}
 
-    return cached("start-plans.json", key, plan)
+    return cached("start-plans.json", key, plan, valid=has("peak", "host"))
 
 
 def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:

@@ -71,11 +71,17 @@ def _fsync_dir(folder: Path) -> None:
 def write_atomic(path: Path, state: dict[str, Any]) -> None:
     """torch.save to a temporary file beside `path`, fsync, rename, fsync the folder."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # a full disk: no half-written file left to fill it further
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, RuntimeError) and "write" in str(e).lower():  # torch's wrapped ENOSPC
+            raise OSError(28, "no space left on device (or the write failed)", str(path)) from None
+        raise
     _fsync_dir(path.parent)
 
 

@@ -1,0 +1,52 @@
+"""Files the machine wrote that came back wrong: a cache holding valid JSON of another shape is
+measured again rather than crashing; a full disk during a save is one line, exit 1, with
+nothing half-written left."""
+
+import json
+import os
+
+import torch
+
+from onegpu import cache
+from onegpu.cli import main
+from onegpu.train import checkpoint as ckpt
+
+
+def test_a_cache_of_the_wrong_shape_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    (tmp_path / "odd.json").write_text("[1, 2, 3]")  # valid JSON, not an object
+    assert cache.entries("odd.json") == {}
+    (tmp_path / "odd.json").write_text(json.dumps({"k": 3, "j": {"flops": "x"}}))
+    valid = cache.has("flops")
+    assert cache.cached("odd.json", "k", lambda: {"flops": 1.0}, valid=valid) == {"flops": 1.0}
+    assert cache.peek("odd.json", "j", valid=valid) is None
+    assert cache.peek("odd.json", "k", valid=valid) == {"flops": 1.0}  # stored this time
+
+
+def test_plan_survives_a_cache_file_of_another_shape(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    for name in ("cpu-peaks.json", "host-step.json", "attention.json", "loss_chunk.json"):
+        (tmp_path / name).write_text('{"anything": 3, "else": [1]}')
+    (tmp_path / "compile.json").write_text("3")
+    assert main(["plan", "--preset", "tiny", "--memory.offload_optimizer", "true"]) == 0
+
+
+def test_a_full_disk_during_a_save_is_one_line_exit_1_and_leaves_no_partial_file(
+    tmp_path, monkeypatch, capsys
+):
+    real_save = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        raise OSError(28, "No space left on device", getattr(f, "name", str(f)))
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    run = tmp_path / "run"
+    code = main(["train", "--preset", "tiny", "--train.device", "cpu", "--train.max_steps", "2",
+                 "--checkpoint.every", "1", "--out.progress", "false", "--optim.warmup_steps", "0",
+                 "--out.dir", str(run)])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err
+    assert "--train.resume auto" in err[0]
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(ckpt.TMP_PREFIX)]
+    assert os.listdir(run / "checkpoints") == []
