@@ -33,6 +33,8 @@ def world(tmp_path_factory):
     (root / "preset-number.toml").write_text("preset = 3\n")
     (root / "top-level.toml").write_text("max_steps = 3\n")
     (root / "array.json").write_text('["a", "b"]\n')
+    (root / "binary-folder").mkdir()
+    (root / "binary-folder" / "blob").write_bytes(bytes(range(256)) * 64)
     _hf_folders(root)
     return root
 
@@ -70,7 +72,7 @@ def W(root: Path) -> dict[str, str]:
         "latin1": "not-utf8.txt", "new": "new-run", "llama": "hf-llama", "bert": "hf-bert",
         "gemma2": "hf-gemma2", "hfbad": "hf-bad", "pickled": "hf-pickled",
         "preset3": "preset-number.toml", "toplevel": "top-level.toml", "array": "array.json",
-        "nowidth": "hf-no-width",
+        "nowidth": "hf-no-width", "binfolder": "binary-folder",
     }.items()}  # fmt: skip
 
 
@@ -155,6 +157,7 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("preset = 3 in a file", ["train", "--config", "{preset3}"], "preset"),
     ("a setting outside its section", ["train", "--config", "{toplevel}"], "[train]"),
     ("a JSON array as data", T + ["--data.source", "{array}"], "data.source"),
+    ("a folder of binary files", T + ["--data.source", "{binfolder}"], "data.source"),
     ("hf: config.json without hidden_size", T + ["--model.hf", "{nowidth}"], "hidden_size"),
 ]  # fmt: skip
 

@@ -156,6 +156,8 @@ def open_corpus(source: str, *, val_fraction: float, text_field: str = "text") -
                 "data.source",
                 f"folder {source!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES - {''}))})",
             )
+        for f in files:  # each as a single file is checked: binary or not UTF-8 is refused
+            _check_text(f)
         return Corpus("folder", path.resolve(), f"folder-{_fingerprint(files, path)}", val_fraction)
     _check_text(path)
     if path.suffix.lower() in (".jsonl", ".json"):

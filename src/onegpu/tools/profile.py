@@ -26,6 +26,7 @@ from onegpu.build import Built, build
 from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline
 from onegpu.runs.folder import resolve_out_dir
+from onegpu.runs.lock import release_run_folder
 from onegpu.train.batches import training_batches
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -50,8 +51,11 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     from torch.profiler import profile as torch_profile
 
     out = resolve_out_dir(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    built = build(cfg)
+    try:
+        built = build(cfg)
+    except BaseException:  # refused: the folder it made goes again
+        release_run_folder(out, unused=True)
+        raise
     batches = training_batches(built)
     cuda = built.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
