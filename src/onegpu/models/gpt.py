@@ -184,6 +184,9 @@ class GPT(nn.Module):
             logits_BTV[..., self.vocab_size :] = float("-inf")
         return logits_BTV
 
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        return None  # dense: no auxiliary term
+
     def padding_params(self) -> int:
         """Parameters that only pad the vocabulary (counted in no model size)."""
         rows = self.padded_vocab - self.vocab_size

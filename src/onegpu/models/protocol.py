@@ -50,6 +50,11 @@ class LanguageModel(Protocol):
         """Parameters that only pad the vocabulary (counted in no model size)."""
         ...
 
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """A term the last forward adds to the mean loss (a mixture of experts' router
+        balancing loss, already scaled by its coefficient), taken once; None: none."""
+        ...
+
     # nn.Module's own surface, used alongside
     def parameters(self, recurse: bool = True): ...
 

@@ -25,6 +25,7 @@ from onegpu.config import ModelConfig
 from onegpu.models.gpt import padded_vocab
 from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
+from onegpu.techniques.loss import with_auxiliary
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -109,9 +110,10 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
             else h_ND.dtype
         )
         head = model.lm_head
-        return ChunkedLinearCrossEntropy.apply(
+        loss = ChunkedLinearCrossEntropy.apply(
             h_ND, head.weight, head.bias, targets_BT.flatten(), chunk, dtype, model.vocab_size
         )
+        return with_auxiliary(model, loss, targets_BT)
 
     return loss_fn
 

@@ -22,12 +22,26 @@ def token_loss_sum(
     logits_BTV = model(idx_BT)
     if logits_BTV.dtype in (torch.float16, torch.bfloat16):
         logits_BTV = logits_BTV.float()
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         logits_BTV.flatten(0, 1),
         targets_BT.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+    return with_auxiliary(model, loss, targets_BT)
+
+
+def with_auxiliary(
+    model: nn.Module, loss_sum: torch.Tensor, targets_BT: torch.Tensor
+) -> torch.Tensor:
+    """`loss_sum` plus the model's auxiliary term of this forward (a router's balancing loss),
+    weighted by this micro-batch's counted tokens: the step divides the sum by the batch's
+    tokens, so one micro-batch gives the model's own `mean + coef x aux`, and several weigh
+    each micro-batch's term by its share of the tokens."""
+    aux = model.auxiliary_loss()
+    if aux is None:
+        return loss_sum
+    return loss_sum + aux.float() * (targets_BT != IGNORE_INDEX).sum()
 
 
 def classification_loss_sum(

@@ -14,6 +14,7 @@ the folder's safetensors weights when there are any.
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 from torch import nn
@@ -67,6 +68,8 @@ class HFModel(nn.Module):
         self.padded_vocab = self.vocab_size
         # not registered as submodules: they are parts of self.hf (no duplicate state keys)
         object.__setattr__(self, "_blocks", find_blocks(hf))
+        self._balancing = router_balancing(hf)
+        self._aux: torch.Tensor | None = None
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -85,13 +88,28 @@ class HFModel(nn.Module):
         """Final-normed hidden states of the decoder (the head is applied by the loss)."""
         decoder = self.hf.get_decoder()
         with never_packed():
-            return decoder(input_ids=idx_BT, use_cache=False).last_hidden_state
+            out = decoder(input_ids=idx_BT, use_cache=False, **self._router_kwargs())
+        self._keep_aux(out)
+        return out.last_hidden_state
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Logits: [B, T, V] for a causal LM, [B, classes] for a classifier."""
-        kwargs = {} if self.is_classifier else {"use_cache": False}
+        kwargs = {} if self.is_classifier else {"use_cache": False, **self._router_kwargs()}
         with never_packed():
-            return self.hf(input_ids=idx_BT, **kwargs).logits
+            out = self.hf(input_ids=idx_BT, **kwargs)
+        self._keep_aux(out)
+        return out.logits
+
+    def _router_kwargs(self) -> dict[str, bool]:
+        return {"output_router_logits": True} if self._balancing else {}
+
+    def _keep_aux(self, out) -> None:
+        if self._balancing is not None:
+            self._aux = self._balancing(out.router_logits)
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        aux, self._aux = self._aux, None
+        return aux
 
     def padding_params(self) -> int:
         return 0
@@ -116,6 +134,29 @@ class HFModel(nn.Module):
         fake = any(is_fake(p) for p in self.hf.parameters())  # a plan reads no weights
         if self.folder.weights and not fake:
             load_safetensors_into(self.hf, self.folder.weights)
+
+
+def router_balancing(hf: nn.Module):
+    """For a mixture of experts whose config turns the router's outputs on
+    (`output_router_logits`, as Mixtral, Qwen-MoE and DeepSeek configs may): router logits ->
+    `router_aux_loss_coef` x the model's own load-balancing loss (its module's
+    `load_balancing_loss_func`, what its `labels=` loss adds). None otherwise."""
+    config = hf.config
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if not getattr(config, "output_router_logits", False) or not coef:
+        return None
+    func = getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None)
+    experts = getattr(hf, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(hf, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", 2)
+    if func is None or not experts:
+        raise ConfigError("model.hf", f"{type(hf).__name__} asks for its router loss "
+                          "(output_router_logits) but transformers offers no balancing loss for "
+                          "it here; set output_router_logits false in config.json")  # fmt: skip
+
+    def balancing(router_logits) -> torch.Tensor:
+        return coef * func(router_logits, experts, top_k, None)
+
+    return balancing
 
 
 def _classifier_out(hf: nn.Module) -> nn.Module:
