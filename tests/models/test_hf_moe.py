@@ -22,7 +22,9 @@ def _mixtral(tmp_path, output_router_logits: bool):
     return tmp_path / "moe"
 
 
-@pytest.mark.parametrize("chunk", ["0", "64"], ids=["plain-loss", "chunked-loss"])
+@pytest.mark.parametrize(
+    "chunk", ["0", pytest.param("64", marks=pytest.mark.slow)], ids=["plain-loss", "chunked-loss"]
+)
 def test_the_router_balancing_loss_is_added_as_the_model_adds_it(tmp_path, chunk):
     from onegpu.build import build
 

@@ -24,8 +24,12 @@ CONFIGS = {
 }
 
 
-CASES = [pytest.param(over, "cuda", id=f"{name}, GPU plan") for name, over in CONFIGS.items()]
-CASES.append(pytest.param({}, "cpu", id="plain, CPU plan"))
+# the default suite keeps a few; the rest run in the slow suite (the default stays < 5 min)
+SLOW = {"every:2", "selective, accumulated", "bf16-pure sgd"}
+CASES = [pytest.param(over, "cuda", id=f"{name}, GPU plan",
+                      marks=[pytest.mark.slow] if name in SLOW else [])
+         for name, over in CONFIGS.items()]  # fmt: skip
+CASES.append(pytest.param({}, "cpu", id="plain, CPU plan", marks=pytest.mark.slow))
 
 
 @pytest.mark.parametrize(("over", "target"), CASES)

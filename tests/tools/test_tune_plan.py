@@ -20,6 +20,7 @@ def _cfg():
                                           "train.micro_batch_size": "8"})  # fmt: skip
 
 
+@pytest.mark.slow  # ~10 s: a dozen full plans
 def test_the_arithmetic_bounds_are_lower_bounds_of_the_plan():
     """Pruning without planning is only sound if no candidate needs less than its bound: a
     sample across every option, each planned in full for the GPU."""
