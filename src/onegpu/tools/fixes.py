@@ -83,7 +83,13 @@ class Planned:
 
 
 def planned(
-    cfg: Config, target: str, caps: DeviceCaps | None, gpu: str | None, *, fast: bool
+    cfg: Config,
+    target: str,
+    caps: DeviceCaps | None,
+    gpu: str | None,
+    *,
+    fast: bool,
+    speed: bool = True,
 ) -> Planned:
     """Plan `cfg` as `onegpu plan` does for one process (weights on the host included); `fast`:
     from two shallow copies of the model."""
@@ -95,8 +101,8 @@ def planned(
     share = process_share(cfg, 1)
     plan = plan_extrapolated(share, target, caps) if fast else plan_memory(share, target, caps)
     mem = rank_memory(cfg, plan, 1, strategy) if strategy != "none" else plan.memory
-    speed = predicted_speed(cfg, plan, gpu, 1)
-    step_s = speed.get("predicted_step_time_s")
+    # the speed needs this CPU's measured peaks (seconds, once per machine): only when asked
+    step_s = predicted_speed(cfg, plan, gpu, 1).get("predicted_step_time_s") if speed else None
     return Planned(mem["peak"], mem.get("host", 0), step_s, plan.n_params, plan.flops_per_token)
 
 

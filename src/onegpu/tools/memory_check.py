@@ -54,7 +54,7 @@ def planned_need(cfg: Config, target: str) -> dict[str, int]:
     key = hashlib.sha256(blob.encode()).hexdigest()[:24]
 
     def plan() -> dict[str, int]:
-        p = planned(cfg, target, None, None, fast=True)
+        p = planned(cfg, target, None, None, fast=True, speed=False)
         return {"peak": p.peak, "host": p.host}
 
     return cached("start-plans.json", key, plan, valid=has("peak", "host"))
