@@ -5,6 +5,7 @@ nothing half-written left."""
 import json
 import os
 
+import pytest
 import torch
 
 from onegpu import cache
@@ -23,6 +24,7 @@ def test_a_cache_of_the_wrong_shape_is_measured_again(tmp_path, monkeypatch):
     assert cache.peek("odd.json", "k", valid=valid) == {"flops": 1.0}  # stored this time
 
 
+@pytest.mark.slow  # measures this CPU afresh
 def test_plan_survives_a_cache_file_of_another_shape(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
     for name in ("cpu-peaks.json", "host-step.json", "attention.json", "loss_chunk.json"):
@@ -31,6 +33,7 @@ def test_plan_survives_a_cache_file_of_another_shape(tmp_path, monkeypatch, caps
     assert main(["plan", "--preset", "tiny", "--memory.offload_optimizer", "true"]) == 0
 
 
+@pytest.mark.slow  # a real tiny run
 def test_a_full_disk_during_a_save_is_one_line_exit_1_and_leaves_no_partial_file(
     tmp_path, monkeypatch, capsys
 ):

@@ -8,6 +8,7 @@ from onegpu.config import load_config
 from onegpu.tools import memory_check
 
 
+@pytest.mark.slow  # the fix list runs, then a real tiny run
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
     need = memory_check.planned_need(load_config("tiny", overrides={"train.device": "cpu"}), "cpu")
     monkeypatch.setattr(memory_check, "available_host_bytes", lambda: need["peak"] // 2)

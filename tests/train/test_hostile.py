@@ -38,6 +38,7 @@ def test_a_resume_on_changed_data_is_refused_unless_meant(tmp_path):
     assert s["steps"] == 6
 
 
+@pytest.mark.slow  # three runs
 def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path):
     straight = tmp_path / "straight"
     train(_cfg(straight, **{"train.max_steps": "8"}))

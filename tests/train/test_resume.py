@@ -242,6 +242,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     run.close()
 
 
+@pytest.mark.slow  # four runs; test_host_offload moves checkpoints both ways in the default suite
 def test_a_run_resumes_with_the_optimizer_moved_to_or_from_the_host(tmp_path, monkeypatch):
     """memory.offload_optimizer may change on resume: the states have one layout."""
     over = {"train.precision": "fp32", "train.micro_batch_size": "2"}
