@@ -93,3 +93,29 @@ def test_an_export_generates_with_its_cache_and_batches_with_a_pad_token(tmp_pat
     batch = tok(["def f():", "x"], return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=4, do_sample=False)
     assert out.shape == (2, batch["input_ids"].shape[1] + 4)
+
+
+def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path):
+    """What every writer of a kept file uses (run config, tokenizer, tune/bench/plot/profile
+    results): a failure mid-write leaves the old file and no temporary one; the suffix is kept
+    for writers that go by it (matplotlib's savefig)."""
+    from onegpu.runs.folders import atomic_path, write_text_atomic
+
+    dest = tmp_path / "tune.md"
+    write_text_atomic(dest, "old")
+    with pytest.raises(KeyboardInterrupt), atomic_path(dest) as tmp:
+        assert tmp.suffix == ".md" and tmp.parent == tmp_path
+        tmp.write_text("half")
+        raise KeyboardInterrupt
+    assert dest.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["tune.md"]
+    write_text_atomic(dest, "new")
+    assert dest.read_text() == "new" and (dest.stat().st_mode & 0o777) != 0o600
+
+
+def test_plot_and_tune_results_are_written_through_the_atomic_writer(tmp_path, capsys):
+    from onegpu.cli import main
+
+    run = _run(tmp_path / "run", 2)
+    assert main(["plot", str(run), "--out", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.glob(".onegpu-*"))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import Config, ConfigError
+from onegpu.runs.folders import write_text_atomic
 from onegpu.runs.sinks import strict
 
 Arg = tuple[tuple[str, ...], dict[str, Any]]
@@ -121,7 +122,7 @@ def _plan(ns, env: Env) -> int:
     print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
     best = next((f["best_toml"] for f in report.get("fixes", []) if "best_toml" in f), None)
     if ns.best_toml and best:
-        Path(ns.best_toml).write_text(best)
+        write_text_atomic(Path(ns.best_toml), best)
         print(f"wrote {ns.best_toml} (onegpu train --config {ns.best_toml})")
     return 0
 

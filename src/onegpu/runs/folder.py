@@ -14,6 +14,7 @@ from typing import Any
 
 import onegpu
 from onegpu.config import Config, ConfigError, OutConfig, to_toml
+from onegpu.runs.folders import atomic_path, copy_atomic, write_text_atomic
 from onegpu.runs.lock import LOCK_NAME, hold_run_folder
 from onegpu.runs.sinks import JsonlSink, TensorBoardSink, strict
 
@@ -116,7 +117,7 @@ class RunFolder:
         else:
             self._truncate_metrics(resume_step)
         self.checkpoints.mkdir(exist_ok=True)
-        (path / "config.toml").write_text(to_toml(cfg))
+        write_text_atomic(path / "config.toml", to_toml(cfg))
         self._metrics = JsonlSink(path / "metrics.jsonl")
         self._tensorboard = TensorBoardSink(path / "tensorboard") if cfg.out.tensorboard else None
 
@@ -133,10 +134,11 @@ class RunFolder:
             for name in MODEL_FOLDER_FILES:
                 src = Path(cfg.model.hf).expanduser() / name
                 if src.is_file():
-                    shutil.copyfile(src, target / name)
+                    copy_atomic(src, target / name)
         if tokenizer is not None and hasattr(tokenizer, "to_tokenizers"):
-            tokenizer.to_tokenizers().save(str(self.path / "tokenizer.json"))
-            (self.path / "tokenizer_eot.txt").write_text(f"{tokenizer.eot_id}\n")
+            with atomic_path(self.path / "tokenizer.json") as tmp:
+                tokenizer.to_tokenizers().save(str(tmp))
+            write_text_atomic(self.path / "tokenizer_eot.txt", f"{tokenizer.eot_id}\n")
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.path / "metrics.jsonl"

@@ -1,4 +1,8 @@
-"""Folders a user keeps (an export, bench and tune results) written whole or not at all.
+"""Folders and files a user keeps (an export; bench, tune, plot and profile results; a run's
+config and tokenizer) written whole or not at all.
+
+A file is written under a temporary name beside it (same suffix, so writers that go by the
+extension still work), fsynced and renamed onto its name: `atomic_path`, `write_text_atomic`.
 
 A folder is written under a temporary name beside its destination, then renamed into place;
 an existing folder is first renamed aside and removed once the new one is in place. A kill
@@ -44,6 +48,33 @@ def recover(dest: Path) -> None:
             os.rename(p, dest)
         else:
             shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write to: renamed onto `path` when the block ends
+    (after an fsync, with the umask's mode), removed if it raises."""
+    path = Path(path)
+    tmp = path.with_name(f"{_TMP}{os.getpid()}-{path.name}")
+    try:
+        yield tmp
+        os.chmod(tmp, file_mode())
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def copy_atomic(src: Path, dest: Path) -> None:
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(src, tmp)
 
 
 @contextlib.contextmanager

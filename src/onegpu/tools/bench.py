@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import ConfigError, load_toml
+from onegpu.runs.folders import atomic_path, write_text_atomic
 
 Row = tuple[str, dict[str, str]]
 # Steps left out of the timing: 1 compiles/warms up, 2 is profiled for memory, 3 still pays
@@ -294,8 +295,8 @@ def bench(
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
     command = "onegpu " + " ".join(sys.argv[1:]) if sys.argv and "onegpu" in sys.argv[0] else ""
-    (out_dir / "bench.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out_dir / "bench.md").write_text(markdown(rows, base_cfg, steps, repeats, command))
+    write_text_atomic(out_dir / "bench.json", json.dumps(rows, indent=1) + "\n")
+    write_text_atomic(out_dir / "bench.md", markdown(rows, base_cfg, steps, repeats, command))
     plot(rows, out_dir / "bench.png")
     return rows
 
@@ -381,5 +382,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     a1.set_yticks(list(y), labels, fontsize=8)
     a1.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from onegpu.config import ConfigError
+from onegpu.runs.folders import atomic_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +69,7 @@ def plot_runs(run_dirs: list[str], out: str | Path) -> Path:
     fig.tight_layout()
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    with atomic_path(Path(out)) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return out

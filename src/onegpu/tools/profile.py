@@ -26,6 +26,7 @@ from onegpu.build import Built, build
 from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline
 from onegpu.runs.folder import resolve_out_dir
+from onegpu.runs.folders import atomic_path, write_text_atomic
 from onegpu.runs.lock import release_run_folder
 from onegpu.train.batches import training_batches
 
@@ -90,7 +91,7 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     step_bounds = [(a + base_us, b + base_us) for a, b in _step_spans(trace)]
     _plot_memory(times, groups, step_bounds, out)
     text = summary_text(prof, trace, built, steps, cuda)
-    (out / "summary.txt").write_text(text)
+    write_text_atomic(out / "summary.txt", text)
     return {"out_dir": str(out), "summary": text}
 
 
@@ -207,7 +208,8 @@ def _plot_memory(
     ax.set_title("memory timeline of the profiled steps, by kind")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "memory.png")
+    with atomic_path(out / "memory.png") as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
     png = base64.b64encode((out / "memory.png").read_bytes()).decode()
     (out / "memory.html").write_text(

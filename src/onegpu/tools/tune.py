@@ -37,6 +37,7 @@ from onegpu.config import (
     with_overrides,
 )
 from onegpu.perf.flops import RECOMPUTE
+from onegpu.runs.folders import atomic_path, write_text_atomic
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
 from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, process_share, rank_memory
 from onegpu.tools.planner import plan_memory
@@ -294,9 +295,9 @@ def measure(
 def write_results(result: dict[str, Any], best_cfg: Config, out_dir: Path) -> None:
     """best.toml, tune.json, tune.md and tune.png in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "best.toml").write_text(to_toml(best_cfg))
-    (out_dir / "tune.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / "tune.md").write_text(frontier_table(result))
+    write_text_atomic(out_dir / "best.toml", to_toml(best_cfg))
+    write_text_atomic(out_dir / "tune.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out_dir / "tune.md", frontier_table(result))
     plot(result["trials"], result["frontier"], result["budget_bytes"], out_dir / "tune.png")
 
 
@@ -372,5 +373,6 @@ def plot(trials, frontier, budget: int, path: Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp)
     plt.close(fig)

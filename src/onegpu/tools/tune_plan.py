@@ -29,6 +29,7 @@ from onegpu.config import Config, ConfigError, to_toml, with_overrides
 from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
 from onegpu.perf.host_step import host_step_rate
+from onegpu.runs.folders import write_text_atomic
 from onegpu.techniques.precision import resolve_precision
 from onegpu.tools.fixes import Planned, planned
 from onegpu.tools.offload_time import LINK_EFFICIENCY
@@ -166,8 +167,8 @@ def tune_predicted(
     budget = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES
     result = search(cfg, cands, gpu, budget, host_memory or machine_ram(), log)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tune.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / "tune.md").write_text(predicted_table(result, budget))
+    write_text_atomic(out_dir / "tune.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out_dir / "tune.md", predicted_table(result, budget))
     if result["best"] is None:
         raise ConfigError(
             "--gpu",
@@ -175,7 +176,7 @@ def tune_predicted(
             "host memory; --host-memory BYTES plans for a larger host, or `onegpu plan "
             "--largest` says which size of this model fits",
         )
-    (out_dir / "best.toml").write_text(to_toml(with_overrides(cfg, result["best"]["change"])))
+    write_text_atomic(out_dir / "best.toml", to_toml(with_overrides(cfg, result["best"]["change"])))
     return result
 
 
