@@ -254,3 +254,32 @@ def test_bad_input_under_torchrun_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("onegpu: error:")]
     assert len(errors) == 1 and "train.batch_size" in errors[0]
+
+
+def test_a_killed_worker_is_restarted_by_torchrun_and_ends_on_the_same_losses(tmp_path):
+    """`torchrun --max-restarts 1 ... --train.resume auto`: a worker killed with SIGKILL after
+    the first checkpoint; the restarted attempt (its own store prefix: no stale gloo address of
+    the dead one) resumes and ends on the uninterrupted run's losses."""
+    steps = 60
+    over = {"train.max_steps": steps, "checkpoint.every": 10, "train.micro_batch_size": 4,
+            "dist.strategy": "ddp", "train.resume": "auto"}  # fmt: skip
+    straight = tmp_path / "straight"
+    launch(straight, 2, **over)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=1", "-m", "onegpu", "train", *_args(out, over)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(), start_new_session=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not ckpt.complete_checkpoints(out / "checkpoints") and time.time() < deadline:
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-f", f"onegpu train .*{out}"], capture_output=True,
+                             text=True).stdout.split()  # fmt: skip
+    worker = max(int(pid) for pid in workers if int(pid) != proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert "exitcode: -9" in log and "connectFullMesh" not in log  # killed, then restarted
+    final = losses(out)
+    assert max(final) == steps
+    assert final[steps] == pytest.approx(losses(straight)[steps], rel=REL)

@@ -140,7 +140,7 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
     if outside:  # one process, its store in memory: no address, no port
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     elif not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, **_attempt_store())
     control = dist.new_group(backend="gloo") if backend != "gloo" else None
     # An asynchronous checkpoint's thread runs DCP's collectives while the loop runs its own:
     # on a group of their own, the two can never interleave differently on two processes.
@@ -154,6 +154,19 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
         control=control,
         saver=saver,
     )
+
+
+def _attempt_store() -> dict:
+    """Under torchrun's restarts (`--max-restarts`): the launcher's store, whose keys outlive a
+    failed attempt, behind a prefix of this attempt's own. Without it a restarted process can
+    read a dead process's gloo address (our extra groups multiply the keys) and fail in
+    connectFullMesh ("Connection refused") or hang. {} outside torchelastic."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    prefixed = dist.PrefixStore(f"onegpu/attempt_{attempt}", store)
+    return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
 def shutdown(ctx: DistContext) -> None:
