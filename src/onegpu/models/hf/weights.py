@@ -12,14 +12,14 @@ from onegpu.config import ConfigError
 def load_safetensors_into(model: nn.Module, files: tuple[Path, ...]) -> None:
     """Copy a folder's weights into `model` (same keys as `model.state_dict()`). Every parameter
     must be found, except those tied to one that is; anything unknown in the files is an error."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     own = model.state_dict(keep_vars=True)
     tied = _tied_aliases(model)
     seen: set[str] = set()
     for file in files:
         try:
-            _copy_file(file, own, seen, safe_open)
+            _copy_file(file, own, seen)
         except (OSError, SafetensorError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError("model.hf", f"{file} is not a readable safetensors file "
@@ -33,9 +33,11 @@ def load_safetensors_into(model: nn.Module, files: tuple[Path, ...]) -> None:
         )
 
 
-def _copy_file(file: Path, own: dict, seen: set[str], safe_open) -> None:
+def _copy_file(file: Path, own: dict, seen: set[str]) -> None:
     """One safetensors file's tensors into the model's (ConfigError for a foreign key or a
     shape the config does not have)."""
+    from safetensors import safe_open
+
     with safe_open(str(file), framework="pt", device="cpu") as f:
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             if key not in own:
