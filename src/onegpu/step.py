@@ -180,8 +180,14 @@ class TrainStep:
         return self._false
 
     def log_extras(self) -> dict[str, Any]:
-        """Figures only some precisions have, for the log line (reads the device: log steps only)."""
-        return {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+        """Figures only some runs have, for the log line (reads the device: log steps only): the
+        fp16 loss scale; a mixture of experts' router balancing term (coefficient x aux loss,
+        included in `loss`) of the last micro-batch."""
+        extras = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+        aux = getattr(self.model, "last_auxiliary", None)
+        if aux is not None:
+            extras["router_aux_loss"] = aux.item()
+        return extras
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -25,7 +25,7 @@ from torch import nn
 
 from onegpu.batches import classification_targets
 from onegpu.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
-from onegpu.config import Config
+from onegpu.config import Config, ConfigError
 from onegpu.distributed.plan import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import storage_id
@@ -33,6 +33,11 @@ from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
 from onegpu.techniques.precision import DeviceCaps, device_caps
 from onegpu.tools.plan_tracker import ModuleStack, PlanTracker, saves_on_host
+
+
+class Unplannable(ConfigError):
+    """The model's step has shapes that depend on the data (a mixture of experts routing with
+    `nonzero`): fake tensors carry no values, so no plan can follow it."""
 
 
 @dataclass
@@ -174,17 +179,30 @@ def plan_memory(
     n_micro = min(cfg.grad_accum_steps, 2)
     B, T = cfg.train.micro_batch_size * n_micro, cfg.train_seq_len
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=B, max_steps=2))
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
     built = build(cfg, device, with_data=False, caps=caps, fake=True)
-    with built.fake_mode:
-        tokens = torch.zeros(B, T + 1, dtype=torch.long)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        if built.classes:
-            y = classification_targets(x, built.classes)
-        built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first real step does
-        followed = _follow_step(built, target, x, y, by_segment)
+    try:
+        with built.fake_mode:
+            tokens = torch.zeros(B, T + 1, dtype=torch.long)
+            x, y = tokens[:, :-1], tokens[:, 1:]
+            if built.classes:
+                y = classification_targets(x, built.classes)
+            built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first step does
+            followed = _follow_step(built, target, x, y, by_segment)
+    except DynamicOutputShapeException as e:
+        raise Unplannable("model.hf", _unplannable(built, e)) from None
     plan = _label(built, cfg.optim.name, followed, n_micro, target)
     plan.seconds = time.perf_counter() - t0
     return plan
+
+
+def _unplannable(built: Built, e: Exception) -> str:
+    name = type(getattr(built.model, "hf", built.model)).__name__
+    return (f"{name} chooses its shapes from the data ({e.args[0] if e.args else e}, the eager "
+            "loop over experts), which the planner's fake tensors cannot follow: set "
+            '"experts_implementation": "grouped_mm" in its config.json where transformers '
+            "offers it, or measure a step with onegpu profile")  # fmt: skip
 
 
 def _block_prefixes(model: nn.Module) -> dict[str, str]:

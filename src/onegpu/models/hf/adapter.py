@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.hf.folder import HFFolder, open_hf_folder, require_transformers
-from onegpu.models.hf.patches import never_packed
+from onegpu.models.hf.patches import around_forward
 from onegpu.models.hf.translate import attn_implementation, config_logit_transform
 from onegpu.models.hf.weights import load_safetensors_into
 
@@ -70,6 +70,8 @@ class HFModel(nn.Module):
         object.__setattr__(self, "_blocks", find_blocks(hf))
         self._balancing = router_balancing(hf)
         self._aux: torch.Tensor | None = None
+        self.last_auxiliary: torch.Tensor | None = None
+        """The last training forward's term (detached), for the log line."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -87,7 +89,7 @@ class HFModel(nn.Module):
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states of the decoder (the head is applied by the loss)."""
         decoder = self.hf.get_decoder()
-        with never_packed():
+        with around_forward():
             out = decoder(input_ids=idx_BT, use_cache=False, **self._router_kwargs())
         self._keep_aux(out)
         return out.last_hidden_state
@@ -95,7 +97,7 @@ class HFModel(nn.Module):
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Logits: [B, T, V] for a causal LM, [B, classes] for a classifier."""
         kwargs = {} if self.is_classifier else {"use_cache": False, **self._router_kwargs()}
-        with never_packed():
+        with around_forward():
             out = self.hf(input_ids=idx_BT, **kwargs)
         self._keep_aux(out)
         return out.logits
@@ -109,6 +111,8 @@ class HFModel(nn.Module):
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         aux, self._aux = self._aux, None
+        if aux is not None and self.training:
+            self.last_auxiliary = aux.detach()
         return aux
 
     def padding_params(self) -> int:

@@ -1,5 +1,5 @@
-"""The one place onegpu changes transformers' behaviour: a workaround, applied only around our
-own forward calls (never process-wide), checked against transformers 4.56 to 5.23.
+"""The one place onegpu changes transformers' behaviour: two workarounds, applied only around
+our own forward calls (never process-wide), checked against transformers 4.56 to 5.23.
 
 `transformers.masking_utils.find_packed_sequence_indices` looks at the position ids of every
 forward to detect packed sequences (positions restarting inside a row). onegpu's rows are never
@@ -9,8 +9,18 @@ positions back with `.all()`), and on the planner's fake tensors it cannot run a
 transformers would take another path there (an explicit [B, 1, T, T] mask, grouped-query
 key/value heads repeated) and the plan would not be the real step's.
 
-tests/models/test_hf_patches.py fails when transformers renames or moves the function, stops
-calling it, or starts answering something else than None for unpacked rows.
+A mixture of experts' expert matmuls (`transformers.integrations.moe._grouped_mm`, behind
+`torch._grouped_mm`) are not autocast ops: transformers casts the tokens to the weights' dtype,
+so under bf16 autocast with fp32 master weights every expert matmul runs in fp32 (on a GPU the
+slow per-expert fallback instead of the bf16 grouped kernel), and the fake-tensor shape rule of
+`aten._grouped_mm` accepts bf16 only, so the planner could not follow an fp32 or autocast step
+at all. `experts_in_compute_dtype` does what autocast does for a linear layer: under autocast,
+tokens and weights are cast to the autocast dtype (the weight cast is differentiable: gradients
+reach the fp32 masters); and on fake tensors in another dtype, transformers' own fallback
+operator (which has a shape rule for every dtype, and the same saved tensors) stands in.
+
+tests/models/test_hf_patches.py fails when transformers renames or moves either function,
+stops calling it, or answers differently from the patch for what onegpu feeds it.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import contextlib
 import torch
 
 PATCHED = "transformers.masking_utils.find_packed_sequence_indices"
+PATCHED_EXPERTS = "transformers.integrations.moe._grouped_mm"
 CHECKED_WITH = ("4.56", "5.23")
 """The transformers versions this workaround was checked against."""
 
@@ -43,3 +54,46 @@ def never_packed():
 def not_packed(position_ids: torch.Tensor) -> None:
     """What the check answers for rows whose positions are 0..T-1: no packed sequences."""
     return None
+
+
+@contextlib.contextmanager
+def around_forward():
+    """Every workaround, for the length of one forward call."""
+    with never_packed(), experts_in_compute_dtype():
+        yield
+
+
+@contextlib.contextmanager
+def experts_in_compute_dtype():
+    """Expert matmuls in the autocast dtype under autocast, and plannable on fake tensors."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:  # pragma: no cover - transformers 4.x: experts are plain linears
+        yield
+        return
+    original = getattr(moe, "_grouped_mm", None)
+    if original is None:  # pragma: no cover - a transformers without grouped experts
+        yield
+        return
+
+    def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
+        device = input.device.type
+        dtype = weight.dtype
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+        input, weight = input.to(dtype), weight.to(dtype)
+        if dtype != torch.bfloat16 and _is_fake(weight):
+            return torch.ops.transformers.grouped_mm_fallback(input, weight, offs=offs)
+        return original(input, weight, offs)
+
+    moe._grouped_mm = grouped_mm
+    try:
+        yield
+    finally:
+        moe._grouped_mm = original
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
