@@ -193,3 +193,18 @@ def test_bad_input_is_one_clear_line_and_exit_2(name, argv, field, world, capsys
     assert {k: v for k, v in _digest(world).items() if not k.startswith("new-run")} == {
         k: v for k, v in watched["data"].items() if not k.startswith("new-run")
     }
+
+
+def test_under_torchrun_the_line_is_the_failure_reports_cause(tmp_path, monkeypatch, capsys):
+    """torchrun wraps a failed worker in its own report: the worker's error file carries our
+    one line, so the report's root cause is it rather than "To enable traceback see ..."."""
+    import json
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "1")  # a worker that does not speak: the file still tells
+    assert main(["plan", "--optim.lr", "-1"]) == 2
+    assert capsys.readouterr().err == ""
+    record = json.loads(error_file.read_text())["message"]
+    assert record["extraInfo"]["py_callstack"].startswith("onegpu: error: optim.lr: ")
+    assert int(record["extraInfo"]["timestamp"]) > 0

@@ -254,3 +254,36 @@ def test_a_run_resumes_with_the_optimizer_moved_to_or_from_the_host(tmp_path, mo
         monkeypatch.undo()
         train(_cfg(out, **over, **{"memory.offload_optimizer": then, "train.resume": "auto"}))
         assert _losses(out) == _losses(tmp_path / "straight")
+
+
+def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C twice while a checkpoint is written: exit 130, one line, no traceback; the
+    checkpoints written before load, the cut one left no file under a checkpoint's name, and
+    `--train.resume auto` finishes the run."""
+    from onegpu.cli import main
+
+    real = ckpt.write_atomic
+    saves = {"n": 0}
+
+    def interrupted_save(path, state):
+        saves["n"] += 1
+        if saves["n"] == 2:  # the user presses Ctrl-C twice during the second save
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        real(path, state)
+
+    monkeypatch.setattr(ckpt, "write_atomic", interrupted_save)
+    out = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--train.device", "cpu", "--train.max_steps", "6",
+            "--checkpoint.every", "1", "--train.measure_memory", "false", "--out.progress",
+            "false", "--train.skip_memory_check", "true", "--out", str(out)]  # fmt: skip
+    assert main(args) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("onegpu: stopped at once by a second SIGINT")
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in err)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
+    kept = ckpt.complete_checkpoints(out / "checkpoints")
+    assert [s for s, _ in kept] == [1]
+    monkeypatch.setattr(ckpt, "write_atomic", real)
+    assert main([*args, "--train.resume", "auto"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6

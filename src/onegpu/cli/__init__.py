@@ -4,14 +4,18 @@ from the dataclasses' documentation, one-line errors with exit code 2. No logic 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from onegpu.cli.commands import COMMANDS, Command, Env
 from onegpu.config import ConfigError, all_fields, all_keys, load_config, preset_names, type_name
+from onegpu.runs.signals import StopNow
 
 EPILOG = """Every option is --section.field VALUE (booleans: true/false). Precedence:
 --preset < --config FILE < command line. The resolved config is written to the run folder."""
@@ -107,16 +111,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         c: Command = ns.command_spec
         return c.run(ns, _env(ns, unknown, c, rank0))
     except ConfigError as e:
-        if rank0:  # under torchrun: one message, not one per process
-            print(f"onegpu: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"onegpu: error: {e}", 2, rank0)  # under torchrun: rank 0 speaks
+    except StopNow as e:  # a second Ctrl-C / SIGTERM: what was saved before is intact
+        return _fail(f"onegpu: stopped at once by a second {signal.Signals(e.signum).name}; "
+                     "every checkpoint saved before it is intact (a save cut short leaves only "
+                     "a .tmp- folder, removed at the next start); continue with --train.resume "
+                     "auto", 128 + e.signum, rank0)  # fmt: skip
     except OSError as e:  # the machine, not the input: a full disk, a folder made read-only
         if e.filename is None:
             raise
-        print(f"onegpu: error: {e.filename}: {e.strerror or e}; what was saved before is intact "
-              "(an interrupted save leaves no partial file that a resume would load); fix "
-              "this and continue with --train.resume auto", file=sys.stderr)  # fmt: skip
-        return 1
+        return _fail(f"onegpu: error: {e.filename}: {e.strerror or e}; what was saved before "
+                     "is intact (an interrupted save leaves no partial file that a resume would "
+                     "load); fix this and continue with --train.resume auto", 1, True)  # fmt: skip
+
+
+def _fail(line: str, code: int, speak: bool) -> int:
+    """Print the one line (where this process speaks) and, under torchrun, leave it in the
+    launcher's error file: torchrun's failure report then shows this line as the worker's
+    cause instead of "To enable traceback see ..." (its own report around it is torchrun's)."""
+    if speak:
+        print(line, file=sys.stderr)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        import json
+        import time
+
+        record = {"message": line, "extraInfo": {"py_callstack": line,
+                                                 "timestamp": str(int(time.time()))}}  # fmt: skip
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": record}))
+    return code
 
 
 def entry() -> None:
@@ -129,10 +152,22 @@ def entry() -> None:
     try:
         code = main()
         sys.stdout.flush()
+        _quiet_exit_on_signals()
     except BrokenPipeError:  # the reader went away (`onegpu plan --gpu list | head`): fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
     sys.exit(code)
+
+
+def _quiet_exit_on_signals() -> None:
+    """From here on the interpreter only finishes (threads joined, files closed): a Ctrl-C or
+    SIGTERM ends it at once and quietly, as the command has said what it had to say."""
+
+    def leave(signum: int, frame) -> None:
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
 
 
 __all__ = ["entry", "main", "make_parser"]

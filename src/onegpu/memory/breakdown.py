@@ -14,10 +14,13 @@ The labelling uses `torch.profiler._memory_profiler` (the engine behind the publ
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from onegpu.quiet import native_notes_dropped
 
 _GROUPS = {
     "PARAMETER": "params",
@@ -34,14 +37,26 @@ _GROUPS = {
 GROUPS = ("params", "grads", "optimizer", "activations", "other")
 
 
-def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
-    """Run `step()` once under the memory profiler; the split of bytes at its peak."""
+@contextlib.contextmanager
+def profiling(device: torch.device) -> Iterator[Any]:
+    """torch.profiler with what the memory timeline needs (shapes, memory, stacks), its
+    native start/stop notes kept off the terminal (onegpu/quiet.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(
-        activities=activities, record_shapes=True, profile_memory=True, with_stack=True
-    ) as prof:
+    prof = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=True)
+    with native_notes_dropped():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with native_notes_dropped():
+            prof.stop()
+
+
+def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """Run `step()` once under the memory profiler; the split of bytes at its peak."""
+    with profiling(device) as prof:
         step()
     try:
         times, groups = memory_timeline(prof, device)

@@ -12,6 +12,7 @@ from onegpu.optim.disk_tier import DiskTier
 from onegpu.optim.host_offload import HostOffloadOptimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
+from onegpu.quiet import library_notes_off
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -44,6 +45,7 @@ def _adamw8bit(
 ) -> torch.optim.Optimizer:
     """AdamW with block-wise 8-bit moments (torchao: runs on CPU and CUDA alike). For bf16
     weights the update is rounded stochastically (unbiased), torchao's counterpart of Kahan."""
+    library_notes_off()
     try:
         from torchao.optim import AdamW8bit
     except ImportError as e:

@@ -1,6 +1,8 @@
 """SIGTERM and SIGINT stop a run gracefully: the step in flight finishes, a checkpoint and the
 summary are written, and the process exits 128 + the signal's number (143, 130), as shells and
-schedulers expect of a run that did not finish. A second signal stops at once."""
+schedulers expect of a run that did not finish. A second signal stops at once: `StopNow`, which
+the command line turns into one line and the same exit code (what was saved before is intact:
+every save is all-or-nothing)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,14 @@ import threading
 from types import FrameType
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM/SIGINT: stop without finishing the step or the save in flight."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class GracefulStop:
@@ -33,7 +43,7 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # asked twice: stop now
             self._restore()
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.signum = signum
 
     def __enter__(self) -> GracefulStop:

@@ -24,7 +24,7 @@ import torch
 
 from onegpu.build import Built, build
 from onegpu.config import Config, ConfigError
-from onegpu.memory.breakdown import GROUPS, memory_timeline
+from onegpu.memory.breakdown import GROUPS, memory_timeline, profiling
 from onegpu.runs.folder import resolve_out_dir
 from onegpu.runs.folders import atomic_path, write_text_atomic
 from onegpu.runs.lock import release_run_folder
@@ -48,9 +48,6 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
         raise ConfigError("--steps", f"must be at least 1 profiled step, got {steps}")
     if warmup < 0:
         raise ConfigError("--warmup", f"must be >= 0, got {warmup}")
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     out = resolve_out_dir(cfg.out)
     try:
         built = build(cfg)
@@ -59,7 +56,6 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
         raise
     batches = training_batches(built)
     cuda = built.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     built.model.train()
@@ -71,9 +67,7 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
 
     for step in range(warmup):  # compilation, allocator growth, optimizer state creation
         one_step(step)
-    with torch_profile(
-        activities=activities, record_shapes=True, profile_memory=True, with_stack=True
-    ) as prof:
+    with profiling(built.device) as prof:
         for step in range(warmup, warmup + steps):
             # our own step spans: torch's ProfilerStep#N needs a schedule, which clears events
             with torch.profiler.record_function(f"ProfilerStep#{step}"):

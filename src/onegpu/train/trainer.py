@@ -96,16 +96,20 @@ def _run(
     ctx.say(describe(built, out_dir, start))
     resume.start_rng(built, previous)  # the dropout stream: from the seed, or as it was saved
     saver = make_saver(run, built)
-    with GracefulStop() as stop, out_of_memory_report(run, built.device, meter):
-        memory, val_loss = _loop(built, run, meter, saver, stop, batches, start)
-    saver.finish()  # a background save still in flight (e.g. skipped non-finite last)
-    summary = summarize(built, meter, memory, stop, val_loss)
-    summary["last_good_checkpoint"] = str(saver.last_good) if saver.last_good else None
-    recheck_peak(built, summary)
-    if built.cfg.out.save_checkpoint and meter.steps == built.cfg.train.max_steps and not stop.diverged:  # fmt: skip
-        saver.final_weights()
-    run.write_summary(summary)
-    run.close()
+    # the saves after the loop are covered too: a signal there is the graceful one (noted, the
+    # save finishes), a second one stops at once (runs/signals.py)
+    with GracefulStop() as stop:
+        with out_of_memory_report(run, built.device, meter):
+            memory, val_loss = _loop(built, run, meter, saver, stop, batches, start)
+        saver.finish()  # a background save still in flight (e.g. skipped non-finite last)
+        summary = summarize(built, meter, memory, stop, val_loss)
+        summary["last_good_checkpoint"] = str(saver.last_good) if saver.last_good else None
+        recheck_peak(built, summary)
+        finished = meter.steps == built.cfg.train.max_steps and not stop.diverged
+        if built.cfg.out.save_checkpoint and finished:
+            saver.final_weights()
+        run.write_summary(summary)
+        run.close()
     return summary
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from onegpu.config import ConfigError
+from onegpu.quiet import library_notes_off
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,7 @@ class HFFolder:
 
 def require_transformers():
     """transformers, imported quietly; ConfigError if it is not installed."""
-    # transformers may import torchao, which logs that its CUDA-only kernels do not load on a
-    # CPU machine (and torch notes its enum registrations): noise, not our user's concern
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    library_notes_off()  # transformers may import torchao (onegpu/quiet.py)
     try:
         import transformers
     except ImportError:
