@@ -9,14 +9,21 @@ an existing folder is first renamed aside and removed once the new one is in pla
 between the two renames leaves the old folder under its aside name: `recover` puts it back
 the next time the same destination is written. So at any moment the destination holds the
 old folder or the new one, never a mix of both.
+
+Files that belong together in a folder of other things (bench.json, bench.md and bench.png;
+best.toml and tune.*) are written by `write_together`: every one under its temporary name
+first, then a journal of the renames, then the renames, then the journal goes. A kill during
+the renames leaves the journal: `finish_together` (run by the next writer, and by readers that
+care) completes them, so the set is the old one or, once finished, the new one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 _TMP, _OLD = ".onegpu-tmp-", ".onegpu-old-"
@@ -100,3 +107,51 @@ def staging(dest: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+JOURNAL = ".onegpu-renames.json"
+
+
+def write_together(folder: Path, files: Mapping[str, str | Callable[[Path], None]]) -> None:
+    """Write `files` (name -> text, or a function writing to the path it is given) into
+    `folder` as one set: the old set or the new one, never a mix."""
+    folder.mkdir(parents=True, exist_ok=True)
+    finish_together(folder)
+    pairs: list[tuple[str, str]] = []
+    try:
+        for name, content in files.items():
+            tmp = folder / f"{_TMP}{os.getpid()}-{name}"
+            pairs.append((tmp.name, name))
+            if isinstance(content, str):
+                tmp.write_text(content)
+            else:
+                content(tmp)
+            os.chmod(tmp, file_mode())
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        write_text_atomic(folder / JOURNAL, json.dumps(pairs))
+    except BaseException:
+        for tmp_name, _ in pairs:
+            (folder / tmp_name).unlink(missing_ok=True)
+        raise
+    finish_together(folder)
+
+
+def finish_together(folder: Path) -> None:
+    """Complete the renames of a `write_together` that was cut short after its journal."""
+    journal = folder / JOURNAL
+    if not journal.is_file():
+        return
+    for tmp_name, name in json.loads(journal.read_text()):
+        if (folder / tmp_name).exists():
+            os.replace(folder / tmp_name, folder / name)
+    _fsync_dir(folder)
+    journal.unlink()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import ConfigError, load_toml
-from onegpu.runs.folders import atomic_path, write_text_atomic
+from onegpu.runs.folders import write_together
 
 Row = tuple[str, dict[str, str]]
 # Steps left out of the timing: 1 compiles/warms up, 2 is profiled for memory, 3 still pays
@@ -293,11 +293,10 @@ def bench(
         {"grid": grid, "name": name, **_median(runs[json.dumps(c, sort_keys=True)])}
         for grid, name, c in entries
     ]
-    out_dir.mkdir(parents=True, exist_ok=True)
     command = "onegpu " + " ".join(sys.argv[1:]) if sys.argv and "onegpu" in sys.argv[0] else ""
-    write_text_atomic(out_dir / "bench.json", json.dumps(rows, indent=1) + "\n")
-    write_text_atomic(out_dir / "bench.md", markdown(rows, base_cfg, steps, repeats, command))
-    plot(rows, out_dir / "bench.png")
+    write_together(out_dir, {"bench.json": json.dumps(rows, indent=1) + "\n",
+                             "bench.md": markdown(rows, base_cfg, steps, repeats, command),
+                             "bench.png": lambda path: plot(rows, path)})  # fmt: skip
     return rows
 
 
@@ -382,6 +381,5 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     a1.set_yticks(list(y), labels, fontsize=8)
     a1.invert_yaxis()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)

@@ -37,7 +37,7 @@ from onegpu.config import (
     with_overrides,
 )
 from onegpu.perf.flops import RECOMPUTE
-from onegpu.runs.folders import atomic_path, write_text_atomic
+from onegpu.runs.folders import write_together
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
 from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, process_share, rank_memory
 from onegpu.tools.planner import plan_memory
@@ -294,11 +294,11 @@ def measure(
 
 def write_results(result: dict[str, Any], best_cfg: Config, out_dir: Path) -> None:
     """best.toml, tune.json, tune.md and tune.png in `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / "best.toml", to_toml(best_cfg))
-    write_text_atomic(out_dir / "tune.json", json.dumps(result, indent=1) + "\n")
-    write_text_atomic(out_dir / "tune.md", frontier_table(result))
-    plot(result["trials"], result["frontier"], result["budget_bytes"], out_dir / "tune.png")
+    trials, frontier, budget = result["trials"], result["frontier"], result["budget_bytes"]
+    write_together(out_dir, {"best.toml": to_toml(best_cfg),
+                             "tune.json": json.dumps(result, indent=1) + "\n",
+                             "tune.md": frontier_table(result),
+                             "tune.png": lambda path: plot(trials, frontier, budget, path)})  # fmt: skip
 
 
 def _size(nbytes: int) -> str:
@@ -373,6 +373,5 @@ def plot(trials, frontier, budget: int, path: Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp)
+    fig.savefig(path, format="png")
     plt.close(fig)

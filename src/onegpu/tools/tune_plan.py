@@ -29,7 +29,7 @@ from onegpu.config import Config, ConfigError, to_toml, with_overrides
 from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
 from onegpu.perf.host_step import host_step_rate
-from onegpu.runs.folders import write_text_atomic
+from onegpu.runs.folders import write_together
 from onegpu.techniques.precision import resolve_precision
 from onegpu.tools.fixes import Planned, planned
 from onegpu.tools.offload_time import LINK_EFFICIENCY
@@ -166,17 +166,19 @@ def tune_predicted(
     cands = candidates(cfg, "cuda", with_compile=False)
     budget = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES
     result = search(cfg, cands, gpu, budget, host_memory or machine_ram(), log)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / "tune.json", json.dumps(result, indent=1) + "\n")
-    write_text_atomic(out_dir / "tune.md", predicted_table(result, budget))
+    files = {"tune.json": json.dumps(result, indent=1) + "\n",
+             "tune.md": predicted_table(result, budget)}  # fmt: skip
+    if result["best"] is not None:
+        files["best.toml"] = to_toml(with_overrides(cfg, result["best"]["change"]))
+    write_together(out_dir, files)
     if result["best"] is None:
+        (out_dir / "best.toml").unlink(missing_ok=True)  # an earlier search's: not this one's
         raise ConfigError(
             "--gpu",
             f"nothing in the search fits {gpu} with {result['host_budget'] / 2**30:.1f} GiB of "
             "host memory; --host-memory BYTES plans for a larger host, or `onegpu plan "
             "--largest` says which size of this model fits",
         )
-    write_text_atomic(out_dir / "best.toml", to_toml(with_overrides(cfg, result["best"]["change"])))
     return result
 
 

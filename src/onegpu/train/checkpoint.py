@@ -79,10 +79,23 @@ def write_atomic(path: Path, state: dict[str, Any]) -> None:
         os.replace(tmp, path)
     except BaseException as e:  # a full disk: no half-written file left to fill it further
         tmp.unlink(missing_ok=True)
+        if (failed := _os_error_in(e)) is not None:  # the disk's error, whatever torch wrapped
+            raise OSError(failed.errno, failed.strerror, str(path)) from None
         if isinstance(e, RuntimeError) and "write" in str(e).lower():  # torch's wrapped ENOSPC
             raise OSError(28, "no space left on device (or the write failed)", str(path)) from None
         raise
     _fsync_dir(path.parent)
+
+
+def _os_error_in(e: BaseException | None) -> OSError | None:
+    """The OSError behind `e`: torch.save's zip writer turns a full disk's ENOSPC into a
+    RuntimeError ("unexpected pos ...") raised while handling it."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def write_train_state_atomic(folder: Path, state: dict[str, Any]) -> None:
