@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "cache"),  # pure data: options, validation, where caches live
+    ("config", "cache", "quiet"),  # pure data: options, where caches live; library notes off
     ("perf", "memory", "runs"),  # FLOPs, peaks, allocator; saved/live bytes; the run folder
     ("models", "data", "batches"),  # architecture; corpus, tokenizers (numpy); torch loaders
     ("techniques", "optim", "distributed"),  # over a built model; optimizers; FSDP/DDP/DCP
