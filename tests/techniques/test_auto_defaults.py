@@ -78,7 +78,8 @@ def test_auto_chunk_is_the_cached_choice(monkeypatch, chunk):
     m = load_config("seed-ref").model
     vocab = chunked_loss.padded_vocab(m)
     key = f"{device_key(CPU)}|{torch.float32}|tokens=4096|d={m.d_model}|vocab={vocab}"
-    _store("loss_chunk.json", key, {"chunk": chunk, "seconds": {}})
+    seconds = {"0": 1.0, "1024": 1.2, "2048": 1.04 if chunk else 1.1}
+    _store("loss_chunk.json", key, {"chunk": chunk, "seconds": seconds})
     monkeypatch.setattr(chunked_loss, "measure_loss_chunk", _never)
     for _ in range(2):
         assert chunked_loss.resolve_loss_chunk("auto", m, 4096, torch.float32, CPU) == chunk
@@ -101,13 +102,27 @@ def test_a_plan_never_times_the_loss(monkeypatch):
 def test_measured_choice_is_a_timed_size():
     got = chunked_loss.measure_loss_chunk(2048, 32, 4096, torch.float32, CPU)
     assert got["chunk"] in (0, *chunked_loss.CHUNK_SIZES)
-    assert set(got["seconds"]) == {"0", "1024", "2048"}  # chunk sizes up to the tokens
+    assert set(got["seconds"]) == {"0", "1024"}  # chunk sizes below the micro-batch's tokens
+
+
+@pytest.mark.parametrize(
+    "seconds,want",
+    [
+        ({"0": 1.00, "1024": 1.04, "2048": 1.01, "4096": 1.00}, 1024),  # leanest within 5%
+        ({"0": 1.00, "1024": 1.20, "2048": 1.06, "4096": 1.05}, 4096),
+        ({"0": 1.00, "1024": 1.20, "2048": 1.10}, 0),  # no chunk within 5%: plain
+        ({"0": 1.30, "1024": 1.10, "2048": 1.00}, 2048),  # faster than plain, 1024 not within
+    ],
+)
+def test_auto_takes_the_leanest_chunk_within_the_margin_of_the_fastest(seconds, want):
+    assert chunked_loss.leanest_within_margin(seconds) == want
 
 
 def test_default_chunked_path_equals_the_plain_loss(monkeypatch):
     """The default config, where `auto` chunks, computes the plain loss and gradients."""
     monkeypatch.setattr(chunked_loss, "MIN_LOGITS_BYTES", 0)
-    monkeypatch.setattr(chunked_loss, "measure_loss_chunk", lambda *a: {"chunk": 96})
+    timed = {"chunk": 96, "seconds": {"0": 1.0, "96": 1.0}}
+    monkeypatch.setattr(chunked_loss, "measure_loss_chunk", lambda *a: timed)
     over = {"model.vocab_size": "4096"}
     auto, plain = build(_cfg(**over), CPU, with_data=False), None
     assert auto.cfg.memory.loss_chunk == 96  # the chunked loss really runs
@@ -159,11 +174,32 @@ def test_build_follows_the_trial(monkeypatch, compiled_s, want):
     """A long run times eager against compiled once; the build and its config.toml follow."""
     trial = CompileTrial(1.0, compiled_s, 1.0)
     monkeypatch.setattr(compile, "time_compile", lambda *a: trial)
+    monkeypatch.setattr(compile, "_eager_s", lambda *a: 1.0)  # a step slow enough to time
     over = {"train.max_steps": "500", "model.init_std": compiled_s / 100}  # a key per case
     built = build(_cfg(**over), CPU, with_data=False)
     assert built.cfg.train.compile == want
     assert built.compile_trial == trial
     assert (built.loss_fn is token_loss_sum) == (want == "none")  # compiled: a wrapper
+
+
+def test_a_run_that_cannot_repay_a_compile_never_times_it(monkeypatch, tmp_path):
+    """200 micro-batches of 300 ms could save at most 200 x 0.3 x (1 - 1/1.15) = 7.8 s on a
+    CPU, against the 15 s a compile takes at least: compiled is not timed, and the reason is
+    reported. Once this machine has shown a 2 s compile, the same run is worth timing."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # no compile seen on this machine yet
+    monkeypatch.setattr(compile, "_eager_s", lambda *a: 0.3)
+    monkeypatch.setattr(compile, "time_compile", _never)
+    over = {"train.max_steps": "200", "train.micro_batch_size": "8", "model.init_std": "0.011"}
+    built = build(_cfg(**over), CPU, with_data=False)
+    assert built.cfg.train.compile == "none" and built.loss_fn is token_loss_sum
+    assert "could save at most 8 s against at least 15 s" in built.compile_trial.skipped
+    assert compile.repay_bound(CPU, 0.3, 200) == pytest.approx((7.826, 15.0), abs=1e-3)
+    _store("compile.json", f"{compile.device_key(CPU)}|other-model",
+           {"eager_step_s": 0.4, "compiled_step_s": 0.5, "compile_s": 2.0})  # fmt: skip
+    assert compile.repay_bound(CPU, 0.3, 200)[1] == 2.0
+    timed = CompileTrial(0.3, 0.2, 2.0)
+    monkeypatch.setattr(compile, "time_compile", lambda *a: timed)
+    assert build(_cfg(**over), CPU, with_data=False).compile_trial == timed
 
 
 def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():

@@ -126,8 +126,9 @@ MIN_LOGITS_SHARE = 0.25
 """`auto` chunks only where the plain loss's logits are at least this share of the activations."""
 MIN_LOGITS_BYTES = 64 * 2**20
 """...and at least this large: below it, chunking cannot change what fits."""
-MAX_SLOWDOWN = 1.05
-"""...and only if the fastest chunk size runs the output layer + loss within 5% of the plain one."""
+SPEED_MARGIN = 1.05
+"""Then the smallest chunk size (the least memory) whose output layer + loss runs within 5% of
+the fastest contestant, plain included; plain if none does."""
 UNTIMED_CHUNK = 4096
 """The chunk size of a plan for a device that is not here (nothing can be timed)."""
 
@@ -171,7 +172,8 @@ def measure_loss_chunk(
     def chunked(c: int) -> Callable[[], torch.Tensor]:
         return lambda: ChunkedLinearCrossEntropy.apply(h_ND, w_VD, None, t_N, c, dtype, vocab)
 
-    contestants = {0: plain} | {c: chunked(c) for c in CHUNK_SIZES if c <= tokens}
+    # a chunk of the whole micro-batch keeps what the plain loss keeps: not a contestant
+    contestants = {0: plain} | {c: chunked(c) for c in CHUNK_SIZES if c < tokens}
     times: dict[int, list[float]] = {c: [] for c in contestants}
     for _ in range(4):  # the first round warms up (allocations, kernel selection)
         for c, fn in contestants.items():
@@ -181,10 +183,17 @@ def measure_loss_chunk(
             sync(device)
             times[c].append(time.perf_counter() - t0)
             h_ND.grad = w_VD.grad = None
-    best = {c: min(ts[1:]) for c, ts in times.items()}
-    fastest = min((c for c in best if c), key=best.__getitem__, default=0)
-    chunk = fastest if fastest and best[fastest] <= MAX_SLOWDOWN * best[0] else 0
-    return {"chunk": chunk, "seconds": {str(c): round(s, 5) for c, s in best.items()}}
+    seconds = {str(c): round(min(ts[1:]), 5) for c, ts in times.items()}
+    return {"chunk": leanest_within_margin(seconds), "seconds": seconds}
+
+
+def leanest_within_margin(seconds: dict[str, float]) -> int:
+    """The rule of `auto`: the smallest chunk size within SPEED_MARGIN of the fastest contestant
+    (plain included), else 0 (plain). Applied to cached timings too, so a rule change needs no
+    new timing."""
+    fastest = min(seconds.values())
+    within = sorted(int(c) for c, s in seconds.items() if int(c) and s <= SPEED_MARGIN * fastest)
+    return within[0] if within else 0
 
 
 def resolve_loss_chunk(
@@ -216,12 +225,29 @@ def resolve_loss_chunk(
         return UNTIMED_CHUNK
     key = f"{device_key(device)}|{dtype}|tokens={tokens}|d={m.d_model}|vocab={vocab}"
     if not timed:  # a plan: what a run here chose, if one did
-        found = peek("loss_chunk.json", key, valid=has("chunk"))
-        return int(found["chunk"]) if found else UNTIMED_CHUNK
+        found = peek("loss_chunk.json", key, valid=_timings)
+        return _choice(found, tokens) if found else UNTIMED_CHUNK
     found = cached(
         "loss_chunk.json",
         key,
         lambda: measure_loss_chunk(tokens, m.d_model, vocab, dtype, device),
-        valid=has("chunk"),
+        valid=_timings,
     )
-    return int(found["chunk"])
+    return _choice(found, tokens)
+
+
+def _timings(value: Any) -> bool:
+    """A cached timing: the choice and every contestant's seconds, as numbers."""
+    seconds = value.get("seconds") if has("chunk")(value) else None
+    return (
+        isinstance(seconds, dict)
+        and "0" in seconds
+        and all(isinstance(v, (int, float)) and k.isdigit() for k, v in seconds.items())
+    )
+
+
+def _choice(found: dict[str, Any], tokens: int) -> int:
+    """The rule applied to a cached timing (an older entry may hold a chunk of the whole
+    micro-batch, no longer a contestant)."""
+    seconds = {c: s for c, s in found["seconds"].items() if int(c) < tokens}
+    return leanest_within_margin(seconds)

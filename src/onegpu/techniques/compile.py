@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from onegpu.cache import cached, has
+from onegpu.cache import cached, entries, has, peek
 from onegpu.config import Config, to_dict
 from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
@@ -48,23 +48,35 @@ MIN_STEPS = 100
 not win back (docs/auto-defaults.md)."""
 
 
+BEST_SPEEDUP = {"cpu": 1.15, "cuda": 1.6}
+"""The most a compiled micro-batch is assumed faster than eager (eager / compiled) before this
+machine has shown more: the bound that decides whether a trial is worth running at all. CPU:
+the best inductor gave on our GPT on the EPYCs of docs/cpu-notes.md was below this (often
+slower than eager); CUDA: above what compile gives a fused-attention GPT step."""
+LEAST_COMPILE_S = {"cpu": 15.0, "cuda": 20.0}
+"""The least a first compile is assumed to take before this machine has shown less."""
+
+
 @dataclass(frozen=True, slots=True)
 class CompileTrial:
     """One micro-batch's forward + backward, eager and compiled ('default'), and what compiling
-    cost; measured once per device, model and settings, then read from the cache."""
+    cost; measured once per device, model and settings, then read from the cache. `skipped`:
+    why compiled was never timed (the run could not repay any compile), else ''."""
 
     eager_s: float
     compiled_s: float
     compile_s: float
     cached: bool = False
+    skipped: str = ""
 
     def pays(self, micro_steps: int) -> bool:
         """Whether compiling saves more over `micro_steps` micro-batches than it costs."""
         return (self.eager_s - self.compiled_s) * micro_steps > self.compile_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {"eager_step_s": self.eager_s, "compiled_step_s": self.compiled_s,
-                "compile_s": self.compile_s, "cached": self.cached}  # fmt: skip
+        d = {"eager_step_s": self.eager_s, "compiled_step_s": self.compiled_s,
+             "compile_s": self.compile_s, "cached": self.cached}  # fmt: skip
+        return d | ({"skipped": self.skipped} if self.skipped else {})
 
 
 def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) -> float:
@@ -135,6 +147,27 @@ def auto_candidate(cfg: Config, device: torch.device, distributed: bool) -> str:
     return "default" if worth and not distributed else "none"
 
 
+def repay_bound(device: torch.device, eager_s: float, micro_steps: int) -> tuple[float, float]:
+    """(the most compiling could save over the run, the least it costs) on this device: this
+    machine's own trials (its best speedup if above the assumed one, its quickest compile)
+    where it has any, else BEST_SPEEDUP and LEAST_COMPILE_S."""
+    here = device_key(device) + "|"
+    trials = [t for k, t in entries("compile.json").items()
+              if k.startswith(here) and has("eager_step_s", "compiled_step_s", "compile_s")(t)]  # fmt: skip
+    speedup = max([BEST_SPEEDUP.get(device.type, 1.5)]
+                  + [t["eager_step_s"] / t["compiled_step_s"] for t in trials if t["compiled_step_s"] > 0])  # fmt: skip
+    least = min([t["compile_s"] for t in trials if t["compile_s"] > 0],
+                default=LEAST_COMPILE_S.get(device.type, 20.0))  # fmt: skip
+    return eager_s * (1 - 1 / speedup) * micro_steps, least
+
+
+def _eager_s(model: nn.Module, eager: LossFn, batch, autocast, device: torch.device) -> float:
+    """One eager micro-batch's forward + backward, after a warm-up one (RNG restored)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _timed(eager, model, batch, autocast, device)
+        return _timed(eager, model, batch, autocast, device)
+
+
 def decide(
     cfg: Config,
     model: nn.Module,
@@ -144,13 +177,24 @@ def decide(
     device: torch.device,
 ) -> tuple[str, CompileTrial]:
     """`train.compile auto` on the materialised model: eager or compiled, whichever the timing
-    (cached per device and step fingerprint) says pays over this run's micro-batches."""
+    (cached per device and step fingerprint) says pays over this run's micro-batches. Without
+    a cached timing, one eager micro-batch is timed first: where the run could not repay the
+    least compile time this machine has shown even at the best speedup it has shown, compiled
+    is never timed (no compile spent on a run that cannot win it back)."""
+    key = f"{device_key(device)}|{step_fingerprint(cfg)}"
+    micro_steps = cfg.train.max_steps * cfg.grad_accum_steps
+    batch = trial_batch(cfg, model.vocab_size, device)
+    if peek("compile.json", key, valid=has("eager_step_s", "compiled_step_s", "compile_s")) is None:
+        eager_s = _eager_s(model, eager, batch, autocast, device)
+        saves, costs = repay_bound(device, eager_s, micro_steps)
+        if saves <= costs:
+            why = (f"{micro_steps} micro-batches of {eager_s * 1e3:,.0f} ms could save at most "
+                   f"{saves:,.0f} s against at least {costs:,.0f} s of compiling")  # fmt: skip
+            return "none", CompileTrial(eager_s, float("nan"), float("nan"), skipped=why)
     return choose_compile(
-        f"{device_key(device)}|{step_fingerprint(cfg)}",
-        cfg.train.max_steps * cfg.grad_accum_steps,
-        lambda: time_compile(
-            model, eager, compiled, trial_batch(cfg, model.vocab_size, device), autocast, device
-        ),
+        key,
+        micro_steps,
+        lambda: time_compile(model, eager, compiled, batch, autocast, device),
     )
 
 

@@ -61,7 +61,9 @@ def describe_auto(built: Built) -> str:
     cfg, parts = built.cfg, []
     if built.asked and built.asked.memory.loss_chunk == "auto":
         parts.append(f"loss chunk {cfg.memory.loss_chunk or 'off'}")
-    if trial := built.compile_trial:
+    if (trial := built.compile_trial) and trial.skipped:
+        parts.append(f"compile none (not timed: {trial.skipped})")
+    elif trial:
         how = "cached" if trial.cached else f"compiled in {trial.compile_s:.0f} s"
         parts.append(
             f"compile {cfg.train.compile} (eager {trial.eager_s * 1e3:,.0f} ms vs compiled "
@@ -90,7 +92,9 @@ def summarize(
     compiled = cfg.train.compile != "none"
     trial = built.compile_trial
     # compiled before the loop when `auto` timed it in this run
-    compile_before = trial.compile_s if trial and not trial.cached and compiled else 0.0
+    compile_before = (
+        trial.compile_s if trial and not trial.cached and not trial.skipped and compiled else 0.0
+    )
     return {
         "params": built.n_params,
         "tokens": meter.tokens,
