@@ -195,6 +195,7 @@ def test_train_reports_the_memory_breakdown(tmp_path):
         "out.progress": "false",
         "out.dir": str(tmp_path / "r"),
         "memory.checkpointing": "block",
+        "train.measure_memory": "true",
     }
     s = train(load_config("tiny", overrides=over))
     mem = s["memory"]
@@ -220,6 +221,7 @@ def test_breakdown_counts_states_the_profiler_does_not_recognise(tmp_path):
         "out.progress": "false",
         "out.dir": str(tmp_path / "r"),
         "optim.name": "adafactor",
+        "train.measure_memory": "true",
     }
     s = train(load_config("tiny", overrides=over))
     mem, n = s["memory"], s["params"]

@@ -116,9 +116,12 @@ class TrainConfig:
     100 steps times one micro-batch eager and compiled ('default') once per device, model and
     settings (cached) and compiles if the saving over max_steps outweighs the compile time;
     otherwise 'none' (docs/auto-defaults.md). Compile time is reported apart."""
-    measure_memory: bool = True
+    measure_memory: bool = False
     """Profile the second step's allocations to split peak memory into parameters, gradients,
-    optimizer states, activations and the rest (summary.json 'memory'); costs one slow step."""
+    optimizer states, activations and the rest (summary.json 'memory'). Off by default: the
+    profiled step is slow (minutes on a 100M+ model on a CPU) and the profiler's own memory
+    raises the run's peak RSS; its time is left out of every speed figure. The same breakdown
+    without a run: `onegpu plan` (predicted) or `onegpu profile` (measured)."""
     resume: str = ""
     """Continue a run: 'auto' (from the newest complete checkpoint in the run folder; none there:
     start afresh) or the path of a checkpoint file. Empty: a new run."""

@@ -15,6 +15,7 @@ The labelling uses `torch.profiler._memory_profiler` (the engine behind the publ
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,6 +63,9 @@ def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[s
         times, groups = memory_timeline(prof, device)
     except Exception as e:  # a private API: degrade to "not measured", never to a guess
         return {"error": f"memory profiler unavailable in torch {torch.__version__}: {e}"}
+    finally:  # the profile's events go (the caller hands their pages back to the kernel)
+        del prof
+        gc.collect()
     totals = [sum(col) for col in zip(*groups.values(), strict=True)]
     at = max(range(len(totals)), key=totals.__getitem__, default=None)
     out = {g: (int(v[at]) if at is not None else 0) for g, v in groups.items()}

@@ -132,3 +132,20 @@ def maybe_reexec_with_fast_allocator(argv: list[str]) -> None:
         env.setdefault(MIMALLOC_PURGE, "-1")  # keep freed pages: the next step reuses them
     env[_REEXECED] = "1"  # never loop, even if the preload silently fails
     os.execve(sys.executable, [sys.executable, "-m", "onegpu", *argv], env)
+
+
+def release_free_memory() -> str:
+    """Hand the pages this process's allocator holds free back to the kernel, once (after a
+    one-off peak such as the profiled step: otherwise mimalloc with purging off, tcmalloc and
+    tuned glibc keep them for the rest of the run). Returns which call it made ('' for none)."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return ""
+    for name, args in (("mi_collect", (True,)), ("MallocExtension_ReleaseFreeMemory", ()),
+                       ("malloc_trim", (0,))):  # fmt: skip
+        fn = getattr(libc, name, None)
+        if fn is not None:
+            fn(*args)
+            return name
+    return ""

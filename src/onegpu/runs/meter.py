@@ -47,6 +47,7 @@ class Meter:
         self.totals, self.flops_per_token, self.peak = totals, flops_per_token, peak
         self._sync, self._peak_memory, self._extras = sync, peak_memory, extras
         self.skipped_in_a_row = 0
+        self._left_s, self._left_tokens, self._left_steps = 0.0, 0, 0  # see leave_out
         self.steps = self.tokens = 0  # whole run
         self._steps = self._tokens = 0  # this interval
         self.intervals: list[tuple[float, float | None]] = []  # (tokens/s, mfu) per interval
@@ -86,6 +87,13 @@ class Meter:
             self._sync()
             self.first_step_s = time.perf_counter() - self.t_start
 
+    def leave_out(self, seconds: float, tokens: int) -> None:
+        """The last step ran under the memory profiler: its time and tokens count in no speed
+        figure (its loss, tokens and step count stay in the run's totals)."""
+        self._left_s += seconds
+        self._left_tokens += tokens
+        self._left_steps += 1
+
     def good_until(self) -> int:
         """The last step before the current run of skipped updates (this step if none)."""
         return self.steps - self.totals.in_a_row()
@@ -93,11 +101,12 @@ class Meter:
     def flush(self) -> dict[str, Any]:
         """The log row of the interval since the last flush (reads the device once)."""
         self._sync()
-        dt = time.perf_counter() - self._t_last
+        dt = max(time.perf_counter() - self._t_last - self._left_s, 1e-9)
         v = self.totals.read()
         self.loss = v["loss_sum"] / self._steps
         self.skipped, self.skipped_in_a_row = int(v["skipped"]), int(v["in_a_row"])
-        tok_s = self._tokens / dt
+        timed_steps = self._steps - self._left_steps
+        tok_s = (self._tokens - self._left_tokens) / dt
         mfu = tok_s * self.flops_per_token / self.peak.flops if self.peak else None
         row = {
             "step": self.steps,
@@ -106,14 +115,18 @@ class Meter:
             "grad_norm": v["grad_norm"],
             "tokens_per_s": tok_s,
             "mfu": mfu,
-            "step_time_s": dt / self._steps,
+            "step_time_s": dt / timed_steps if timed_steps else None,
             "peak_mem_bytes": self._peak_memory(),
             "skipped_steps": self.skipped,
             **self._extras(),
         }
-        self.intervals.append((tok_s, mfu))
+        if timed_steps:  # an interval of the profiled step alone has no speed
+            self.intervals.append((tok_s, mfu))
+        else:
+            row["tokens_per_s"] = row["mfu"] = None
         self.totals.reset_interval()
-        self._steps = self._tokens = 0
+        self._steps = self._tokens = self._left_steps = self._left_tokens = 0
+        self._left_s = 0.0
         self.restart_clock()
         return row
 

@@ -17,6 +17,7 @@ from onegpu.build import Built, build
 from onegpu.config import Config
 from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
+from onegpu.perf.allocator import release_free_memory
 from onegpu.step import StepOutput
 
 
@@ -47,6 +48,7 @@ def measure_step(
             outputs.append(built.step(inputs_BT, targets_BT, n_tokens, index))
 
     memory: dict[str, Any] = profile_step_memory(step, built.device)
+    release_free_memory()  # the profile's pages: otherwise kept for the rest of the run
     with_exact_optimizer_bytes(memory, optimizer_state_bytes(built.optimizer))
     # micro-batches have equal shapes, so each saves the same bytes
     memory["saved_activations_per_micro_batch"] = counter.bytes // built.step.n_micro

@@ -75,7 +75,7 @@ def describe_auto(built: Built) -> str:
 def progress_fields(row: dict[str, Any]) -> dict[str, str]:
     return {
         "loss": f"{row['loss']:.3f}",
-        "tok_s": f"{row['tokens_per_s']:,.0f}",
+        "tok_s": f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] is not None else "n/a",
         "mfu": f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a",
         "mem": f"{row['peak_mem_bytes'] / 2**20:,.0f}MiB",
     }

@@ -10,6 +10,7 @@ process, distributed/context.py).
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,9 @@ def _loop(
         with record_function("data"):
             x, y, n_tokens = next(batches)
         if step == measure_at:  # optimizer states exist by then, as in every later step
+            t0 = time.perf_counter()
             out, memory = measure_step(built, x, y, n_tokens, step)
+            meter.leave_out(time.perf_counter() - t0, x.numel() * ctx.world_size)
         else:
             out = built.step(x, y, n_tokens, step)
         meter.add(out, x.numel() * ctx.world_size)  # every process runs an equal share
