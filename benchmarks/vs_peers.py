@@ -1,7 +1,7 @@
 """Head-to-head: `onegpu train` with its defaults against transformers.Trainer and a plain
 hand-written PyTorch loop, each with its own allocator and once more with the fast one.
 
-    python benchmarks/vs_peers.py --model B [--rounds 3] [--steps 11] [--only a,b,...]
+    python benchmarks/vs_peers.py --model B [--rounds 2] [--steps 11] [--only a,b,...]
 
 Models (the same token stream, windows, global batch and optimizer family for every contestant):
 - A: the `seed-ref` preset (seed 003's reference): 4 x d256, 4 heads, seq 512, a byte-level BPE
@@ -25,7 +25,8 @@ Contestants, each in a fresh process, rounds interleaved, medians over rounds:
   the allocator's share is visible. Without the suffix a peer runs on glibc's malloc.
 
 tokens/s: batch tokens / the median step time after WARM steps; peak RSS: the process's
-ru_maxrss, the same view for every contestant. Writes results/vs-peers-<model>.{md,json}.
+ru_maxrss, the same view for every contestant. Writes results/vs-peers-<model>[-bf16].{md,json}
+(-bf16 where the CPU multiplies bf16 natively and every contestant runs bf16).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ MODELS = {
 LR, WD, CLIP, WARMUP_STEPS = 1e-3, 0.1, 1.0, 20
 CONTESTANTS = ("onegpu", "onegpu+tcmalloc", "hf", "hf-compile", "hf+tcmalloc",
                "plain", "plain-compile", "plain-compile+tcmalloc")  # fmt: skip
+DEFAULT = ("onegpu", "onegpu+tcmalloc", "plain-compile", "plain-compile+tcmalloc", "hf")
+"""The head-to-head of issue 23: onegpu on the allocator a fresh machine gets and on tcmalloc,
+the compiled hand-written loop on glibc and on tcmalloc, Trainer."""
 
 
 def _precision() -> str:
@@ -226,6 +230,8 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
     ref = {k: max((n for n in med if n.startswith(k) and "+" not in n), default=None,
                   key=lambda n: med[n]["tokens_per_s"]) for k in ("hf", "plain")}  # fmt: skip
     cols = [r for r in ref.values() if r]
+    if "plain-compile+tcmalloc" in med:  # the loop on onegpu's allocator class too
+        cols.append("plain-compile+tcmalloc")
     lines = [
         f"# onegpu vs transformers.Trainer vs a hand-written loop: model {model}",
         "",
@@ -254,8 +260,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="B", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=11)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default=",".join(CONTESTANTS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default=",".join(DEFAULT), help=f"of {','.join(CONTESTANTS)}")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -280,10 +286,9 @@ def main() -> None:
     }  # fmt: skip
     text = table(a.model, med, a)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"vs-peers-{a.model}.md").write_text(text)
-    (RESULTS / f"vs-peers-{a.model}.json").write_text(
-        json.dumps({"runs": runs, "median": med}, indent=1)
-    )
+    stem = f"vs-peers-{a.model}" + ("-bf16" if _precision() == "bf16" else "")
+    (RESULTS / f"{stem}.md").write_text(text)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"runs": runs, "median": med}, indent=1))
     print(text)
 
 

@@ -13,7 +13,9 @@ working, the first of:
    the environment sets it): freed pages stay with the process, as tcmalloc keeps them, since
    the next step asks for the same sizes again. Measured on model B (fp32, 3 rounds): mimalloc
    as shipped 0.96x of tcmalloc's tokens/s with 188 K minor faults; never purging 1.01x with
-   48 K, at +5% peak RSS (+2% over tcmalloc's).
+   48 K, at +5% peak RSS (+2% over tcmalloc's). On a bf16 CPU (benchmarks/results/
+   allocator-settings-bf16.md) purging after 10 ms / 1 s costs 22% / 4% of B's speed and 22% of
+   A's for 2-6% of RSS; glibc tuned is as fast but 42% heavier on A: never purging stays.
    An allocator must be chosen before the process starts, so for 1 and 2 the command
    re-executes itself once with the library in LD_PRELOAD, as `python -m
    torch.backends.xeon.run_cpu --enable-tcmalloc` does;
