@@ -170,8 +170,11 @@ def run_row(
     cmd = train_command(preset, config_file, overrides, steps, out, nproc)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    if proc.returncode != 0:  # a rank's own cause sits above torchrun's report: keep it
+        lines = proc.stderr.strip().splitlines()
+        causes = [x for x in lines[:-15] if "terminate called" in x or "what():" in x
+                  or "Error" in x or "error:" in x][-5:]  # fmt: skip
+        tail = "\n".join(causes + lines[-15:])
         raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {proc.returncode}:\n{tail}")
     row = measured_row(out)
     return {"overrides": overrides, **row, "wall_s": time.perf_counter() - t0}
