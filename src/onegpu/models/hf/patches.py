@@ -26,6 +26,8 @@ stops calling it, or answers differently from the patch for what onegpu feeds it
 from __future__ import annotations
 
 import contextlib
+import importlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -35,20 +37,10 @@ CHECKED_WITH = ("4.56", "5.23")
 """The transformers versions this workaround was checked against."""
 
 
-@contextlib.contextmanager
-def never_packed():
+def never_packed() -> contextlib.AbstractContextManager:
     """Answer transformers' packed-sequence check with "not packed" inside the context."""
-    import transformers.masking_utils as masking
-
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:  # pragma: no cover - a transformers without the check
-        yield
-        return
-    masking.find_packed_sequence_indices = not_packed
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
+    return _swapped("transformers.masking_utils", "find_packed_sequence_indices",
+                    lambda original: not_packed)  # fmt: skip
 
 
 def not_packed(position_ids: torch.Tensor) -> None:
@@ -63,19 +55,12 @@ def around_forward():
         yield
 
 
-@contextlib.contextmanager
-def experts_in_compute_dtype():
+def experts_in_compute_dtype() -> contextlib.AbstractContextManager:
     """Expert matmuls in the autocast dtype under autocast, and plannable on fake tensors."""
-    try:
-        import transformers.integrations.moe as moe
-    except ImportError:  # pragma: no cover - transformers 4.x: experts are plain linears
-        yield
-        return
-    original = getattr(moe, "_grouped_mm", None)
-    if original is None:  # pragma: no cover - a transformers without grouped experts
-        yield
-        return
+    return _swapped("transformers.integrations.moe", "_grouped_mm", _in_compute_dtype)
 
+
+def _in_compute_dtype(original: Callable) -> Callable:
     def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
         device = input.device.type
         dtype = weight.dtype
@@ -86,11 +71,26 @@ def experts_in_compute_dtype():
             return torch.ops.transformers.grouped_mm_fallback(input, weight, offs=offs)
         return original(input, weight, offs)
 
-    moe._grouped_mm = grouped_mm
+    return grouped_mm
+
+
+@contextlib.contextmanager
+def _swapped(module: str, name: str, replacement: Callable[[Callable], Callable]) -> Iterator[None]:
+    """`module.name` replaced by `replacement(original)` inside the context; nothing changed
+    where this transformers lacks the module or the function (older versions)."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - transformers 4.x has no grouped experts
+        found = None
+    original = getattr(found, name, None)
+    if original is None:  # pragma: no cover
+        yield
+        return
+    setattr(found, name, replacement(original))
     try:
         yield
     finally:
-        moe._grouped_mm = original
+        setattr(found, name, original)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
