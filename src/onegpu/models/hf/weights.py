@@ -24,8 +24,9 @@ def load_safetensors_into(model: nn.Module, files: tuple[Path, ...]) -> None:
     own = model.state_dict(keep_vars=True)
     tied = _tied_aliases(model)
     seen: set[str] = set()
+    folder = files[0].parent
     if _needs_conversion(files, own):
-        _copy_converted(model, files[0].parent, own, seen)
+        _copy_converted(model, folder, own, seen)
         files = ()
     for file in files:
         try:
@@ -39,17 +40,20 @@ def load_safetensors_into(model: nn.Module, files: tuple[Path, ...]) -> None:
     if missing:
         raise ConfigError(
             "model.hf",
-            f"the weights in {files[0].parent} lack {missing[0]} ({len(missing)} missing)",
+            f"the weights in {folder} lack {missing[0]} ({len(missing)} missing)",
         )
 
 
 def _needs_conversion(files: tuple[Path, ...], own: dict) -> bool:
-    """The files name none of several of the model's keys, and transformers converts layouts."""
+    """Some file names a key the model lacks, and this transformers converts layouts."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(str(files[0]), framework="pt", device="cpu") as f:
-            foreign = [k for k in f.keys() if k not in own and not k.endswith(_OLD_BUFFERS)]  # noqa: SIM118
+        foreign = False
+        for file in files:  # headers only: no tensor is read
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                keys = f.keys()
+            foreign = foreign or any(k not in own and not k.endswith(_OLD_BUFFERS) for k in keys)
     except (OSError, SafetensorError):
         return False  # the copy below says which file is damaged
     if not foreign:
