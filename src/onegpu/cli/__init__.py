@@ -153,10 +153,34 @@ def entry() -> None:
         code = main()
         sys.stdout.flush()
         _quiet_exit_on_signals()
+        _leave_without_teardown_after_a_process_group(code)
     except BrokenPipeError:  # the reader went away (`onegpu plan --gpu list | head`): fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
     sys.exit(code)
+
+
+def _leave_without_teardown_after_a_process_group(code: int) -> None:
+    """A process that opened a process group runs its exit handlers, flushes and leaves
+    without the interpreter's teardown, where threads the group left running could abort it
+    (`onegpu.distributed.context.opened_a_group`). Looked up in sys.modules: a command that
+    never imported torch.distributed has nothing to do here."""
+    context = sys.modules.get("onegpu.distributed.context")
+    if context is None or not context.opened_a_group():
+        return
+    import atexit
+    import logging
+    import threading
+
+    for thread in threading.enumerate():  # as the interpreter would: its threads first
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def _quiet_exit_on_signals() -> None:

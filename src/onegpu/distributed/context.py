@@ -20,6 +20,9 @@ import torch.distributed as dist
 from onegpu.config import ConfigError, DistConfig, resolve_strategy
 
 T = TypeVar("T")
+# Set once this process has opened a process group: its gloo threads may outlive
+# destroy_process_group (FSDP2 keeps the group referenced from C++), see `opened_a_group`.
+_OPENED = False
 __all__ = ["DistContext", "init_distributed", "resolve_strategy", "single_process"]
 
 
@@ -137,6 +140,8 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
+    global _OPENED
+    _OPENED = True
     if outside:  # one process, its store in memory: no address, no port
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     elif not dist.is_initialized():
@@ -167,6 +172,15 @@ def _attempt_store() -> dict:
     store, rank, world_size = next(dist.rendezvous("env://"))
     prefixed = dist.PrefixStore(f"onegpu/attempt_{attempt}", store)
     return {"store": prefixed, "rank": rank, "world_size": world_size}
+
+
+def opened_a_group() -> bool:
+    """Whether this process opened a process group. After FSDP2, destroy_process_group leaves
+    the group alive (referenced from C++, its gloo threads running) until the interpreter
+    tears itself down, where a rare exit ends in "terminate called without an active
+    exception" (SIGABRT) instead of the run's exit code: such a process leaves at the end
+    without that teardown (`onegpu.cli.entry`)."""
+    return _OPENED
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -1,0 +1,56 @@
+"""A process that opened a process group leaves without the interpreter's teardown.
+
+After FSDP2 the gloo group outlives destroy_process_group (held from C++, its threads
+running); the interpreter's teardown around them once ended a CI run's rank in "terminate
+called without an active exception" (SIGABRT). The exit keeps what teardown is for: the
+run's exit code, the exit handlers, flushed output.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import atexit, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+
+class Teardown:
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+
+marker = Teardown()  # collected only by the interpreter's teardown
+sys.argv = ["onegpu", "train", "--preset", "tiny", "--train.max_steps", "2",
+            "--out.progress", "false", "--out.dir", str(out / "run"), *sys.argv[2:]]
+from onegpu.cli import entry
+entry()
+"""
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ONEGPU_ALLOCATOR": "system", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+
+
+def test_after_a_process_group_exit_handlers_run_and_teardown_is_skipped(tmp_path):
+    proc = _run(tmp_path, "--memory.offload_params", "true")  # FSDP2 over a group of one
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"val_loss"' in proc.stdout  # the summary was flushed before the exit
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert not (tmp_path / "teardown").exists()
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_without_a_process_group_the_interpreter_ends_as_usual(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "teardown").read_text() == "ran"
