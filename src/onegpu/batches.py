@@ -15,6 +15,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from onegpu.data import windows
+from onegpu.data.windows import sample_indices
+
 IGNORE_INDEX = -100
 """Target value excluded from the loss (padding); torch's cross_entropy default."""
 
@@ -49,14 +52,13 @@ class PackedSequences(Dataset):
         self.tokens = tokens
         self.seq_len = seq_len
         self.classes = classes
-        self.n = max(0, (len(tokens) - 1) // seq_len)
+        self.n = windows.window_count(len(tokens), seq_len)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.seq_len
-        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        window = torch.from_numpy(windows.window(self.tokens, i, self.seq_len))
         if self.classes:
             return classification_example(window[:-1], self.classes)
         return window[:-1], window[1:]
@@ -72,12 +74,7 @@ class EpochShuffleSampler(Sampler[int]):
         self.n, self.seed, self.start = n, seed, start
 
     def __iter__(self) -> Iterator[int]:
-        epoch, offset = divmod(self.start, self.n)
-        while True:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            perm = torch.randperm(self.n, generator=g).tolist()
-            yield from perm[offset:]
-            epoch, offset = epoch + 1, 0
+        return sample_indices(self.n, self.seed, self.start)
 
     def __len__(self) -> int:  # pragma: no cover - endless; DataLoader asks only for len()
         return 2**62

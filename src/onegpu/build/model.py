@@ -8,9 +8,11 @@ import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from onegpu.build.resolve import Resolved
 from onegpu.config import Config, ConfigError
@@ -78,7 +80,8 @@ def apply_techniques(
     if ctx.strategy == "fsdp":
         model = shard(model, cfg, resolved, device, ctx)
     else:
-        model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype)
+        model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype,
+                            init_from=cfg.model.init_from)  # fmt: skip
     # 6. Offloading last, outermost: its hooks also see what checkpoints and the chunked loss save.
     if mem.offload_activations:
         eager, loss_fn = with_offload(eager, device), with_offload(loss_fn, device)
@@ -113,7 +116,8 @@ def shard(
 
     def reference() -> nn.Module:  # only rank 0 calls it
         cpu = torch.device("cpu")
-        return materialize(template, cpu, seed=cfg.train.seed, dtype=policy.param_dtype)
+        return materialize(template, cpu, seed=cfg.train.seed, dtype=policy.param_dtype,
+                           init_from=cfg.model.init_from)  # fmt: skip
 
     shard_device = torch.device("cpu") if d.cpu_offload else device
     return materialize_sharded(model, shard_device, ctx, reference)
@@ -140,7 +144,14 @@ def choose_loss(model: LanguageModel, loss_chunk: int) -> LossFn:
     return chunked_token_loss_sum(loss_chunk)
 
 
-def materialize(model: LanguageModel, device: torch.device, *, seed: int, dtype: torch.dtype):
+def materialize(
+    model: LanguageModel,
+    device: torch.device,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    init_from: str = "",
+):
     """Meta -> `device`, the model's initialisation from `seed`, weights stored in `dtype` (in
     place: keeps tied parameters tied, and works on fake tensors, where Module.to would swap
     them)."""
@@ -148,7 +159,42 @@ def materialize(model: LanguageModel, device: torch.device, *, seed: int, dtype:
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     model.init_weights()
+    if init_from:
+        load_initial_weights(model, init_from)
     for p in model.parameters():
         if p.dtype != dtype:
             p.data = p.data.to(dtype)
     return model
+
+
+def load_initial_weights(model: nn.Module, path: str) -> None:
+    """model.init_from: a model.safetensors in this GPT's layout (a torch or a JAX run's), over
+    the initialised weights; a tied output layer may come as wte.weight or lm_head.weight.
+    Fake tensors (the planner's) keep their shapes: nothing to read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if any(is_fake(p) for p in model.parameters()):
+        return
+    file = Path(path).expanduser()
+    try:
+        state = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConfigError(
+            "model.init_from", f"{file}: not a readable safetensors file ({e})"
+        ) from None
+    own = model.state_dict()
+    tied = (
+        {"wte.weight", "lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
+    )
+    if tied and not tied & state.keys():
+        raise ConfigError("model.init_from", f"{file} has neither wte.weight nor lm_head.weight")
+    for key in tied - state.keys():
+        state[key] = state[(tied - {key}).pop()]
+    wrong = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
+    if wrong:
+        raise ConfigError("model.init_from", f"{file} does not hold this [model]'s {wrong[0]} "
+                          f"(with its shape {tuple(own[wrong[0]].shape)}): another architecture")  # fmt: skip
+    with torch.no_grad():
+        for key, value in own.items():
+            value.copy_(state[key])

@@ -46,10 +46,14 @@ class Env:
 
 
 def _train(ns, env: Env) -> int:
+    cfg = env.load()
+    if cfg.train.backend == "jax":  # imports no torch
+        from onegpu.jaxbackend.loop import train as train_jax
+
+        return _report(cfg, env, train_jax(cfg))
     from onegpu.train.oom import TrainingOutOfMemory
     from onegpu.train.trainer import train
 
-    cfg = env.load()
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: plan before allocating
         from onegpu.build import resolve_device
         from onegpu.tools.memory_check import check_memory
@@ -61,6 +65,11 @@ def _train(ns, env: Env) -> int:
         from onegpu.tools.oom import explain
 
         raise ConfigError("out of memory", explain(cfg, e)) from None
+    return _report(cfg, env, summary)
+
+
+def _report(cfg: Config, env: Env, summary: dict[str, Any]) -> int:
+    """The run's end: its summary on stdout, or why it stopped early (and the exit code)."""
     if summary["interrupted"]:  # stopped by a signal: checkpoint and summary are written
         print(f"onegpu: stopped by {summary['signal']} after step {summary['steps']}; "
               "continue with --train.resume auto", file=sys.stderr)  # fmt: skip

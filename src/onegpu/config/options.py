@@ -57,6 +57,13 @@ class ModelConfig:
     the architecture (fields of [model] it fixes are refused), model.safetensors (optional) the
     starting weights, tokenizer.json (optional) the tokenizer of the data. Nothing is
     downloaded. model.seq_len sets the training context (at most the model's positions)."""
+    init_from: str = ""
+    """A model.safetensors in onegpu's GPT layout (a run folder's, from either backend) to start
+    from instead of the random initialisation: the same weights train on torch and on JAX."""
+    scan_layers: bool = False
+    """JAX backend: the blocks as one `nn.scan` (one block compiled, its weights stacked), so
+    compile time stays flat in depth (Lippe's tutorial). The torch backend refuses it: its
+    counterpart is --train.compile regional."""
     hf_head: Literal["auto", "causal-lm", "sequence-classification"] = "auto"
     """The head of a model.hf model: 'auto' reads config.json's architectures (a
     ...ForSequenceClassification is a classifier, anything else a causal LM)."""
@@ -132,6 +139,9 @@ class TrainConfig:
     skip_memory_check: bool = False
     """Start even where the planner predicts the run does not fit (a single-process run plans
     its peak before it allocates anything and exits 2 with the planner's fixes otherwise)."""
+    backend: Literal["torch", "jax"] = "torch"
+    """'torch' (PyTorch) or 'jax' (JAX/Flax with optax: the same config, data order and run
+    folder; install with `pip install onegpu[jax]`; docs/jax.md lists what it supports)."""
     max_consecutive_skips: int = 20
     """Stop the run (with a checkpoint from before the divergence) after this many updates in a
     row were skipped for non-finite loss or gradients."""

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import warnings
 
+from onegpu.config.backends import validate_backend
 from onegpu.config.options import Config, ConfigError, DistConfig, parse_checkpointing
 
 
@@ -23,6 +24,7 @@ def validate(cfg: Config) -> None:
     _validate_memory(cfg)
     _validate_combinations(cfg)
     _validate_offload(cfg)
+    validate_backend(cfg)
     t, o = cfg.train, cfg.optim
     if 0 < t.max_steps < o.warmup_steps:  # valid, but almost certainly not what was meant
         warnings.warn(

@@ -15,12 +15,13 @@ from pathlib import Path
 
 LAYERS: list[tuple[str, ...]] = [
     ("config", "cache", "quiet"),  # pure data: options, where caches live; library notes off
-    ("perf", "memory", "runs"),  # FLOPs, peaks, allocator; saved/live bytes; the run folder
-    ("models", "data", "batches"),  # architecture; corpus, tokenizers (numpy); torch loaders
+    ("perf", "memory", "runs", "data"),  # FLOPs, peaks, allocator; saved/live bytes; the run
+    # folder; corpus, tokenizers, windows and their order (numpy: both backends)
+    ("models", "batches"),  # architecture; torch loaders
     ("techniques", "optim", "distributed"),  # over a built model; optimizers; FSDP/DDP/DCP
     ("step",),  # the one training step
     ("build",),  # the one build path
-    ("train",),  # the loop, its metrics, run folders
+    ("train", "jaxbackend"),  # the loop, its metrics, run folders; the same on JAX (no torch)
     ("tools",),  # the commands: plan, tune, bench, profile, info
     ("cli",),  # argument parsing -> commands
     ("__main__",),  # `python -m onegpu`

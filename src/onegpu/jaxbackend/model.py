@@ -1,0 +1,229 @@
+"""onegpu's GPT in Flax linen, parameter for parameter the torch model's (models/gpt.py):
+the same names and [out, in] weight layout, so safetensors move between the backends as they
+are. Linen, not NNX: `nn.scan` over the blocks and `nn.remat` with a policy are the forms of
+the two JAX source documents (Lippe's tutorial; "NanoGPT with JAX, part 2").
+
+Precision (`Precision`): parameters in `param_dtype`, matmuls in `compute_dtype`, LayerNorm
+statistics, the attention softmax (model.softmax_dtype) and the loss in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from onegpu.config import ModelConfig, parse_checkpointing
+from onegpu.config.options import Config
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_dtype: jnp.dtype
+    compute_dtype: jnp.dtype
+    softmax_dtype: jnp.dtype
+
+
+def precision_for(cfg: Config, native_bf16: bool) -> Precision:
+    """train.precision on JAX: fp32; bf16 (fp32 parameters, bf16 matmuls); bf16-pure (bf16
+    parameters too); auto = bf16 where the CPU (or any GPU) runs it natively."""
+    name = cfg.train.precision
+    if name == "auto":
+        name = "bf16" if native_bf16 else "fp32"
+    soft = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    compute = jnp.float32 if name == "fp32" else jnp.bfloat16
+    params = jnp.bfloat16 if name == "bf16-pure" else jnp.float32
+    return Precision(name, params, compute, soft[cfg.model.softmax_dtype])
+
+
+def padded_vocab(m: ModelConfig) -> int:
+    step = max(1, m.pad_vocab_to)
+    return -(-m.vocab_size // step) * step
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with W stored [out, in], as torch's nn.Linear."""
+
+    n_in: int
+    n_out: int
+    bias: bool
+    std: float
+    p: Precision
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.normal(self.std)
+        w = self.param("weight", init, (self.n_out, self.n_in), self.p.param_dtype)
+        y = x.astype(self.p.compute_dtype) @ w.astype(self.p.compute_dtype).T
+        if self.bias:
+            b = self.param("bias", nn.initializers.zeros, (self.n_out,), self.p.param_dtype)
+            y = y + b.astype(self.p.compute_dtype)
+        return y
+
+
+class LayerNorm(nn.Module):
+    """torch's LayerNorm: eps 1e-5, two-pass variance, statistics in fp32."""
+
+    d: int
+    bias: bool
+    p: Precision
+
+    @nn.compact
+    def __call__(self, x):
+        g = self.param("weight", nn.initializers.ones, (self.d,), self.p.param_dtype)
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5) * g.astype(jnp.float32)
+        if self.bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.d,), self.p.param_dtype)
+        return y.astype(self.p.compute_dtype)
+
+
+class Attention(nn.Module):
+    m: ModelConfig
+    p: Precision
+
+    @nn.compact
+    def __call__(self, x_BTD, deterministic: bool):
+        m, p = self.m, self.p
+        B, T, D = x_BTD.shape
+        H, K = m.n_head, D // m.n_head
+        resid = m.init_std / math.sqrt(2 * m.n_layer)
+        qkv = Linear(D, 3 * D, m.bias, m.init_std, p, name="qkv")(
+            LayerNorm(D, m.bias, p, name="norm")(x_BTD)
+        )
+        q, k, v = (t.reshape(B, T, H, K).transpose(0, 2, 1, 3) for t in jnp.split(qkv, 3, -1))
+        s = p.softmax_dtype
+        scores_BHTT = (q.astype(s) * K**-0.5) @ k.astype(s).swapaxes(-1, -2)
+        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores_BHTT, -jnp.inf), axis=-1)
+        weights = nn.Dropout(m.dropout)(weights, deterministic=deterministic)
+        y = (weights.astype(p.compute_dtype) @ v).transpose(0, 2, 1, 3).reshape(B, T, D)
+        y = Linear(D, D, m.bias, resid, p, name="proj")(y)
+        return nn.Dropout(m.dropout)(y, deterministic=deterministic)
+
+
+class MLP(nn.Module):
+    m: ModelConfig
+    p: Precision
+
+    @nn.compact
+    def __call__(self, x_BTD, deterministic: bool):
+        m, p = self.m, self.p
+        D, F = m.d_model, m.mlp_ratio * m.d_model
+        h = Linear(D, F, m.bias, m.init_std, p, name="fc")(
+            LayerNorm(D, m.bias, p, name="norm")(x_BTD)
+        )
+        h = jax.nn.gelu(h, approximate=True)
+        y = Linear(F, D, m.bias, m.init_std / math.sqrt(2 * m.n_layer), p, name="proj")(h)
+        return nn.Dropout(m.dropout)(y, deterministic=deterministic)
+
+
+REMAT_POLICIES = {
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""memory.checkpointing 'selective' on JAX: keep the weight matmuls' outputs, recompute the
+rest (the policy of "NanoGPT with JAX, part 2"; torch's selective keeps matmuls too)."""
+
+
+def _remat(cls, policy=None, prevent_cse: bool = True):
+    # static argnum 2 is `deterministic` (0 is the module); inside a scan, CSE cannot defeat
+    # the rematerialisation and preventing it only costs (prevent_cse=False, Lippe's tutorial)
+    return nn.remat(cls, prevent_cse=prevent_cse, policy=policy, static_argnums=(2,))
+
+
+class Block(nn.Module):
+    m: ModelConfig
+    p: Precision
+    remat_parts: tuple[str, ...] = ()
+
+    @nn.compact
+    def __call__(self, x_BTD, deterministic: bool):
+        attn = _remat(Attention) if "attn" in self.remat_parts else Attention
+        mlp = _remat(MLP) if "mlp" in self.remat_parts else MLP
+        x_BTD = x_BTD + attn(self.m, self.p, name="attn")(x_BTD, deterministic)
+        return x_BTD + mlp(self.m, self.p, name="mlp")(x_BTD, deterministic)
+
+
+class ScanBlock(nn.Module):
+    """A Block as nn.scan wants it: (carry, x) -> (carry, y)."""
+
+    m: ModelConfig
+    p: Precision
+    remat_parts: tuple[str, ...] = ()
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTD, _):
+        return Block(self.m, self.p, self.remat_parts, name="block")(
+            x_BTD, self.deterministic
+        ), None
+
+
+def block_class(kind: str, index: int, every: int):
+    """The (maybe rematerialised) block of layer `index` and the parts rematerialised inside."""
+    if kind in ("attn", "mlp"):
+        return Block, (kind,)
+    if kind == "attn+mlp":
+        return Block, ("attn", "mlp")
+    if kind == "block" or (kind == "every" and index % every == 0):
+        return _remat(Block), ()
+    if kind == "selective":
+        return _remat(Block, REMAT_POLICIES["selective"]), ()
+    return Block, ()
+
+
+def scan_block_class(kind: str):
+    """The scanned block: every layer the same (memory.checkpointing every:K is refused)."""
+    if kind in ("block", "selective"):
+        return _remat(ScanBlock, REMAT_POLICIES.get(kind), prevent_cse=False), ()
+    return ScanBlock, {"attn": ("attn",), "mlp": ("mlp",), "attn+mlp": ("attn", "mlp")}.get(
+        kind, ()
+    )
+
+
+class GPT(nn.Module):
+    """Hidden states and logits over the padded vocabulary (padding masked to -inf)."""
+
+    m: ModelConfig
+    p: Precision
+    checkpointing: str = "none"
+    scan: bool = False
+
+    @nn.compact
+    def __call__(self, idx_BT, deterministic: bool = True):
+        m, p = self.m, self.p
+        V, D, T = padded_vocab(m), m.d_model, idx_BT.shape[1]
+        init = nn.initializers.normal(m.init_std)
+        wte = self.param("wte", init, (V, D), p.param_dtype)
+        wpe = self.param("wpe", init, (m.seq_len, D), p.param_dtype)
+        x = (wte[idx_BT] + wpe[:T]).astype(p.compute_dtype)
+        x = nn.Dropout(m.dropout)(x, deterministic=deterministic)
+        ck = parse_checkpointing(self.checkpointing)
+        if self.scan:
+            cls, parts = scan_block_class(ck.kind)
+            scanned = nn.scan(
+                cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=m.n_layer,
+            )
+            x, _ = scanned(m, p, parts, deterministic, name="blocks")(x, None)
+        else:
+            for i in range(m.n_layer):
+                cls, parts = block_class(ck.kind, i, ck.every)
+                x = cls(m, p, parts, name=f"blocks_{i}")(x, deterministic)
+        h = LayerNorm(D, m.bias, p, name="norm_f")(x)
+        if m.tie_embeddings:
+            logits = h @ wte.astype(p.compute_dtype).T
+        else:
+            logits = Linear(D, V, m.bias, m.init_std, p, name="lm_head")(h)
+        logits = logits.astype(jnp.float32)
+        if m.vocab_size < V:
+            logits = logits.at[..., m.vocab_size :].set(-jnp.inf)
+        return logits
