@@ -145,10 +145,10 @@ def _loop(built, run: RunFolder, meter: Meter, stop: GracefulStop, start: int):
             meter.restart_clock()
         ending = last or stop.requested or stop.diverged
         every = cfg.checkpoint.every
-        if cfg.out.save_checkpoint and (ending or (every > 0 and (step + 1) % every == 0)):
-            if meter.totals.in_a_row() == 0 and _finite(built.params):
-                last_good = state.save(run.checkpoints, step + 1, _state(built, meter, step + 1),
-                                       cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)  # fmt: skip
+        due = cfg.out.save_checkpoint and (ending or (every > 0 and (step + 1) % every == 0))
+        if due and meter.totals.in_a_row() == 0 and _finite(built.params):
+            last_good = state.save(run.checkpoints, step + 1, _state(built, meter, step + 1),
+                                   cfg.checkpoint.keep_last, cfg.checkpoint.keep_every)  # fmt: skip
         if stop.requested or stop.diverged:
             break
     bar.close()

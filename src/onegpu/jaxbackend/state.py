@@ -55,7 +55,7 @@ def read(path: Path) -> dict[str, Any]:
         return serialization.msgpack_restore(path.read_bytes())
     except (OSError, ValueError, TypeError) as e:  # msgpack errors are ValueErrors
         raise ConfigError("train.resume", f"{path} does not load ({e}); give another "
-                          "checkpoint or start afresh with --train.resume ''")  # fmt: skip
+                          "checkpoint or start afresh with --train.resume ''") from None  # fmt: skip
 
 
 def find(cfg: Config, out_dir: Path) -> tuple[Path, dict[str, Any]] | None:

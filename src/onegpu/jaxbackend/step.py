@@ -78,15 +78,15 @@ def make_train_step(apply: Callable, tx: optax.GradientTransformation, cfg: Conf
         def body(carry, xs):
             loss, grads = carry
             xb, yb, k = xs
-            l, g = grad_fn(params, xb, yb, k)
+            part, g = grad_fn(params, xb, yb, k)
             grads = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-            return (loss + l, grads), None
+            return (loss + part, grads), None
 
         keys = jax.random.split(key, x.shape[0])
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (x, y, keys))
         loss = loss / denom
         grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
-        norm = optax.global_norm(grads)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
         if clip > 0:  # torch's clip_grad_norm_: scale by clip / (norm + 1e-6) when above
             scale = jnp.minimum(1.0, clip / (norm + 1e-6))
             grads = jax.tree_util.tree_map(lambda g: g * scale, grads)

@@ -1,0 +1,91 @@
+"""A JAX run as a user starts it: torch-free, refusing what has no JAX counterpart in one line,
+resumable bit for bit, and its weights exported by the torch tools."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+
+from onegpu.config import ConfigError, load_config  # noqa: E402
+
+ARGS = ["--preset", "tiny", "--train.backend", "jax", "--train.precision", "fp32",
+        "--out.progress", "false", "--train.log_every", "1", "--train.eval_every", "0"]  # fmt: skip
+
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # `import torch` anywhere now fails
+from onegpu.cli import main
+code = main(sys.argv[1:])
+assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules if sys.modules[m]), \\
+    sorted(m for m in sys.modules if m.startswith("torch") and sys.modules[m])
+sys.exit(code)
+"""
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ONEGPU_ALLOCATOR": "system", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", NO_TORCH, "train", *ARGS, *args],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_a_jax_run_imports_no_torch_and_writes_the_run_folder(tmp_path):
+    out = tmp_path / "run"
+    proc = _run("--train.max_steps", "3", "--out.dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backend"] == "jax" and summary["steps"] == 3
+    assert summary["xla_memory"]["argument_bytes"] > 0
+    assert set(_losses(out)) == {1, 2, 3}
+    assert (out / "model.safetensors").is_file() and (
+        out / "checkpoints" / "step-00000003.jax"
+    ).is_file()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("memory.gelu_bits", "2"), ("optim.name", "adamw8bit"), ("memory.offload_params", "true"),
+     ("train.compile", "default"), ("memory.loss_chunk", "1024"), ("train.precision", "fp16")],
+)  # fmt: skip
+def test_what_has_no_jax_counterpart_is_refused_naming_the_field(key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("tiny", overrides={"train.backend": "jax", key: value})
+
+
+def test_scan_layers_is_refused_on_torch():
+    with pytest.raises(ConfigError, match="model.scan_layers"):
+        load_config("tiny", overrides={"model.scan_layers": "true"})
+
+
+@pytest.mark.slow
+def test_a_resumed_jax_run_continues_bit_for_bit(tmp_path):
+    steps = ["--train.max_steps", "6", "--checkpoint.every", "3", "--model.scan_layers", "true",
+             "--memory.checkpointing", "selective"]  # fmt: skip
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert _run(*steps, "--out.dir", str(whole)).returncode == 0
+    first = _run("--train.max_steps", "3", *steps[2:], "--out.dir", str(cut))
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = _run(*steps, "--out.dir", str(cut), "--train.resume", "auto")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _losses(cut) == _losses(whole)
+
+
+@pytest.mark.slow
+def test_the_torch_tools_read_a_jax_run(tmp_path):
+    out = tmp_path / "run"
+    assert _run("--train.max_steps", "2", "--out.dir", str(out)).returncode == 0
+    export = subprocess.run([sys.executable, "-m", "onegpu", "export", str(out), "--out",
+                             str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
