@@ -39,6 +39,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_after_a_process_group_exit_handlers_run_and_teardown_is_skipped(tmp_path):
     proc = _run(tmp_path, "--memory.offload_params", "true")  # FSDP2 over a group of one
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -40,6 +40,7 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.slow
 def test_a_jax_run_imports_no_torch_and_writes_the_run_folder(tmp_path):
     out = tmp_path / "run"
     proc = _run("--train.max_steps", "3", "--out.dir", str(out))

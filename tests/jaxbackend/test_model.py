@@ -58,9 +58,9 @@ def test_the_torch_model_computes_the_same_logits_from_the_jax_weights(tmp_path,
 
 @pytest.mark.parametrize(
     ("ck", "scan"),
-    [("none", True), ("selective", False)]
+    [("selective", False)]
     + [pytest.param(*case, marks=pytest.mark.slow) for case in
-       [("attn+mlp", False), ("block", True), ("selective", True), ("every:2", False),
+       [("none", True), ("attn+mlp", False), ("block", True), ("selective", True), ("every:2", False),
         ("mlp", True)]],
 )  # fmt: skip
 def test_scan_and_remat_keep_loss_and_gradients(ck, scan):
