@@ -3,6 +3,7 @@ checkpoints/. No framework import: every backend writes the same folder."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -49,7 +50,25 @@ def resolve_out_dir(out: OutConfig, *, resuming: bool = False) -> Path:
 
 def check_writable(folder: Path, field: str) -> None:
     """ConfigError naming `field` unless a file can be created in `folder`. Folders made for the
-    test are removed again: a run refused later leaves nothing behind."""
+    test are removed again: a run refused later leaves nothing behind. Two runs started together
+    into one new folder race here (one makes it while the other probes, or removes it): a
+    folder that appears or vanishes under the probe is tried again, not reported unwritable."""
+    for attempt in range(5):
+        try:
+            _probe(folder)
+            return
+        except (FileExistsError, FileNotFoundError) as e:
+            if attempt == 4:
+                error = e
+        except OSError as e:
+            error = e
+            break
+    raise ConfigError(
+        field, f"cannot write in {folder} ({error.strerror}); pick a folder you can write to"
+    ) from None
+
+
+def _probe(folder: Path) -> None:
     made: list[Path] = []
     try:
         missing = [p for p in (folder, *folder.parents) if not p.exists()]
@@ -59,13 +78,10 @@ def check_writable(folder: Path, field: str) -> None:
         probe = folder / f".onegpu-write-test.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            field, f"cannot write in {folder} ({e.strerror}); pick a folder you can write to"
-        ) from None
     finally:
         for p in reversed(made):
-            p.rmdir()
+            with contextlib.suppress(OSError):  # another run may have filled it meanwhile
+                p.rmdir()
 
 
 def _git_commit() -> str | None:
