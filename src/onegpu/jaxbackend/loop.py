@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from onegpu.config import Config, ConfigError
+from onegpu.config import Config, ConfigError, to_dict
 from onegpu.config.schedule import lr_at
 from onegpu.data.windows import eval_windows, train_windows
 from onegpu.jaxbackend import require_jax, state
@@ -178,6 +178,7 @@ def _summary(built, meter: Meter, stop: GracefulStop, val_loss: float | None) ->
 
     cfg = built.cfg
     steady = meter.steady()
+    xla = xla_memory(built)
     per_step = cfg.train.batch_size * cfg.train_seq_len
     step_s = per_step / steady["tokens_per_s"] if steady["tokens_per_s"] else None
     return {
@@ -191,7 +192,14 @@ def _summary(built, meter: Meter, stop: GracefulStop, val_loss: float | None) ->
         "mfu": None,
         "peak_mem_bytes": peak_rss_bytes(),
         "peak_mem_kind": "process peak RSS",
-        "xla_memory": xla_memory(built),
+        "xla_memory": xla,
+        # the step's buffers as XLA planned them: what `onegpu bench` compares across rows
+        "memory": {
+            "peak": xla_total(xla),
+            "kind": "XLA memory analysis (arguments + outputs + temporaries - aliased)",
+        }
+        if xla
+        else None,  # fmt: skip
         "loss": meter.loss,
         "val_loss": val_loss,
         "steps": meter.steps,
@@ -202,8 +210,15 @@ def _summary(built, meter: Meter, stop: GracefulStop, val_loss: float | None) ->
         "train_time_s": meter.elapsed(),
         "flops_per_token": built.flops_per_token,
         "precision": built.precision.name,
+        "device": jax.default_backend(),
+        "device_name": str(jax.devices()[0].device_kind),
+        "config": to_dict(cfg),
         "environment": environment(jax=jax.__version__, jax_platform=jax.default_backend()),
     }
+
+
+def xla_total(m: dict[str, int]) -> int:
+    return m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"]
 
 
 def xla_memory(built) -> dict[str, int] | None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from onegpu.config import ConfigError, load_toml
 from onegpu.runs.folders import write_together
+from onegpu.tools.bench_backend import for_backend, refused
 
 Row = tuple[str, dict[str, str]]
 # Steps left out of the timing: 1 compiles/warms up, 2 is profiled for memory, 3 still pays
@@ -75,8 +76,15 @@ GRIDS: dict[str, list[Row]] = {
     "lippe": [
         ("fp32", {}),
         ("bf16", {"train.precision": "bf16"}),
-        ("bf16 + compile whole", {"train.precision": "bf16", "train.compile": "default"}),
-        ("bf16 + compile regional", {"train.precision": "bf16", "train.compile": "regional"}),
+        # on JAX (tools/bench_backend.py): XLA compiles the unrolled layers whole; regional is scan
+        (
+            "bf16 + compile whole (JAX: unrolled)",
+            {"train.precision": "bf16", "train.compile": "default"},
+        ),
+        (
+            "bf16 + compile regional (JAX: scan)",
+            {"train.precision": "bf16", "train.compile": "regional"},
+        ),
         ("bf16 + remat attn+mlp", {"train.precision": "bf16", "memory.checkpointing": "attn+mlp"}),
         ("bf16 + remat block", {"train.precision": "bf16", "memory.checkpointing": "block"}),
         ("bf16 + accumulation x4", {"train.precision": "bf16", "train.micro_batch_size": "/4"}),
@@ -275,11 +283,17 @@ def bench(
     base_values = {"train.micro_batch_size": base_cfg.train.batch_size}
     sections = {"custom": grid_rows} if grid_rows else {g: GRIDS[g] for g in grids}
     base = {**VANILLA, "train.micro_batch_size": str(base_cfg.train.batch_size), **base_overrides}
+    backend = base_cfg.train.backend
     entries = [
-        (grid, name, {**base, **_resolve(overrides, base_values)})
+        (grid, name, for_backend({**base, **_resolve(overrides, base_values)}, backend))
         for grid, rows_ in sections.items()
         for name, overrides in rows_
     ]
+    if backend != "torch":  # rows without a counterpart there are left out, and said so
+        skipped = [(g, n, why) for g, n, c in entries if (why := refused(preset, config_file, c))]
+        for grid, name, why in skipped:
+            log(f"{grid}: {name}: skipped on {backend} ({why})")
+        entries = [e for e in entries if (e[0], e[1]) not in {(g, n) for g, n, _ in skipped}]
     configs = {json.dumps(c, sort_keys=True): c for _, _, c in entries}
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as workdir:
