@@ -67,8 +67,9 @@ MODELS = {
               "shape": dict(n_layer=6, n_head=4, d_model=256, seq_len=256, vocab_size=256), "batch": 16},
 }  # fmt: skip
 LR, WD, CLIP, WARMUP_STEPS = 1e-3, 0.1, 1.0, 20
-CONTESTANTS = ("onegpu", "onegpu+tcmalloc", "hf", "hf-compile", "hf+tcmalloc",
+CONTESTANTS = ("onegpu", "onegpu+tcmalloc", "onegpu-jax", "hf", "hf-compile", "hf+tcmalloc",
                "plain", "plain-compile", "plain-compile+tcmalloc")  # fmt: skip
+"""onegpu-jax: the same `onegpu train` on the JAX backend (issue 24; needs the jax extra)."""
 DEFAULT = ("onegpu", "onegpu+tcmalloc", "plain-compile", "plain-compile+tcmalloc", "hf")
 """The head-to-head of issue 23: onegpu on the allocator a fresh machine gets and on tcmalloc,
 the compiled hand-written loop on glibc and on tcmalloc, Trainer."""
@@ -170,10 +171,11 @@ def run_hf(model_name: str, steps: int, compile_: bool) -> list[float]:
     return times
 
 
-def run_onegpu(model: str, steps: int, env: dict[str, str]) -> dict:
+def run_onegpu(model: str, steps: int, env: dict[str, str], backend: str = "torch") -> dict:
     """A 200-step `onegpu train`, stopped by SIGTERM (a graceful stop) after `steps` steps."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], "--out.dir", out,
+               "--train.backend", backend,
                "--train.max_steps", str(ONEGPU_STEPS), "--train.log_every", "1",
                "--train.eval_every", "0", "--train.measure_memory", "false",
                "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
@@ -192,7 +194,8 @@ def run_onegpu(model: str, steps: int, env: dict[str, str]) -> dict:
     cfg = summary["config"]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][:steps]
     return {"times": times, "peak_rss_bytes": summary["peak_mem_bytes"],
-            "allocator": summary["allocator"], "precision": summary["precision"],
+            "allocator": summary.get("allocator", "jax's own"), "precision": summary["precision"],
+            "compile_time_s": summary.get("compile_time_s"),
             "chosen": f"loss_chunk {cfg['memory']['loss_chunk']}, compile {cfg['train']['compile']}, "
                       f"attention {cfg['model']['attention']}"}  # fmt: skip
 
@@ -208,7 +211,9 @@ def run(name: str, model: str, steps: int) -> dict:
     base, fast = name.removesuffix("+tcmalloc"), name.endswith("+tcmalloc")
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
-    if base == "onegpu":
+    if base == "onegpu-jax":
+        res = run_onegpu(model, steps, env, backend="jax")
+    elif base == "onegpu":
         env["ONEGPU_ALLOCATOR"] = "tcmalloc" if fast else "mimalloc"
         res = run_onegpu(model, steps, env)
     else:

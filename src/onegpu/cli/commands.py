@@ -91,9 +91,17 @@ def _report(cfg: Config, env: Env, summary: dict[str, Any]) -> int:
 
 
 def _profile(ns, env: Env) -> int:
+    cfg = env.load()
+    if cfg.train.backend == "jax":  # imports no torch
+        from onegpu.jaxbackend.profile import profile_jax
+
+        result = profile_jax(cfg, steps=ns.steps, warmup=ns.warmup)
+        print(result["summary"], end="")
+        print(f"\nwrote {result['out_dir']}/summary.txt and the trace above")
+        return 0
     from onegpu.tools.profile import profile
 
-    result = profile(env.load(), steps=ns.steps, warmup=ns.warmup)
+    result = profile(cfg, steps=ns.steps, warmup=ns.warmup)
     print(result["summary"].split("top operations")[0].rstrip())
     out = result["out_dir"]
     print(f"\nwrote {out}/trace.json, {out}/memory.html (+ .png), {out}/summary.txt")
