@@ -234,7 +234,7 @@ def run(name: str, model: str, steps: int) -> dict:
 def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
     ref = {k: max((n for n in med if n.startswith(k) and "+" not in n), default=None,
                   key=lambda n: med[n]["tokens_per_s"]) for k in ("hf", "plain")}  # fmt: skip
-    cols = [r for r in ref.values() if r]
+    cols = [r for r in ref.values() if r] or [n for n in ("onegpu",) if n in med]
     if "plain-compile+tcmalloc" in med:  # the loop on onegpu's allocator class too
         cols.append("plain-compile+tcmalloc")
     lines = [
