@@ -21,6 +21,8 @@ def test_lippe_rows_become_unrolled_and_scanned_layers_on_jax():
         for_backend(rows["bf16 + compile regional (JAX: scan)"], "torch")["train.compile"]
         == "regional"
     )
+    remat = for_backend(rows["bf16 + remat block (JAX: scanned)"], "jax")
+    assert remat["model.scan_layers"] == "true" and remat["memory.checkpointing"] == "block"
     for overrides in rows.values():  # every Lippe row has a JAX counterpart
         row = for_backend(_resolve(overrides, {"train.micro_batch_size": 8}), "jax")
         assert refused("tiny", None, {**row, "train.backend": "jax"}) == ""

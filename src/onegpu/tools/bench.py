@@ -29,8 +29,8 @@ from typing import Any
 from onegpu.config import ConfigError, load_toml
 from onegpu.runs.folders import write_together
 from onegpu.tools.bench_backend import for_backend, refused
+from onegpu.tools.bench_grids import GRID_ALIASES, GRIDS, Row  # noqa: F401 - bench's API
 
-Row = tuple[str, dict[str, str]]
 # Steps left out of the timing: 1 compiles/warms up, 2 is profiled for memory, 3 still pays
 # for the profiler's teardown (measured here: 338 ms against a steady 25 ms on `tiny`).
 WARM_STEPS = 3
@@ -38,76 +38,6 @@ WARM_STEPS = 3
 # Hugging Face, "Efficient Training on a Single GPU": each technique alone, then everything.
 # A row turns on what it names and nothing else: the `auto` loss chunk and compile are off.
 VANILLA = {"train.precision": "fp32", "memory.loss_chunk": "0", "train.compile": "none"}
-# The guide measured on bert-large with a classification head and random data: the same
-# architecture scaled down to train on a CPU (a packaged config, 12.8M parameters), seq 128.
-BERT = {"model.hf": "bert-cls-mini", "data.source": "synthetic", "model.seq_len": "128"}
-
-
-def _guide_rows(model: dict[str, str], checkpointing_name: str) -> list[Row]:
-    """The guide's rows on `model` (extra overrides of every row)."""
-    rows: list[Row] = [
-        ("vanilla (fp32)", {}),
-        ("+ grad accumulation x4", {"train.micro_batch_size": "/4"}),
-        (checkpointing_name, {"memory.checkpointing": "block"}),
-        ("+ mixed precision (bf16)", {"train.precision": "bf16"}),
-        ("+ adafactor", {"optim.name": "adafactor", "optim.lr": "1e-2"}),
-        ("+ 8-bit adamw", {"optim.name": "adamw8bit"}),
-        ("+ compile", {"train.compile": "default"}),
-        (
-            "everything",
-            {
-                "train.micro_batch_size": "/4",
-                "memory.checkpointing": "block",
-                "train.precision": "bf16",
-                "optim.name": "adamw8bit",
-                "train.compile": "default",
-            },
-        ),
-    ]
-    return [(name, {**model, **overrides}) for name, overrides in rows]
-
-
-GRIDS: dict[str, list[Row]] = {
-    # Hugging Face's "Efficient Training on a Single GPU", on a scaled-down BERT classifier as
-    # the guide measured, and on the GPT
-    "hf-guide-bert": _guide_rows(BERT, "+ gradient checkpointing"),
-    "hf-guide": _guide_rows({}, "+ checkpointing (block)"),
-    # Lippe's "Profiling and Scaling Single-GPU Transformer Models" (bf16 where its runs were)
-    "lippe": [
-        ("fp32", {}),
-        ("bf16", {"train.precision": "bf16"}),
-        # on JAX (tools/bench_backend.py): XLA compiles the unrolled layers whole; regional is scan
-        (
-            "bf16 + compile whole (JAX: unrolled)",
-            {"train.precision": "bf16", "train.compile": "default"},
-        ),
-        (
-            "bf16 + compile regional (JAX: scan)",
-            {"train.precision": "bf16", "train.compile": "regional"},
-        ),
-        ("bf16 + remat attn+mlp", {"train.precision": "bf16", "memory.checkpointing": "attn+mlp"}),
-        ("bf16 + remat block", {"train.precision": "bf16", "memory.checkpointing": "block"}),
-        ("bf16 + accumulation x4", {"train.precision": "bf16", "train.micro_batch_size": "/4"}),
-    ],
-    # "Optimising the Training Loop": the naive loop against the optimised step
-    "training-loop": [
-        ("naive loop (fp32, full batch)", {}),
-        (
-            "optimized (bf16, remat attn+mlp, chunked loss, compile)",
-            {
-                "train.precision": "bf16",
-                "memory.checkpointing": "attn+mlp",
-                "memory.loss_chunk": "1024",
-                "train.compile": "default",
-            },
-        ),
-    ],
-}
-
-
-GRID_ALIASES = {"hf-bert": "hf-guide-bert", "hf": "hf-guide", "seed000": "lippe",
-                "seed003": "training-loop"}  # fmt: skip
-"""The grids' former names, still accepted."""
 
 
 def grid_names(spec: str) -> list[str]:
