@@ -4,7 +4,6 @@ or model.init_from), optimizer and the jitted step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -39,14 +38,11 @@ class JaxBuilt:
 
 
 def native_bf16() -> bool:
-    """bf16 runs natively on a GPU, and on a CPU with AVX512-BF16 or AMX (Linux flags)."""
-    if jax.default_backend() != "cpu":
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether `auto` precision is bf16 on JAX: on accelerators. Not on CPUs, even with
+    AVX512-BF16: XLA's CPU backend ran bf16 steps slower than fp32 ones there (2-core AMD EPYC,
+    small preset: 3,753 against 4,351 tokens/s, benchmarks/results/lippe-jax-bf16cpu.md), where
+    torch's oneDNN kernels run bf16 1.56x faster than fp32."""
+    return jax.default_backend() != "cpu"
 
 
 def flops_per_token(cfg: Config) -> int:
