@@ -19,6 +19,7 @@ from onegpu.config import Config, ConfigError, to_dict
 from onegpu.config.schedule import lr_at
 from onegpu.data.windows import eval_windows, train_windows
 from onegpu.jaxbackend import require_jax, state
+from onegpu.jaxbackend.peak import cached_cpu_peak
 from onegpu.runs.folder import RunFolder, environment, resolve_out_dir
 from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter
@@ -80,7 +81,8 @@ def _run(built, run: RunFolder, previous, start: int, out_dir: Path) -> dict[str
     from onegpu.jaxbackend.totals import HostTotals, peak_rss_bytes
 
     # JAX dispatches asynchronously: the meter's clock waits for the step's results
-    meter = Meter(HostTotals(), built.flops_per_token, None, peak_memory=peak_rss_bytes,
+    peak = cached_cpu_peak(built.precision.name) if jax.default_backend() == "cpu" else None
+    meter = Meter(HostTotals(), built.flops_per_token, peak, peak_memory=peak_rss_bytes,
                   sync=lambda: jax.block_until_ready(built.params))  # fmt: skip
     meter.resume(start, previous[1]["meter"] if previous else {})
     print(_describe(built, out_dir, start), flush=True)
@@ -189,7 +191,9 @@ def _summary(built, meter: Meter, stop: GracefulStop, val_loss: float | None) ->
         "step_time_s": step_s,
         "first_step_s": meter.first_step_s,
         "compile_time_s": max(0.0, meter.first_step_s - step_s) if step_s else None,
-        "mfu": None,
+        "mfu": steady["mfu"],
+        "peak_flops": meter.peak.flops if meter.peak else None,
+        "peak_flops_source": meter.peak.source if meter.peak else None,
         "peak_mem_bytes": peak_rss_bytes(),
         "peak_mem_kind": "process peak RSS",
         "xla_memory": xla,

@@ -16,11 +16,11 @@ import platform
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from onegpu.cache import cached, has
+from onegpu.perf.cpu import RATE_FLAGS, hardware_key, read_cpuinfo  # noqa: F401 - RATE_FLAGS: API
 
 GiB = 2**30
 
@@ -79,39 +79,13 @@ def cpu_name() -> str:
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
-# CPU flags that change which matmul kernel runs (vector width, 16-bit dot products, AMX tiles)
-RATE_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16",
-              "amx_tile", "asimd", "sve", "sve2", "bf16", "i8mm")  # fmt: skip
-
-
-def _cpuinfo() -> dict[str, str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    info: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
-    return info
+_cpuinfo = read_cpuinfo  # a module attribute: tests replace it
 
 
 def cpu_identity() -> str:
     """What sets this CPU's matmul rate, as a cache key: model name, rate-relevant flags, the
-    clock (/sys's maximum, else /proc's current, to 100 MHz) and torch's kernel ISA."""
-    info = _cpuinfo()
-    flags = set((info.get("flags") or info.get("Features") or "").split())
-    mhz = None
-    try:
-        khz = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()
-        mhz = int(khz) // 1000
-    except (OSError, ValueError):
-        if info.get("cpu MHz"):
-            mhz = float(info["cpu MHz"])
-    clock = f"{round(mhz / 100) / 10:.1f}GHz" if mhz else "clock?"
-    have = "+".join(f for f in RATE_FLAGS if f in flags) or "flags?"
-    isa = torch.backends.cpu.get_cpu_capability()
-    return f"{cpu_name()}|{have}|{clock}|{isa}"
+    clock (perf/cpu.py) and torch's kernel ISA."""
+    return f"{hardware_key(_cpuinfo())}|{torch.backends.cpu.get_cpu_capability()}"
 
 
 def device_key(device: torch.device) -> str:
