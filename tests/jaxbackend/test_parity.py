@@ -39,7 +39,8 @@ def start(tmp_path_factory):
     return out / "model.safetensors"
 
 
-@pytest.mark.parametrize("init_on", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 35 s: the fast suite keeps the one-forward check (test_model.py)
+@pytest.mark.parametrize("init_on", ["torch", "jax"])
 def test_both_backends_log_the_same_losses_from_the_same_weights(tmp_path, start, init_on):
     if init_on == "jax":  # the other way round: a JAX run's weights start both
         train_jax(_cfg(tmp_path / "jstart", **{"train.max_steps": 2, "train.eval_every": 0,
