@@ -122,8 +122,13 @@ def _loop(built, run: RunFolder, meter: Meter, stop: GracefulStop, start: int):
     val_loss, last_good = None, None
     from onegpu.jaxbackend.totals import Out
 
+    first = next(batches, None)
+    if first is not None and start < t.max_steps:  # compiled once, ahead: its memory analysis
+        # is read from this very executable at the end (no second compile)
+        built.step = built.step.lower(built.params, built.opt_state, *first, jnp.float32(0.0),
+                                      jax.random.key(0)).compile()  # fmt: skip
     for step in range(start, t.max_steps):
-        x, y, n_tokens = next(batches)
+        x, y, n_tokens = first if step == start else next(batches)
         lr = lr_at(step, cfg.optim, t.max_steps)
         built.params, built.opt_state, out = built.step(
             built.params, built.opt_state, x, y, n_tokens, jnp.float32(lr),
@@ -226,13 +231,16 @@ def xla_total(m: dict[str, int]) -> int:
 
 
 def xla_memory(built) -> dict[str, int] | None:
-    """XLA's compiled memory analysis of the step: argument, output and temporary bytes."""
+    """XLA's compiled memory analysis of the step: argument, output and temporary bytes (from
+    the executable the run compiled, else compiled here for the shapes of a step)."""
     cfg, t = built.cfg, built.cfg.train
-    shape = (built.n_micro, t.micro_batch_size, cfg.train_seq_len)
-    x = jax.ShapeDtypeStruct(shape, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    compiled = built.step
     try:
-        compiled = built.step.lower(built.params, built.opt_state, x, x, 1, jnp.float32(0.0),
-                                    jax.random.key(0)).compile()  # fmt: skip
+        if not hasattr(compiled, "memory_analysis"):
+            shape = (built.n_micro, t.micro_batch_size, cfg.train_seq_len)
+            x = jax.ShapeDtypeStruct(shape, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+            compiled = built.step.lower(built.params, built.opt_state, x, x, 1, jnp.float32(0.0),
+                                        jax.random.key(0)).compile()  # fmt: skip
         m = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - an analysis the backend lacks is no failure of the run
         return None
