@@ -15,8 +15,8 @@ from onegpu.build.model import load_initial_weights  # noqa: E402
 from onegpu.config import load_config  # noqa: E402
 from onegpu.jaxbackend import weights  # noqa: E402
 from onegpu.jaxbackend.build import init_params  # noqa: E402
+from onegpu.jaxbackend.loss import token_loss_sum  # noqa: E402
 from onegpu.jaxbackend.model import GPT, precision_for  # noqa: E402
-from onegpu.jaxbackend.step import token_loss_sum  # noqa: E402
 from onegpu.models.gpt import GPT as TorchGPT  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_the_torch_model_computes_the_same_logits_from_the_jax_weights(tmp_path,
     ("ck", "scan"),
     [("selective", False)]
     + [pytest.param(*case, marks=pytest.mark.slow) for case in
-       [("none", True), ("attn+mlp", False), ("block", True), ("selective", True), ("every:2", False),
+       [("none", True), ("attn+mlp", False), ("block", True), ("selective", True), ("every:2", False), ("dots", True),
         ("mlp", True)]],
 )  # fmt: skip
 def test_scan_and_remat_keep_loss_and_gradients(ck, scan):
@@ -88,3 +88,20 @@ def test_scan_and_remat_keep_loss_and_gradients(ck, scan):
     assert flat0.keys() == flat1.keys()
     for k in flat0:  # equal up to float32 reassociation (XLA fuses the two differently)
         assert np.linalg.norm(flat1[k] - flat0[k]) <= 1e-5 * np.linalg.norm(flat0[k]), k
+
+
+@pytest.mark.slow  # four compiles of a 4-layer model
+def test_remat_policies_order_xla_temporaries_as_they_save():
+    """XLA's plan of a scanned step: `dots` keeps more than `selective` (attention's batched
+    matmuls too), which keeps more than whole-block remat, all less than no remat."""
+    cfg = _cfg(**{"model.n_layer": 4, "model.seq_len": 64})
+    x = jnp.zeros((4, 64), jnp.int32)
+
+    def temp_bytes(ck):
+        model = _model(cfg, ck, scan=True)
+        params = init_params(cfg, model)
+        grad = jax.jit(jax.grad(lambda p: token_loss_sum(model.apply({"params": p}, x), x)))
+        return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    got = {ck: temp_bytes(ck) for ck in ("none", "dots", "selective", "block")}
+    assert got["block"] < got["selective"] < got["dots"] < got["none"], got

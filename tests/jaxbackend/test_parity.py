@@ -40,14 +40,22 @@ def start(tmp_path_factory):
 
 
 @pytest.mark.slow  # 35 s: the fast suite keeps the one-forward check (test_model.py)
-@pytest.mark.parametrize("init_on", ["torch", "jax"])
-def test_both_backends_log_the_same_losses_from_the_same_weights(tmp_path, start, init_on):
+@pytest.mark.parametrize(
+    ("init_on", "over"),
+    [
+        ("torch", {}),
+        ("jax", {}),
+        ("torch", {"memory.loss_chunk": "96"}),
+    ],  # 256 tokens a micro-batch: 3 chunks, the last padded
+    ids=["from-torch", "from-jax", "chunked-loss"],
+)
+def test_both_backends_log_the_same_losses_from_the_same_weights(tmp_path, start, init_on, over):
     if init_on == "jax":  # the other way round: a JAX run's weights start both
         train_jax(_cfg(tmp_path / "jstart", **{"train.max_steps": 2, "train.eval_every": 0,
                                                "model.init_from": str(start)}))  # fmt: skip
         start = tmp_path / "jstart" / "model.safetensors"
-    t = train_torch(_cfg(tmp_path / "t", **{"model.init_from": str(start)}))
-    j = train_jax(_cfg(tmp_path / "j", **{"model.init_from": str(start)}))
+    t = train_torch(_cfg(tmp_path / "t", **{"model.init_from": str(start)}, **over))
+    j = train_jax(_cfg(tmp_path / "j", **{"model.init_from": str(start)}, **over))
     (lt, vt), (lj, vj) = _losses(tmp_path / "t"), _losses(tmp_path / "j")
     assert lt.keys() == lj.keys() == set(range(1, STEPS + 1))
     for step in lt:

@@ -10,6 +10,7 @@ import torch
 from onegpu.build import build
 from onegpu.cache import cache_root
 from onegpu.config import ConfigError, load_config
+from onegpu.perf import logits
 from onegpu.perf.devices import device_key
 from onegpu.techniques import chunked_loss, compile
 from onegpu.techniques.compile import CompileTrial, choose_compile, time_compile
@@ -120,7 +121,7 @@ def test_auto_takes_the_leanest_chunk_within_the_margin_of_the_fastest(seconds, 
 
 def test_default_chunked_path_equals_the_plain_loss(monkeypatch):
     """The default config, where `auto` chunks, computes the plain loss and gradients."""
-    monkeypatch.setattr(chunked_loss, "MIN_LOGITS_BYTES", 0)
+    monkeypatch.setattr(logits, "MIN_LOGITS_BYTES", 0)
     timed = {"chunk": 96, "seconds": {"0": 1.0, "96": 1.0}}
     monkeypatch.setattr(chunked_loss, "measure_loss_chunk", lambda *a: timed)
     over = {"model.vocab_size": "4096"}

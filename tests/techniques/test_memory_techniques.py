@@ -8,7 +8,7 @@ from onegpu.batches import IGNORE_INDEX
 from onegpu.build import build
 from onegpu.config import ConfigError, load_config
 
-MODES = ["none", "attn", "mlp", "attn+mlp", "block", "every:2", "selective"]
+MODES = ["none", "attn", "mlp", "attn+mlp", "block", "every:2", "selective", "dots"]
 
 
 def _built(**over):
@@ -62,6 +62,7 @@ def test_checkpointing_saved_bytes_follow_the_expected_order(batch):
     assert saved["attn+mlp"] < saved["mlp"] < saved["none"]
     assert saved["block"] < saved["every:2"] < saved["none"]
     assert saved["block"] < saved["selective"] < saved["none"]  # matmul outputs kept
+    assert saved["dots"] == saved["selective"]  # one policy on torch (the attention kernel kept)
 
 
 def test_checkpointing_changes_no_parameter_name():

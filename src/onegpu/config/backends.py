@@ -43,8 +43,6 @@ def validate_backend(cfg: Config) -> None:
     _refuse(mem.offload_optimizer, "memory.offload_optimizer", none_yet)
     _refuse(mem.gelu_bits != 0, "memory.gelu_bits", f"(few-bit GELU) {none_yet}")
     _refuse(mem.randomized_linear != 0, "memory.randomized_linear", none_yet)
-    _refuse(mem.loss_chunk not in ("auto", 0), "memory.loss_chunk",
-            f"(the chunked output layer) {none_yet}: use auto (the plain loss on JAX) or 0")  # fmt: skip
     _refuse(o.name == "adamw8bit", "optim.name", f"adamw8bit (torchao) {none_yet}; "
             "adamw, adafactor and sgd come from optax")  # fmt: skip
     _refuse(o.in_backward, "optim.in_backward", none_yet)

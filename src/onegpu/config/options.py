@@ -182,8 +182,9 @@ class OptimConfig:
 @dataclass(kw_only=True, slots=True)
 class MemoryConfig:
     checkpointing: str = "none"
-    """Activation checkpointing: none, attn, mlp, attn+mlp, block, every:K, or selective (save
-    matmul outputs, recompute element-wise ops). Gradients are unchanged, dropout included."""
+    """Activation checkpointing: none, attn, mlp, attn+mlp, block, every:K, selective (save
+    matmul outputs, recompute element-wise ops) or dots (save every matmul output, attention's
+    batched ones too). Gradients are unchanged, dropout included."""
     offload_activations: bool = False
     """Keep saved activations (including checkpoints) in host memory until backward needs them."""
     offload_params: bool = False
@@ -310,14 +311,16 @@ HF_FIXED_FIELDS = (
 )
 """[model] fields that a model.hf folder's config.json fixes: refused when given beside it."""
 
-CHECKPOINTING_MODES = ("none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective")
+CHECKPOINTING_MODES = (
+    "none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective", "dots"
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class Checkpointing:
     """`memory.checkpointing` parsed: which sub-modules recompute in backward."""
 
-    kind: Literal["none", "attn", "mlp", "attn+mlp", "block", "every", "selective"]
+    kind: Literal["none", "attn", "mlp", "attn+mlp", "block", "every", "selective", "dots"]
     every: int = 1
     """For kind 'every': checkpoint blocks 0, K, 2K, ..."""
 

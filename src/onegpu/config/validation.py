@@ -170,7 +170,7 @@ def _validate_combinations(cfg: Config) -> None:
         )
     _require(
         not (
-            cfg.memory.checkpointing == "selective"
+            cfg.memory.checkpointing in ("selective", "dots")
             and t.compile in ("regional", "default", "max-autotune")
         ),
         "memory.checkpointing",

@@ -3,6 +3,7 @@ or model.init_from), optimizer and the jitted step."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ from onegpu.config import Config
 from onegpu.config.validation import check_data_sizes
 from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.jaxbackend import weights
+from onegpu.jaxbackend.loss import make_loss
+from onegpu.jaxbackend.loss_chunk import resolve_loss_chunk
 from onegpu.jaxbackend.model import GPT, Precision, padded_vocab, precision_for
 from onegpu.jaxbackend.step import make_eval_step, make_optimizer, make_train_step
 
@@ -86,7 +89,11 @@ def build(cfg: Config) -> JaxBuilt:
     data = prepare_tokens(cfg.data, cfg.model.vocab_size)
     check_data_sizes(cfg, len(data.train), len(data.val))
     precision = precision_for(cfg, native_bf16())
+    tokens = cfg.train.micro_batch_size * cfg.train_seq_len
+    chunk = resolve_loss_chunk(cfg.memory.loss_chunk, cfg.model, tokens, precision.compute_dtype)
+    cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, loss_chunk=chunk))
     model = GPT(cfg.model, precision, cfg.memory.checkpointing, cfg.model.scan_layers)
+    loss = make_loss(model, cfg, chunk)
     params = init_params(cfg, model)
     tx = make_optimizer(cfg, params)
     opt_state = tx.init(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params))
@@ -98,8 +105,8 @@ def build(cfg: Config) -> JaxBuilt:
         params=params,
         tx=tx,
         opt_state=opt_state,
-        step=make_train_step(model.apply, tx, cfg),
-        evaluate=make_eval_step(model.apply),
+        step=make_train_step(loss, tx, cfg),
+        evaluate=make_eval_step(loss),
         n_params=count_params(params, cfg),
         flops_per_token=flops_per_token(cfg),
     )

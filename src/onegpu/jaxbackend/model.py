@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from onegpu.config import ModelConfig, parse_checkpointing
 from onegpu.config.options import Config
+from onegpu.perf.logits import padded_vocab
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,6 @@ def precision_for(cfg: Config, native_bf16: bool) -> Precision:
     compute = jnp.float32 if name == "fp32" else jnp.bfloat16
     params = jnp.bfloat16 if name == "bf16-pure" else jnp.float32
     return Precision(name, params, compute, soft[cfg.model.softmax_dtype])
-
-
-def padded_vocab(m: ModelConfig) -> int:
-    step = max(1, m.pad_vocab_to)
-    return -(-m.vocab_size // step) * step
 
 
 class Linear(nn.Module):
@@ -126,9 +122,11 @@ class MLP(nn.Module):
 
 REMAT_POLICIES = {
     "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
 }
 """memory.checkpointing 'selective' on JAX: keep the weight matmuls' outputs, recompute the
-rest (the policy of "NanoGPT with JAX, part 2"; torch's selective keeps matmuls too)."""
+rest, attention's batched matmuls included (the policy of "NanoGPT with JAX, part 2"); 'dots'
+keeps every matmul's output, the attention scores and their product with V too."""
 
 
 def _remat(cls, policy=None, prevent_cse: bool = True):
@@ -173,14 +171,14 @@ def block_class(kind: str, index: int, every: int):
         return Block, ("attn", "mlp")
     if kind == "block" or (kind == "every" and index % every == 0):
         return _remat(Block), ()
-    if kind == "selective":
-        return _remat(Block, REMAT_POLICIES["selective"]), ()
+    if kind in REMAT_POLICIES:
+        return _remat(Block, REMAT_POLICIES[kind]), ()
     return Block, ()
 
 
 def scan_block_class(kind: str):
     """The scanned block: every layer the same (memory.checkpointing every:K is refused)."""
-    if kind in ("block", "selective"):
+    if kind == "block" or kind in REMAT_POLICIES:
         return _remat(ScanBlock, REMAT_POLICIES.get(kind), prevent_cse=False), ()
     return ScanBlock, {"attn": ("attn",), "mlp": ("mlp",), "attn+mlp": ("attn", "mlp")}.get(
         kind, ()
@@ -188,12 +186,14 @@ def scan_block_class(kind: str):
 
 
 class GPT(nn.Module):
-    """Hidden states and logits over the padded vocabulary (padding masked to -inf)."""
+    """Logits over the padded vocabulary (padding masked to -inf); with `logits` False, the
+    final hidden states (for the chunked loss, which applies the output layer itself)."""
 
     m: ModelConfig
     p: Precision
     checkpointing: str = "none"
     scan: bool = False
+    logits: bool = True
 
     @nn.compact
     def __call__(self, idx_BT, deterministic: bool = True):
@@ -219,6 +219,8 @@ class GPT(nn.Module):
                 cls, parts = block_class(ck.kind, i, ck.every)
                 x = cls(m, p, parts, name=f"blocks_{i}")(x, deterministic)
         h = LayerNorm(D, m.bias, p, name="norm_f")(x)
+        if not self.logits:
+            return h
         if m.tie_embeddings:
             logits = h @ wte.astype(p.compute_dtype).T
         else:

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from onegpu.config import Config
-
-IGNORE_INDEX = -100  # as onegpu.batches (torch's cross_entropy default)
+from onegpu.jaxbackend.loss import IGNORE_INDEX
 
 
 class StepOut(NamedTuple):
@@ -51,25 +50,12 @@ def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
     return optax.inject_hyperparams(build)(learning_rate=o.lr)
 
 
-def token_loss_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Sum of cross-entropy over targets != IGNORE_INDEX, in fp32."""
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    valid = targets_BT != IGNORE_INDEX
-    picked = jnp.take_along_axis(logp, jnp.where(valid, targets_BT, 0)[..., None], -1)[..., 0]
-    return -jnp.sum(jnp.where(valid, picked, 0.0))
-
-
-def make_train_step(apply: Callable, tx: optax.GradientTransformation, cfg: Config):
+def make_train_step(loss: Callable, tx: optax.GradientTransformation, cfg: Config):
     """step(params, opt_state, x, y, n_tokens, lr, key) -> (params, opt_state, StepOut);
-    x, y: [n_micro, micro_batch, T]."""
+    x, y: [n_micro, micro_batch, T]; `loss` as loss.make_loss builds it."""
     clip = cfg.optim.grad_clip
-
-    def micro_loss(params, x, y, key):
-        logits = apply({"params": params}, x, deterministic=cfg.model.dropout == 0,
-                       rngs={"dropout": key})  # fmt: skip
-        return token_loss_sum(logits, y)
-
-    grad_fn = jax.value_and_grad(micro_loss)
+    no_dropout = cfg.model.dropout == 0
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss(p, x, y, k, no_dropout))
 
     def step(params, opt_state, x, y, n_tokens, lr, key):
         denom = jnp.maximum(n_tokens, 1).astype(jnp.float32)
@@ -106,11 +92,10 @@ def make_train_step(apply: Callable, tx: optax.GradientTransformation, cfg: Conf
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_eval_step(apply: Callable):
+def make_eval_step(loss: Callable):
     """(summed loss, counted targets) of one validation batch, dropout off."""
 
     def evaluate(params, x, y):
-        logits = apply({"params": params}, x, deterministic=True)
-        return token_loss_sum(logits, y), jnp.sum(y != IGNORE_INDEX)
+        return loss(params, x, y, jax.random.key(0), True), jnp.sum(y != IGNORE_INDEX)
 
     return jax.jit(evaluate)

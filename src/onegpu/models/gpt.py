@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from onegpu.config import ModelConfig
+from onegpu.perf.logits import padded_vocab
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SDPA_BACKENDS = {
@@ -196,11 +197,6 @@ class GPT(nn.Module):
             else rows * (self.cfg.d_model + (self.lm_head.bias is not None))
         )
         return rows * self.cfg.d_model + untied_head
-
-
-def padded_vocab(cfg: ModelConfig) -> int:
-    m = max(1, cfg.pad_vocab_to)
-    return -(-cfg.vocab_size // m) * m
 
 
 def count_params(model: nn.Module) -> int:

@@ -37,6 +37,7 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
 RECOMPUTE = {
     "none": 1.0,
     "selective": 1.05,
+    "dots": 1.05,
     "mlp": 1.15,
     "attn": 1.2,
     "attn+mlp": 1.3,

@@ -11,6 +11,10 @@
   selective   whole blocks, but matmul and attention outputs are saved and only the cheap
               element-wise ops (norms, GELU, dropout, casts) are recomputed: the analogue of
               JAX's `dots_saveable` policy, via PyTorch's selective checkpoint contexts
+  dots        the same on this backend: the attention kernel's output is one fused op here,
+              kept by `selective` already. On the JAX backend the two differ: selective is
+              `dots_with_no_batch_dims_saveable` (attention's batched matmuls recomputed), dots
+              is `dots_saveable`
 
 All use PyTorch's non-reentrant checkpoint with the RNG state preserved, so recomputed dropout
 masks equal the original ones and gradients are unchanged (hand-rolled checkpointing around
@@ -124,7 +128,7 @@ def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> nn.Module:
             checkpoint_module(block_branch(block, "mlp"))
         if mode.kind == "block" or (mode.kind == "every" and i % mode.every == 0):
             checkpoint_module(block)
-        if mode.kind == "selective":
+        if mode.kind in ("selective", "dots"):
             block._selective_contexts = SelectiveContexts()
             checkpoint_module(block, context_fn=block._selective_contexts)
     return model

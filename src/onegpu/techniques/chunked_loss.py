@@ -20,11 +20,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from onegpu.batches import IGNORE_INDEX
-from onegpu.cache import cached, has, peek
+from onegpu.cache import cached, peek
 from onegpu.config import ModelConfig
-from onegpu.models.gpt import padded_vocab
 from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
+from onegpu.perf.logits import (  # noqa: F401 - the rule, shared with the JAX backend
+    CHUNK_SIZES,
+    MIN_LOGITS_BYTES,
+    MIN_LOGITS_SHARE,
+    UNTIMED_CHUNK,
+    chosen_chunk,
+    leanest_within_margin,
+    logits_share,
+    padded_vocab,
+    plain_logits_bytes,
+    valid_timings,
+    worth_chunking,
+)
 from onegpu.techniques.loss import with_auxiliary
 
 
@@ -120,41 +132,6 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
 
 # ---------------------------------------------------------------------------- memory.loss_chunk auto
 
-CHUNK_SIZES = (1024, 2048, 4096, 8192)
-"""Chunk sizes `auto` times (tokens; at most the micro-batch's tokens)."""
-MIN_LOGITS_SHARE = 0.25
-"""`auto` chunks only where the plain loss's logits are at least this share of the activations."""
-MIN_LOGITS_BYTES = 64 * 2**20
-"""...and at least this large: below it, chunking cannot change what fits."""
-SPEED_MARGIN = 1.05
-"""Then the smallest chunk size (the least memory) whose output layer + loss runs within 5% of
-the fastest contestant, plain included; plain if none does."""
-UNTIMED_CHUNK = 4096
-"""The chunk size of a plan for a device that is not here (nothing can be timed)."""
-
-
-def plain_logits_bytes(m: ModelConfig, tokens: int, compute_bytes: int) -> int:
-    """The plain loss's [tokens, vocab] tensors: the logits in the compute dtype, their fp32
-    log-softmax (saved for backward) and, in backward, their fp32 gradient."""
-    return tokens * padded_vocab(m) * (compute_bytes + 8)
-
-
-def logits_share(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
-    """The plain loss's [tokens, vocab] tensors as a share of a micro-batch's activations.
-
-    An estimate, from shapes: (b + 8) bytes per logit (plain_logits_bytes). A block saves about (7.5 + 2.5 * mlp_ratio) * d_model values per token (Korthikanti
-    et al., "Reducing Activation Recomputation in Large Transformer Models": 34 bytes * d in
-    16-bit for mlp_ratio 4), plus 2.5 * heads * seq values per token for attention that keeps its
-    score matrix (plain attention).
-    """
-    head = plain_logits_bytes(m, tokens, compute_bytes)
-    per_token = (7.5 + 2.5 * m.mlp_ratio) * m.d_model
-    if m.attention == "plain":
-        per_token += 2.5 * m.n_head * m.seq_len
-    blocks = m.n_layer * tokens * per_token * compute_bytes
-    return head / (head + blocks)
-
-
 def measure_loss_chunk(
     tokens: int, d_model: int, vocab: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Any]:
@@ -187,15 +164,6 @@ def measure_loss_chunk(
     return {"chunk": leanest_within_margin(seconds), "seconds": seconds}
 
 
-def leanest_within_margin(seconds: dict[str, float]) -> int:
-    """The rule of `auto`: the smallest chunk size within SPEED_MARGIN of the fastest contestant
-    (plain included), else 0 (plain). Applied to cached timings too, so a rule change needs no
-    new timing."""
-    fastest = min(seconds.values())
-    within = sorted(int(c) for c, s in seconds.items() if int(c) and s <= SPEED_MARGIN * fastest)
-    return within[0] if within else 0
-
-
 def resolve_loss_chunk(
     value: int | str,
     m: ModelConfig,
@@ -213,11 +181,7 @@ def resolve_loss_chunk(
     if value != "auto":
         return int(value)
     bytes_ = torch.empty((), dtype=dtype).element_size()
-    if (
-        not chunkable
-        or plain_logits_bytes(m, tokens, bytes_) < MIN_LOGITS_BYTES
-        or logits_share(m, tokens, bytes_) < MIN_LOGITS_SHARE
-    ):
+    if not chunkable or not worth_chunking(m, tokens, bytes_):
         return 0
     vocab = padded_vocab(m)
     here = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
@@ -225,29 +189,12 @@ def resolve_loss_chunk(
         return UNTIMED_CHUNK
     key = f"{device_key(device)}|{dtype}|tokens={tokens}|d={m.d_model}|vocab={vocab}"
     if not timed:  # a plan: what a run here chose, if one did
-        found = peek("loss_chunk.json", key, valid=_timings)
-        return _choice(found, tokens) if found else UNTIMED_CHUNK
+        found = peek("loss_chunk.json", key, valid=valid_timings)
+        return chosen_chunk(found, tokens) if found else UNTIMED_CHUNK
     found = cached(
         "loss_chunk.json",
         key,
         lambda: measure_loss_chunk(tokens, m.d_model, vocab, dtype, device),
-        valid=_timings,
+        valid=valid_timings,
     )
-    return _choice(found, tokens)
-
-
-def _timings(value: Any) -> bool:
-    """A cached timing: the choice and every contestant's seconds, as numbers."""
-    seconds = value.get("seconds") if has("chunk")(value) else None
-    return (
-        isinstance(seconds, dict)
-        and "0" in seconds
-        and all(isinstance(v, (int, float)) and k.isdigit() for k, v in seconds.items())
-    )
-
-
-def _choice(found: dict[str, Any], tokens: int) -> int:
-    """The rule applied to a cached timing (an older entry may hold a chunk of the whole
-    micro-batch, no longer a contestant)."""
-    seconds = {c: s for c, s in found["seconds"].items() if int(c) < tokens}
-    return leanest_within_margin(seconds)
+    return chosen_chunk(found, tokens)

@@ -1,0 +1,85 @@
+"""The output layer's logits, from shapes alone, and the rule `memory.loss_chunk auto` follows
+on both backends: whether the plain loss's [tokens, vocab] tensors are worth chunking, and
+which timed chunk size to take. Torch-free (the JAX backend reads it too)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onegpu.cache import has
+from onegpu.config import ModelConfig
+
+CHUNK_SIZES = (1024, 2048, 4096, 8192)
+"""Chunk sizes `auto` times (tokens; at most the micro-batch's tokens)."""
+MIN_LOGITS_SHARE = 0.25
+"""`auto` chunks only where the plain loss's logits are at least this share of the activations."""
+MIN_LOGITS_BYTES = 64 * 2**20
+"""...and at least this large: below it, chunking cannot change what fits."""
+SPEED_MARGIN = 1.05
+"""Then the smallest chunk size (the least memory) whose output layer + loss runs within 5% of
+the fastest contestant, plain included; plain if none does."""
+UNTIMED_CHUNK = 4096
+"""The chunk size of a plan for a device that is not here (nothing can be timed)."""
+
+
+def padded_vocab(m: ModelConfig) -> int:
+    """The vocabulary rounded up to model.pad_vocab_to (the padding rows' logits are -inf)."""
+    step = max(1, m.pad_vocab_to)
+    return -(-m.vocab_size // step) * step
+
+
+def plain_logits_bytes(m: ModelConfig, tokens: int, compute_bytes: int) -> int:
+    """The plain loss's [tokens, vocab] tensors: the logits in the compute dtype, their fp32
+    log-softmax (saved for backward) and, in backward, their fp32 gradient."""
+    return tokens * padded_vocab(m) * (compute_bytes + 8)
+
+
+def logits_share(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
+    """The plain loss's [tokens, vocab] tensors as a share of a micro-batch's activations.
+
+    An estimate, from shapes: (b + 8) bytes per logit (plain_logits_bytes). A block saves about
+    (7.5 + 2.5 * mlp_ratio) * d_model values per token (Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models": 34 bytes * d in 16-bit for mlp_ratio 4), plus
+    2.5 * heads * seq values per token for attention that keeps its score matrix (plain
+    attention).
+    """
+    head = plain_logits_bytes(m, tokens, compute_bytes)
+    per_token = (7.5 + 2.5 * m.mlp_ratio) * m.d_model
+    if m.attention == "plain":
+        per_token += 2.5 * m.n_head * m.seq_len
+    blocks = m.n_layer * tokens * per_token * compute_bytes
+    return head / (head + blocks)
+
+
+def worth_chunking(m: ModelConfig, tokens: int, compute_bytes: int) -> bool:
+    """Whether `auto` considers chunking at all: the logits large, absolutely and as a share."""
+    return (
+        plain_logits_bytes(m, tokens, compute_bytes) >= MIN_LOGITS_BYTES
+        and logits_share(m, tokens, compute_bytes) >= MIN_LOGITS_SHARE
+    )
+
+
+def leanest_within_margin(seconds: dict[str, float]) -> int:
+    """The rule of `auto`: the smallest chunk size within SPEED_MARGIN of the fastest contestant
+    (plain included), else 0 (plain). Applied to cached timings too, so a rule change needs no
+    new timing."""
+    fastest = min(seconds.values())
+    within = sorted(int(c) for c, s in seconds.items() if int(c) and s <= SPEED_MARGIN * fastest)
+    return within[0] if within else 0
+
+
+def valid_timings(value: Any) -> bool:
+    """A cached timing: the choice and every contestant's seconds, as numbers."""
+    seconds = value.get("seconds") if has("chunk")(value) else None
+    return (
+        isinstance(seconds, dict)
+        and "0" in seconds
+        and all(isinstance(v, (int, float)) and k.isdigit() for k, v in seconds.items())
+    )
+
+
+def chosen_chunk(found: dict[str, Any], tokens: int) -> int:
+    """The rule applied to a cached timing (an older entry may hold a chunk of the whole
+    micro-batch, no longer a contestant)."""
+    seconds = {c: s for c, s in found["seconds"].items() if int(c) < tokens}
+    return leanest_within_margin(seconds)
