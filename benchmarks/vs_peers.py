@@ -194,7 +194,7 @@ def run_onegpu(model: str, steps: int, env: dict[str, str], backend: str = "torc
     cfg = summary["config"]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][:steps]
     return {"times": times, "peak_rss_bytes": summary["peak_mem_bytes"],
-            "allocator": summary.get("allocator", "jax's own"), "precision": summary["precision"],
+            "allocator": summary.get("allocator") or summary["environment"].get("allocator", "?"), "precision": summary["precision"],
             "compile_time_s": summary.get("compile_time_s"),
             "chosen": f"loss_chunk {cfg['memory']['loss_chunk']}, compile {cfg['train']['compile']}, "
                       f"attention {cfg['model']['attention']}"}  # fmt: skip
@@ -211,11 +211,9 @@ def run(name: str, model: str, steps: int) -> dict:
     base, fast = name.removesuffix("+tcmalloc"), name.endswith("+tcmalloc")
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
-    if base == "onegpu-jax":
-        res = run_onegpu(model, steps, env, backend="jax")
-    elif base == "onegpu":
+    if base in ("onegpu", "onegpu-jax"):  # both backends on the allocator a fresh machine gets
         env["ONEGPU_ALLOCATOR"] = "tcmalloc" if fast else "mimalloc"
-        res = run_onegpu(model, steps, env)
+        res = run_onegpu(model, steps, env, backend="jax" if base == "onegpu-jax" else "torch")
     else:
         env["ONEGPU_ALLOCATOR"] = "system"  # the worker imports onegpu for its data: no preload
         if fast:
@@ -228,7 +226,9 @@ def run(name: str, model: str, steps: int) -> dict:
         res["allocator"] = "tcmalloc" if fast else "glibc"
     step = statistics.median(res["times"][WARM:])
     tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
-    return res | {"step_time_s": step, "tokens_per_s": tokens / step}
+    # compile time, the same view for every contestant: the first step's excess over a steady one
+    first = max(0.0, res["times"][0] - step)
+    return res | {"step_time_s": step, "tokens_per_s": tokens / step, "first_step_excess_s": first}
 
 
 def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
@@ -240,22 +240,26 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
     lines = [
         f"# onegpu vs transformers.Trainer vs a hand-written loop: model {model}",
         "",
-        f"`python benchmarks/vs_peers.py --model {model} --rounds {a.rounds} --steps {a.steps}`; "
+        f"`python benchmarks/vs_peers.py --model {model} --rounds {a.rounds} --steps {a.steps}"
+        + (f" --only {a.only}" if tuple(a.only.split(",")) != DEFAULT else "")
+        + "`; "
         f"{platform.machine()}, {os.cpu_count()} cores ({cpu_identity()}), "
         f"torch {torch.__version__}, precision {_precision()}; medians of {a.rounds} interleaved "
         f"rounds of {a.steps - WARM} steady steps; {time.strftime('%Y-%m-%d')}. Model: "
         f"{MODELS[model]['shape']}, batch {MODELS[model]['batch']}. Ratios against the best "
-        "setting of each peer on its own allocator.",
+        "setting of each peer on its own allocator. First step: its excess over a steady step "
+        "(compilation, for the compiled ones).",
         "",
-        "| contestant | allocator | tokens/s | "
+        "| contestant | allocator | precision | tokens/s | "
         + " | ".join(f"x {c}" for c in cols)
-        + " | peak RSS |",
-        "|---|---|---|" + "---|" * len(cols) + "---|",
+        + " | peak RSS | first step |",
+        "|---|---|---|---|" + "---|" * len(cols) + "---|---|",
     ]
     for n, m in med.items():
         ratios = " | ".join(f"{m['tokens_per_s'] / med[c]['tokens_per_s']:.2f}" for c in cols)
-        lines.append(f"| {n} | {m['allocator']} | {m['tokens_per_s']:,.0f} | {ratios} "
-                     f"| {m['peak_rss_bytes'] / 2**20:,.0f} MiB |")  # fmt: skip
+        lines.append(f"| {n} | {m['allocator']} | {m['precision']} | {m['tokens_per_s']:,.0f} "
+                     f"| {ratios} | {m['peak_rss_bytes'] / 2**20:,.0f} MiB "
+                     f"| +{m['first_step_excess_s']:.1f} s |")  # fmt: skip
     if "chosen" in med.get("onegpu", {}):
         lines += ["", f"onegpu's `auto` chose: {med['onegpu']['chosen']}."]
     return "\n".join(lines) + "\n"
@@ -286,12 +290,16 @@ def main() -> None:
     med = {
         n: {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
             "peak_rss_bytes": statistics.median(x["peak_rss_bytes"] for x in rs),
-            "allocator": rs[0]["allocator"], **({"chosen": rs[0]["chosen"]} if "chosen" in rs[0] else {})}
+            "first_step_excess_s": statistics.median(x["first_step_excess_s"] for x in rs),
+            "allocator": rs[0]["allocator"], "precision": rs[0]["precision"],
+            **({"chosen": rs[0]["chosen"]} if "chosen" in rs[0] else {})}
         for n, rs in runs.items()
     }  # fmt: skip
     text = table(a.model, med, a)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"vs-peers-{a.model}" + ("-bf16" if _precision() == "bf16" else "")
+    if tuple(names) != DEFAULT:  # a subset or other contestants: not the head-to-head's file
+        stem += "-" + "-".join(n.replace("+", "-") for n in names)
     (RESULTS / f"{stem}.md").write_text(text)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"runs": runs, "median": med}, indent=1))
     print(text)

@@ -100,3 +100,17 @@ print("ok", meter.loss)
     row = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert '"loss": 3.0' in row and '"tokens_per_s"' in row
     assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_what_both_backends_share_is_torch_free():
+    """Statically, every module: the JAX backend and the packages it shares with torch (config,
+    data, run folder, caches) load no torch when imported; the analysis does see torch."""
+    free = layers.torch_free_modules()
+    shared = ("config", "cache", "quiet", "runs", "data", "jaxbackend", "cli")
+    for path in layers.ROOT.rglob("*.py"):
+        module = layers._module_name(path)
+        if layers.package_of(module) in shared:
+            assert module in free, f"{module} loads torch when imported"
+    assert {"onegpu.perf.logits", "onegpu.perf.cpu"} <= free
+    assert "onegpu.models.gpt" not in free and "onegpu.train.trainer" not in free
+    assert "onegpu.techniques.chunked_loss" not in free  # via a torch-importing dependency too

@@ -97,6 +97,11 @@ def test_the_torch_tools_read_a_jax_run(tmp_path):
                              str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert export.returncode == 0, export.stderr[-2000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+    gen = subprocess.run([sys.executable, "-m", "onegpu", "generate", str(out), "--prompt", "def",
+                          "--max-new-tokens", "12", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert gen.stdout.strip(), "no text generated"
 
 
 @pytest.mark.slow  # 60 steps and their checkpoints: 12 s

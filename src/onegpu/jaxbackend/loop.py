@@ -20,6 +20,7 @@ from onegpu.config.schedule import lr_at
 from onegpu.data.windows import eval_windows, train_windows
 from onegpu.jaxbackend import require_jax, state
 from onegpu.jaxbackend.peak import cached_cpu_peak
+from onegpu.perf.allocator import active_allocator
 from onegpu.runs.folder import RunFolder, environment, resolve_out_dir
 from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter
@@ -222,7 +223,8 @@ def _summary(built, meter: Meter, stop: GracefulStop, val_loss: float | None) ->
         "device": jax.default_backend(),
         "device_name": str(jax.devices()[0].device_kind),
         "config": to_dict(cfg),
-        "environment": environment(jax=jax.__version__, jax_platform=jax.default_backend()),
+        "environment": environment(jax=jax.__version__, jax_platform=jax.default_backend(),
+                                   allocator=active_allocator()),  # fmt: skip
     }
 
 

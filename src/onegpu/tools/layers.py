@@ -79,6 +79,61 @@ def package_imports() -> dict[str, dict[str, set[str]]]:
     return edges
 
 
+HEAVY = ("torch", "transformers", "torchao")
+"""What the torch-free part (config, data, run folder, the JAX backend) never loads."""
+
+
+def _import_time(tree: ast.Module) -> list[ast.stmt]:
+    """Statements that run when the module is imported: not function bodies, not
+    `if TYPE_CHECKING:` blocks."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        out.append(node)
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            todo.extend(getattr(node, field, []) or [])
+    return out
+
+
+def torch_free_modules() -> set[str]:
+    """Modules whose import loads none of HEAVY, directly or through the onegpu modules (and
+    their packages' __init__) it imports at import time."""
+    deps: dict[str, set[str]] = {}
+    heavy: set[str] = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        module = _module_name(path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        wrapper = ast.Module(body=_import_time(tree), type_ignores=[])
+        names = _imported(wrapper, module, path.name == "__init__.py")
+        if any(n.split(".")[0] in HEAVY for n in names):
+            heavy.add(module)
+        parts = module.split(".")
+        parents = {".".join(parts[:i]) for i in range(1, len(parts))}
+        deps[module] = {n for n in names if n in _all_modules()} | parents
+    changed = True
+    while changed:
+        changed = False
+        for module, ds in deps.items():
+            if module not in heavy and ds & heavy:
+                heavy.add(module)
+                changed = True
+    return set(deps) - heavy
+
+
+def _all_modules() -> set[str]:
+    if not _MODULES:
+        _MODULES.update(_module_name(p) for p in ROOT.rglob("*.py"))
+    return _MODULES
+
+
+_MODULES: set[str] = set()
+
+
 def violations(edges: dict[str, dict[str, set[str]]]) -> list[str]:
     found = []
     for src, dsts in sorted(edges.items()):
@@ -94,12 +149,25 @@ def violations(edges: dict[str, dict[str, set[str]]]) -> list[str]:
     return found
 
 
+def _torch_marks(pkg: str, free: set[str]) -> tuple[str, str]:
+    """(' *' where importing any of the package loads no torch, else ''; the torch-free modules
+    where only some are)."""
+    mods = sorted(m for m in _all_modules() if package_of(m) == pkg)
+    if mods and all(m in free for m in mods):
+        return " *", ""
+    ok = [m.split(".", 2)[2] for m in mods if m in free and m.count(".") >= 2]
+    return "", f"   [* {', '.join(ok)}]" if ok else ""
+
+
 def diagram(edges: dict[str, dict[str, set[str]]]) -> str:
-    lines = ["onegpu layers, top to bottom; each imports only from the layers below it:", ""]
+    free = torch_free_modules()
+    lines = ["onegpu layers, top to bottom; each imports only from the layers below it.",
+             "* torch-free: importing it loads no torch (what the JAX backend runs on):", ""]  # fmt: skip
     for i in reversed(range(len(LAYERS))):
         for pkg in LAYERS[i]:
             deps = ", ".join(sorted(edges.get(pkg, {}), key=lambda d: (-LAYER_OF.get(d, -1), d)))
-            lines.append(f"  {i}  {pkg:<11} -> {deps or '(no other onegpu package)'}")
+            star, some = _torch_marks(pkg, free)
+            lines.append(f"  {i}  {pkg + star:<13} -> {deps or '(no other onegpu package)'}{some}")
     return "\n".join(lines)
 
 
