@@ -223,8 +223,9 @@ def _summary(built, meter: Meter, stop: GracefulStop, val_loss: float | None) ->
         "device": jax.default_backend(),
         "device_name": str(jax.devices()[0].device_kind),
         "config": to_dict(cfg),
-        "environment": environment(jax=jax.__version__, jax_platform=jax.default_backend(),
-                                   allocator=active_allocator()),  # fmt: skip
+        "environment": environment(
+            jax=jax.__version__, jax_platform=jax.default_backend(), allocator=active_allocator()
+        ),  # fmt: skip
     }
 
 

@@ -132,6 +132,7 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
 
 # ---------------------------------------------------------------------------- memory.loss_chunk auto
 
+
 def measure_loss_chunk(
     tokens: int, d_model: int, vocab: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Any]:
