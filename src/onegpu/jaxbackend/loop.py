@@ -6,7 +6,6 @@ handling (a first Ctrl-C saves and stops, a second stops at once) and folder loc
 from __future__ import annotations
 
 import math
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from onegpu.perf.allocator import active_allocator
 from onegpu.runs.folder import RunFolder, environment, resolve_out_dir
 from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter
+from onegpu.runs.outcome import run_outcome
 from onegpu.runs.signals import GracefulStop
 
 
@@ -210,14 +210,7 @@ def _summary(built, meter: Meter, stop: GracefulStop, val_loss: float | None) ->
         }
         if xla
         else None,  # fmt: skip
-        "loss": meter.loss,
-        "val_loss": val_loss,
-        "steps": meter.steps,
-        "interrupted": stop.requested,
-        "signal": signal.Signals(stop.signum).name if stop.requested else None,
-        "diverged": stop.diverged,
-        "skipped_steps": meter.skipped,
-        "train_time_s": meter.elapsed(),
+        **run_outcome(meter, stop, val_loss),
         "flops_per_token": built.flops_per_token,
         "precision": built.precision.name,
         "device": jax.default_backend(),

@@ -4,7 +4,6 @@ summary under torchrun, and the MFU denominator (its re-check on a CPU)."""
 from __future__ import annotations
 
 import dataclasses
-import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import Peak, peak_flops
 from onegpu.runs.folder import environment
 from onegpu.runs.meter import Meter
+from onegpu.runs.outcome import run_outcome
 from onegpu.runs.signals import GracefulStop
 
 
@@ -110,14 +110,7 @@ def summarize(
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),
         "memory": memory or None,
-        "loss": meter.loss,
-        "val_loss": val_loss,
-        "steps": meter.steps,
-        "interrupted": stop.requested,
-        "signal": signal.Signals(stop.signum).name if stop.requested else None,
-        "diverged": stop.diverged,
-        "skipped_steps": meter.skipped,
-        "train_time_s": meter.elapsed(),
+        **run_outcome(meter, stop, val_loss),
         "flops_per_token": built.flops_per_token,
         "peak_flops": peak.flops if peak else None,
         "peak_flops_source": peak.source if peak else None,
