@@ -111,6 +111,6 @@ def test_what_both_backends_share_is_torch_free():
         module = layers._module_name(path)
         if layers.package_of(module) in shared:
             assert module in free, f"{module} loads torch when imported"
-    assert {"onegpu.perf.logits", "onegpu.perf.cpu"} <= free
+    assert {"onegpu.perf.logits", "onegpu.perf.cpu", "onegpu.perf.peaks"} <= free
     assert "onegpu.models.gpt" not in free and "onegpu.train.trainer" not in free
     assert "onegpu.techniques.chunked_loss" not in free  # via a torch-importing dependency too

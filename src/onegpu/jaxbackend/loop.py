@@ -18,8 +18,8 @@ from onegpu.config import Config, ConfigError, to_dict
 from onegpu.config.schedule import lr_at
 from onegpu.data.windows import eval_windows, train_windows
 from onegpu.jaxbackend import require_jax, state
-from onegpu.jaxbackend.peak import cached_cpu_peak
 from onegpu.perf.allocator import active_allocator
+from onegpu.perf.peaks import cached_cpu_peak
 from onegpu.runs.folder import RunFolder, environment, resolve_out_dir
 from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter

@@ -21,6 +21,7 @@ import torch
 
 from onegpu.cache import cached, has
 from onegpu.perf.cpu import RATE_FLAGS, hardware_key, read_cpuinfo  # noqa: F401 - RATE_FLAGS: API
+from onegpu.perf.peaks import Peak
 
 GiB = 2**30
 
@@ -169,12 +170,6 @@ def cpu_peak_flops(dtype: torch.dtype, *, refresh: bool = False, n: int = 4096) 
 
 
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclass(frozen=True, slots=True)
-class Peak:
-    flops: float
-    source: str  # how the figure was obtained, for the run folder
 
 
 def peak_flops(device: torch.device, compute_dtype: torch.dtype, precision: str) -> Peak | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from onegpu.jaxbackend.peak import cached_cpu_peak
 from onegpu.perf.cpu import hardware_key, read_cpuinfo
 from onegpu.perf.devices import cpu_identity
+from onegpu.perf.peaks import cached_cpu_peak
 
 
 def test_the_torch_key_starts_with_the_torch_free_one():

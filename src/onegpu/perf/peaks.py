@@ -1,6 +1,6 @@
-"""The matmul peak a JAX run's MFU is measured against: the one `onegpu info` (or any torch
-run) measured on this CPU and cached, so both backends' MFU share a denominator. Read without
-torch: the cache key's hardware part is computed here, and of the entries for this CPU, thread
+"""A peak rate MFU is measured against (`Peak`, any device's), and, torch-free, the one a JAX
+run on a CPU divides by: the peak `onegpu info` (or any torch run) measured on this CPU and
+cached (perf/devices.py), so both backends' MFU share a denominator. Read without torch: the cache key's hardware part is computed here, and of the entries for this CPU, thread
 count and dtype (any torch version and kernel ISA), the newest is taken. None where none was
 measured (MFU then stays empty; `onegpu info` measures it), and on accelerators for now."""
 
@@ -15,10 +15,10 @@ from onegpu.perf.cpu import hardware_key, read_cpuinfo
 TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "bf16-pure": "torch.bfloat16"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Peak:
     flops: float
-    source: str
+    source: str  # how the figure was obtained, for the run folder
 
 
 def cached_cpu_peak(precision: str, threads: int | None = None) -> Peak | None:
