@@ -9,6 +9,7 @@ and any import that points the wrong way; exits 1 if there is one. tests/test_la
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -125,13 +126,9 @@ def torch_free_modules() -> set[str]:
     return set(deps) - heavy
 
 
-def _all_modules() -> set[str]:
-    if not _MODULES:
-        _MODULES.update(_module_name(p) for p in ROOT.rglob("*.py"))
-    return _MODULES
-
-
-_MODULES: set[str] = set()
+@functools.cache
+def _all_modules() -> frozenset[str]:
+    return frozenset(_module_name(p) for p in ROOT.rglob("*.py"))
 
 
 def violations(edges: dict[str, dict[str, set[str]]]) -> list[str]:
