@@ -17,8 +17,9 @@ from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.jaxbackend import weights
 from onegpu.jaxbackend.loss import make_loss
 from onegpu.jaxbackend.loss_chunk import resolve_loss_chunk
-from onegpu.jaxbackend.model import GPT, Precision, padded_vocab, precision_for
+from onegpu.jaxbackend.model import GPT, Precision, precision_for
 from onegpu.jaxbackend.step import make_eval_step, make_optimizer, make_train_step
+from onegpu.perf.logits import padded_vocab
 
 
 @dataclass
