@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch import checkpoint as ckpt
+from onegpu.backends.torch import resume
+from onegpu.backends.torch.build import build
+from onegpu.backends.torch.totals import meter_for
 from onegpu.config import load_config
-from onegpu.train import checkpoint as ckpt
-from onegpu.train import resume
-from onegpu.train.totals import meter_for
 
 
 def cost(preset: str, repeats: int) -> dict:

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from onegpu.config import load_config
-from onegpu.tools.plan import plan_report
+from onegpu.plan.report import plan_report
 
 RESULTS = Path(__file__).parent / "results"
 CONTESTANTS = {

@@ -100,7 +100,7 @@ def kill_loop(cmd: list[str], n: int, check: Callable[[], bool],
 
 
 def scenario_export(work: Path, n: int, rng: random.Random) -> dict:
-    from onegpu.runs.folders import recover
+    from onegpu.runs.atomic import recover
 
     runs = [work / "run-a", work / "run-b"]
     for run, layers in zip(runs, ("2", "3"), strict=True):
@@ -122,7 +122,7 @@ def scenario_export(work: Path, n: int, rng: random.Random) -> dict:
 
 
 def scenario_files(cmd: list[str], folder: Path, files: list[str], n: int, rng) -> dict:
-    from onegpu.runs.folders import finish_together
+    from onegpu.runs.atomic import finish_together
 
     def check() -> bool:
         present = [f for f in files if (folder / f).exists()]

@@ -19,7 +19,7 @@ WORKER = """
 import json, sys, time
 t0 = time.perf_counter()
 from onegpu.config import load_config
-from onegpu.tools.memory_check import planned_need
+from onegpu.plan.startup import planned_need
 cfg = load_config(sys.argv[1], overrides={"train.device": "cpu"})
 t1 = time.perf_counter()
 need = planned_need(cfg, "cpu")

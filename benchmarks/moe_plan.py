@@ -45,9 +45,9 @@ def config(arch: str):
 
 
 def worker(arch: str, precision: str, folder: str) -> dict:
+    from onegpu.backends.torch.step_memory import measure_real_step
     from onegpu.config import load_config
-    from onegpu.tools.planner import plan_memory
-    from onegpu.train.measure import measure_real_step
+    from onegpu.plan.memory import plan_memory
 
     config(arch).save_pretrained(folder)
     cfg = load_config("tiny", overrides={"model.hf": folder, "model.seq_len": "64",

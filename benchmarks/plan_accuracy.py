@@ -41,9 +41,9 @@ GRID: list[tuple[str, dict[str, str]]] = [
 
 def measure(preset: str, overrides: dict[str, str]) -> dict:
     """Run in a worker process: predicted and measured breakdowns for one configuration."""
+    from onegpu.backends.torch.step_memory import measure_real_step
     from onegpu.config import load_config
-    from onegpu.tools.planner import plan_memory
-    from onegpu.train.measure import measure_real_step
+    from onegpu.plan.memory import plan_memory
 
     cfg = load_config(preset, overrides={"train.device": "cpu", **overrides})
     plan = plan_memory(cfg)

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 from onegpu.config import load_config
 
 SETTINGS = [

@@ -86,7 +86,7 @@ CONFIGS, REFUSED = covering_set()
 @pytest.mark.slow
 @pytest.mark.parametrize("choice", CONFIGS, ids=lambda c: ",".join(f"{v}" for v in c.values()))
 def test_every_accepted_pair_trains(choice):
-    from onegpu.build import build
+    from onegpu.backends.torch.build import build
 
     torch._dynamo.reset()
     cfg = load_config("tiny", overrides=overrides(choice))

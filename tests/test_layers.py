@@ -16,12 +16,16 @@ def test_every_package_has_a_layer():
     packages = {
         p.name for p in layers.ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()
     }
+    backends = {
+        f"backends.{p.name}" for p in (layers.ROOT / "backends").iterdir() if p.is_dir()
+        if (p / "__init__.py").exists()
+    }
     modules = {p.stem for p in layers.ROOT.glob("*.py") if p.stem != "__init__"}
-    assert packages | modules == set(layers.LAYER_OF)
+    assert packages | backends | modules == set(layers.LAYER_OF)
 
 
 def test_the_checker_sees_a_wrong_way_import():
-    edges = {"config": {"build": {"onegpu.config"}}, "build": {"config": {"onegpu.build"}}}
+    edges = {"config": {"build": {"onegpu.config"}}, "build": {"config": {"onegpu.backends.torch.build"}}}
     found = layers.violations(edges)
     assert len(found) == 1 and found[0].startswith("config (layer 0) imports build")
 
@@ -106,11 +110,11 @@ def test_what_both_backends_share_is_torch_free():
     """Statically, every module: the JAX backend and the packages it shares with torch (config,
     data, run folder, caches) load no torch when imported; the analysis does see torch."""
     free = layers.torch_free_modules()
-    shared = ("config", "cache", "quiet", "runs", "data", "jaxbackend", "cli")
+    shared = ("config", "cache", "quiet", "runs", "data", "backends.jax", "cli")
     for path in layers.ROOT.rglob("*.py"):
         module = layers._module_name(path)
         if layers.package_of(module) in shared:
             assert module in free, f"{module} loads torch when imported"
     assert {"onegpu.perf.logits", "onegpu.perf.cpu", "onegpu.perf.peaks"} <= free
-    assert "onegpu.models.gpt" not in free and "onegpu.train.trainer" not in free
+    assert "onegpu.models.gpt" not in free and "onegpu.backends.torch.trainer" not in free
     assert "onegpu.techniques.chunked_loss" not in free  # via a torch-importing dependency too

@@ -5,11 +5,11 @@ import copy
 
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 from onegpu.config import load_config, to_dict
+from onegpu.plan.memory import plan_memory
 from onegpu.techniques.approx_grads import FewBitGELU, RandomizedLinear
 from onegpu.techniques.precision import DeviceCaps, bf16_native
-from onegpu.tools.planner import plan_memory
 
 
 def _cfg(**over):

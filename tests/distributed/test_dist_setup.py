@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from onegpu.build import build
+from onegpu.backends.torch import checkpoint as ckpt
+from onegpu.backends.torch.build import build
 from onegpu.config import ConfigError, DistConfig, load_config
 from onegpu.distributed import DistContext, init_distributed
 from onegpu.distributed.context import resolve_strategy
-from onegpu.distributed.plan import ParamShape, per_rank_memory, shard_fraction
-from onegpu.train import checkpoint as ckpt
+from onegpu.distributed.shares import ParamShape, per_rank_memory, shard_fraction
 
 
 def test_auto_is_fsdp_on_several_processes_and_nothing_on_one():
@@ -53,7 +53,7 @@ def test_cpu_offload_alone_is_refused_before_anything_runs(tiny_cfg):
     ],
 )  # fmt: skip
 def test_what_several_processes_cannot_do_is_refused(over, field):
-    from onegpu.build import resolve
+    from onegpu.backends.torch.build import resolve
     from onegpu.config import check_distributed
 
     cfg = load_config("tiny", overrides={"train.device": "cpu", **over})
@@ -144,7 +144,7 @@ def test_fsdp_mixed_precision_casts_gathered_weights_once_not_per_op(one_process
 
 
 def test_plan_per_process_halves_the_states_and_counts_the_gpus_needed():
-    from onegpu.tools.plan import plan_report
+    from onegpu.plan.report import plan_report
 
     cfg = load_config("tiny", overrides={"train.device": "cpu", "train.micro_batch_size": "2"})
     one = plan_report(cfg, None, None)["memory"]

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.config import load_config
-from onegpu.tools.plan import plan_report
-from onegpu.train import checkpoint as ckpt
+from onegpu.plan.report import plan_report
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def test_rank_zero_writes_the_run_folder_and_every_rank_is_measured(runs):
 def test_fsdp_shards_parameters_and_states_and_the_plan_predicts_them(runs):
     """Per process: parameter + optimizer bytes about 1/2 of one process's (measured), and
     `onegpu plan --world-size 2` within 5% of the measurement."""
-    from onegpu.build import build
+    from onegpu.backends.torch.build import build
 
     cfg = load_config("tiny", overrides={k: str(v) for k, v in BASE.items()})
     built = build(cfg, with_data=False)

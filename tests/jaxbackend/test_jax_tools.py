@@ -36,8 +36,8 @@ def test_a_row_without_a_jax_counterpart_is_named_with_its_reason():
 @pytest.mark.slow
 def test_profile_on_jax_writes_a_perfetto_trace(tmp_path):
     pytest.importorskip("jax")
+    from onegpu.backends.jax.profile import profile_jax
     from onegpu.config import load_config
-    from onegpu.jaxbackend.profile import profile_jax
 
     cfg = load_config("tiny", overrides={"train.backend": "jax", "out.dir": str(tmp_path / "p")})
     result = profile_jax(cfg, steps=2, warmup=1)

@@ -10,11 +10,11 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
+from onegpu.backends.jax import loss_chunk  # noqa: E402
+from onegpu.backends.jax.build import init_params  # noqa: E402
+from onegpu.backends.jax.loss import IGNORE_INDEX, make_loss  # noqa: E402
+from onegpu.backends.jax.model import GPT, precision_for  # noqa: E402
 from onegpu.config import load_config  # noqa: E402
-from onegpu.jaxbackend import loss_chunk  # noqa: E402
-from onegpu.jaxbackend.build import init_params  # noqa: E402
-from onegpu.jaxbackend.loss import IGNORE_INDEX, make_loss  # noqa: E402
-from onegpu.jaxbackend.model import GPT, precision_for  # noqa: E402
 
 
 def _cfg(**over):

@@ -11,12 +11,12 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-from onegpu.build.model import load_initial_weights  # noqa: E402
+from onegpu.backends.jax import weights  # noqa: E402
+from onegpu.backends.jax.build import init_params  # noqa: E402
+from onegpu.backends.jax.loss import token_loss_sum  # noqa: E402
+from onegpu.backends.jax.model import GPT, precision_for  # noqa: E402
+from onegpu.backends.torch.model import load_initial_weights  # noqa: E402
 from onegpu.config import load_config  # noqa: E402
-from onegpu.jaxbackend import weights  # noqa: E402
-from onegpu.jaxbackend.build import init_params  # noqa: E402
-from onegpu.jaxbackend.loss import token_loss_sum  # noqa: E402
-from onegpu.jaxbackend.model import GPT, precision_for  # noqa: E402
 from onegpu.models.gpt import GPT as TorchGPT  # noqa: E402
 
 

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("jax")
 
+from onegpu.backends.jax.loop import train as train_jax  # noqa: E402
+from onegpu.backends.torch.trainer import train as train_torch  # noqa: E402
 from onegpu.config import load_config  # noqa: E402
-from onegpu.jaxbackend.loop import train as train_jax  # noqa: E402
-from onegpu.train.trainer import train as train_torch  # noqa: E402
 
 STEPS = 20
 REL = 1e-4

@@ -9,8 +9,9 @@ import pytest
 
 pytest.importorskip("flax")
 
+from onegpu.backends.jax import checkpoint as state  # noqa: E402
+from onegpu.backends.jax import require_jax  # noqa: E402
 from onegpu.config import ConfigError  # noqa: E402
-from onegpu.jaxbackend import require_jax, state  # noqa: E402
 
 
 def test_keep_last_and_keep_every_prune_jax_checkpoints(tmp_path):

@@ -8,10 +8,10 @@ import torch
 import transformers
 from conftest import hf_overrides
 
-from onegpu.batches import classification_targets, count_targets
-from onegpu.build import build
+from onegpu.backends.torch.build import build
+from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
-from onegpu.train.trainer import train
+from onegpu.data.loader import classification_targets, count_targets
 
 
 def _cfg(folder, **over):

@@ -5,8 +5,8 @@ chunked."""
 import pytest
 import torch
 
-from onegpu.batches import IGNORE_INDEX
 from onegpu.config import load_config
+from onegpu.data.loader import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,7 +26,7 @@ def _mixtral(tmp_path, output_router_logits: bool):
     "chunk", ["0", pytest.param("64", marks=pytest.mark.slow)], ids=["plain-loss", "chunked-loss"]
 )
 def test_the_router_balancing_loss_is_added_as_the_model_adds_it(tmp_path, chunk):
-    from onegpu.build import build
+    from onegpu.backends.torch.build import build
 
     folder = _mixtral(tmp_path, output_router_logits=True)
     cfg = load_config(overrides={"model.hf": str(folder), "model.seq_len": "32",
@@ -47,7 +47,7 @@ def test_the_router_balancing_loss_is_added_as_the_model_adds_it(tmp_path, chunk
 
 
 def test_without_output_router_logits_no_term_is_added(tmp_path):
-    from onegpu.build import build
+    from onegpu.backends.torch.build import build
 
     folder = _mixtral(tmp_path, output_router_logits=False)
     cfg = load_config(overrides={"model.hf": str(folder), "model.seq_len": "32",
@@ -65,7 +65,7 @@ def test_weights_saved_in_the_original_expert_layout_load_through_the_conversion
     exactly what `from_pretrained` gives and its loss is the model's own."""
     from safetensors import safe_open
 
-    from onegpu.build import build
+    from onegpu.backends.torch.build import build
 
     pytest.importorskip("transformers.conversion_mapping")
     cfg = transformers.MixtralConfig(

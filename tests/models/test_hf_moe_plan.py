@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from onegpu.backends.torch.step_memory import measure_real_step
 from onegpu.config import load_config
-from onegpu.tools.planner import plan_memory
-from onegpu.train.measure import measure_real_step
+from onegpu.plan.memory import plan_memory
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ def test_preset_parameter_counts(preset):
 
 
 def test_meta_build_then_init_keeps_tying_and_gpt2_init(tiny_cfg):
-    from onegpu.build import build
+    from onegpu.backends.torch.build import build
 
     tiny_cfg.model.n_layer = 8
     model = build(tiny_cfg, torch.device("cpu"), with_data=False).model
@@ -41,7 +41,7 @@ def test_both_model_kinds_declare_the_model_protocol(tmp_path):
     """What techniques read of a model is declared, not probed: GPT and the HF adapter both."""
     from conftest import make_hf_config
 
-    from onegpu.build import build
+    from onegpu.backends.torch.build import build
     from onegpu.models.protocol import LanguageModel
 
     gpt = build(load_config("tiny", overrides={"train.device": "cpu"}), with_data=False).model

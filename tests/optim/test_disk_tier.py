@@ -7,9 +7,9 @@ import gc
 import pytest
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 from onegpu.config import ConfigError, load_config
-from onegpu.optim.disk_tier import DiskTier
+from onegpu.offload.disk_tier import DiskTier
 
 CPU = torch.device("cpu")
 
@@ -110,7 +110,7 @@ def test_a_disk_tier_needs_the_host_optimizer_and_a_writable_folder(tmp_path):
 
 
 def test_the_plan_puts_states_and_weight_copies_on_disk(tmp_path):
-    from onegpu.tools.planner import plan_memory
+    from onegpu.plan.memory import plan_memory
 
     ram = plan_memory(_cfg(None)).memory
     disk = plan_memory(_cfg(tmp_path)).memory

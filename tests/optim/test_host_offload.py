@@ -6,9 +6,9 @@ as backward produces them."""
 import pytest
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 from onegpu.config import ConfigError, check_distributed, load_config
-from onegpu.optim.host_offload import HostOffloadOptimizer
+from onegpu.offload.host_optimizer import HostOffloadOptimizer
 
 CPU = torch.device("cpu")
 

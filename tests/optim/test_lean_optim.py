@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 from onegpu.config import OptimConfig
 from onegpu.models.gpt import GPT
 from onegpu.optim import build_optimizer, set_lr

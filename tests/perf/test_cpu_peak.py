@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
+from onegpu.backends.torch.report import recheck_peak
 from onegpu.perf import devices
 from onegpu.tools.info import device_info, format_info
-from onegpu.train.report import recheck_peak
 
 
 def test_the_key_holds_the_rate_flags_not_only_the_name(monkeypatch):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from onegpu import cache
+from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.cli import main
-from onegpu.train import checkpoint as ckpt
 
 
 def test_a_cache_of_the_wrong_shape_is_measured_again(tmp_path, monkeypatch):

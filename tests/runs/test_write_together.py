@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from onegpu.runs import folders
+from onegpu.runs import atomic as folders
 
 
 def _set(folder):

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from onegpu.build import build
+from onegpu.backends.torch import trainer
+from onegpu.backends.torch.build import build
+from onegpu.backends.torch.step import TrainStep
 from onegpu.config import load_config
-from onegpu.step import TrainStep
-from onegpu.train import trainer
 
 
 class CountScalarReads(TorchDispatchMode):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 from onegpu.config import load_config
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.techniques.approx_grads import FewBitGELU, RandomizedLinear, pack_bits, unpack_bits
@@ -99,7 +99,7 @@ def test_approximate_layers_save_memory_in_the_model_and_compose():
 
 
 def test_tiny_trains_with_approximate_gradients(tmp_path):
-    from onegpu.train.trainer import train
+    from onegpu.backends.torch.trainer import train
 
     over = {
         "train.device": "cpu",

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 from onegpu.cache import cache_root
 from onegpu.config import ConfigError, load_config
 from onegpu.perf import logits

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch.build import build
 
 
 def _loss_and_grads(cfg, x):

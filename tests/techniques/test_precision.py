@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from onegpu.build import build
+from onegpu.backends.torch import trainer
+from onegpu.backends.torch.build import build
 from onegpu.config import load_config
-from onegpu.train import trainer
 
 
 def _run(tmp_path, precision, steps=30, **extra):

@@ -4,10 +4,10 @@ the shapes asked for."""
 import pytest
 
 from onegpu.config import load_config
-from onegpu.tools.depth_plan import plan_extrapolated, shallow_depths
-from onegpu.tools.plan import gpu_caps
-from onegpu.tools.planner import plan_memory
-from onegpu.tools.shapes import Shape, ladder, scaled, shape_of, with_depth, with_shape
+from onegpu.plan.depth import plan_extrapolated, shallow_depths
+from onegpu.plan.memory import plan_memory
+from onegpu.plan.report import gpu_caps
+from onegpu.plan.shapes import Shape, ladder, scaled, shape_of, with_depth, with_shape
 
 CONFIGS = {
     "plain": {},

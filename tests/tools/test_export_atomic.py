@@ -13,10 +13,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from onegpu.backends.torch.trainer import train
 from onegpu.config import load_config
-from onegpu.runs.folders import recover, staging
+from onegpu.runs.atomic import recover, staging
 from onegpu.tools.export import export
-from onegpu.train.trainer import train
 
 
 def _run(out, layers: int):
@@ -99,7 +99,7 @@ def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path):
     """What every writer of a kept file uses (run config, tokenizer, tune/bench/plot/profile
     results): a failure mid-write leaves the old file and no temporary one; the suffix is kept
     for writers that go by it (matplotlib's savefig)."""
-    from onegpu.runs.folders import atomic_path, write_text_atomic
+    from onegpu.runs.atomic import atomic_path, write_text_atomic
 
     dest = tmp_path / "tune.md"
     write_text_atomic(dest, "old")

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 
+from onegpu.backends.torch.trainer import train
 from onegpu.cli import main
 from onegpu.config import ConfigError, ModelConfig, load_config
 from onegpu.models.convert import hf_gpt2_state_dict, load_hf_gpt2
@@ -12,7 +13,6 @@ from onegpu.models.gpt import GPT
 from onegpu.tools.export import export
 from onegpu.tools.generate import generate
 from onegpu.tools.trained import load_trained
-from onegpu.train.trainer import train
 
 
 def _train(out, **over):

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from onegpu.config import load_config, with_overrides
-from onegpu.tools.largest import find_largest, format_largest
-from onegpu.tools.planner import plan_memory
-from onegpu.tools.shapes import Shape, ladder, shape_of, with_shape
+from onegpu.plan.largest import find_largest, format_largest
+from onegpu.plan.memory import plan_memory
+from onegpu.plan.shapes import Shape, ladder, shape_of, with_shape
 
 
 def _cfg():

@@ -5,7 +5,7 @@ import pytest
 
 from onegpu.cli import main
 from onegpu.config import load_config
-from onegpu.tools import memory_check
+from onegpu.plan import startup as memory_check
 
 
 @pytest.mark.slow  # the fix list runs, then a real tiny run
@@ -29,7 +29,7 @@ def test_the_start_plan_is_cached_by_what_changes_memory(monkeypatch):
     def no_planning(*args, **kwargs):
         raise AssertionError("planned again")
 
-    monkeypatch.setattr("onegpu.tools.fixes.planned", no_planning)
+    monkeypatch.setattr("onegpu.plan.fixes.planned", no_planning)
     other_run = load_config("tiny", overrides={"train.device": "cpu", "model.n_layer": "3",
                                                "train.max_steps": "7", "out.dir": "elsewhere"})  # fmt: skip
     assert memory_check.planned_need(other_run, "cpu") == first

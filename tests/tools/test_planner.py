@@ -5,11 +5,11 @@ import resource
 
 import pytest
 
+from onegpu.backends.torch.step_memory import measure_real_step
 from onegpu.cli import main
 from onegpu.config import load_config
 from onegpu.optim.state_bytes import optimizer_state_bytes
-from onegpu.tools.planner import plan_memory
-from onegpu.train.measure import measure_real_step
+from onegpu.plan.memory import plan_memory
 
 
 def _cfg(**over):
@@ -97,7 +97,7 @@ def test_plan_command_json_gpu_table_and_budgets(capsys):
 def test_fixes_that_do_not_lower_the_peak_are_not_offered():
     """Micro-batch 1 of 16 tokens, width 128, vocab 4096: the chunked loss's fp32 [V, D] weight
     gradient buffer outweighs the [16, V] logits it saves, so it is no fix here."""
-    from onegpu.tools.fixes import fixes_for
+    from onegpu.plan.fixes import fixes_for
 
     cfg = _cfg(**{"model.vocab_size": "4096", "model.d_model": "128", "model.seq_len": "16",
                   "train.batch_size": "1", "train.micro_batch_size": "1"})  # fmt: skip
@@ -139,9 +139,9 @@ def test_the_fix_list_reaches_for_host_memory_when_nothing_else_fits():
     the host tiers, ends on a configuration that fits, and hands it over as best.toml."""
     import tomllib
 
-    from onegpu.tools.fixes import FIXES, HOST_TIERS, fixes_for
-    from onegpu.tools.fixes import with_fix as _with
-    from onegpu.tools.plan import gpu_caps
+    from onegpu.plan.fixes import FIXES, HOST_TIERS, fixes_for
+    from onegpu.plan.fixes import with_fix as _with
+    from onegpu.plan.report import gpu_caps
 
     caps = gpu_caps("RTX4090")
     cfg = _cfg(**{"train.precision": "fp32", "memory.loss_chunk": "0", "model.d_model": "256",
@@ -167,7 +167,7 @@ def test_the_fix_list_reaches_for_host_memory_when_nothing_else_fits():
 
 def test_on_a_cpu_the_fix_list_offers_no_host_tier():
     """On a CPU the device and the host are one memory: moving state there saves nothing."""
-    from onegpu.tools.fixes import HOST_TIERS, fixes_for
+    from onegpu.plan.fixes import HOST_TIERS, fixes_for
 
     cfg = _cfg(**{"train.precision": "fp32"})
     base = plan_memory(cfg).memory["peak"]
@@ -176,7 +176,7 @@ def test_on_a_cpu_the_fix_list_offers_no_host_tier():
 
 
 def _fix_params():
-    from onegpu.tools.fixes import FIXES
+    from onegpu.plan.fixes import FIXES
 
     slow = {"8-bit AdamW"}  # torchao compiles its 8-bit step (~20 s on a CPU)
     return [pytest.param(n, c, id=n, marks=[pytest.mark.slow] if n in slow else [])
@@ -188,8 +188,8 @@ def test_every_fix_the_planner_offers_trains(name, change):
     """What `onegpu plan` recommends, training accepts: two real steps of a tiny stand-in."""
     import torch
 
-    from onegpu.build import build
-    from onegpu.tools.fixes import with_fix as _with
+    from onegpu.backends.torch.build import build
+    from onegpu.plan.fixes import with_fix as _with
 
     cfg = _with(_cfg(**{"train.batch_size": "4", "train.micro_batch_size": "4"}), change)
     built = build(cfg, torch.device("cpu"), with_data=False)
@@ -202,9 +202,9 @@ def test_every_fix_the_planner_offers_trains(name, change):
 def test_offloaded_plans_count_the_link_and_the_cpu_step():
     """The predicted step of an offloaded run: compute beside the host-link copies (every
     micro-batch's gradients out, the weights back once), then the CPU's optimizer step."""
+    from onegpu.offload.pricing import LINK_EFFICIENCY
     from onegpu.perf.devices import GPUS
-    from onegpu.tools.offload_time import LINK_EFFICIENCY
-    from onegpu.tools.plan import plan_report
+    from onegpu.plan.report import plan_report
 
     cfg = _cfg(**{"train.precision": "bf16", "memory.offload_optimizer": "true"})
     r = plan_report(cfg, "RTX4090", None)
@@ -224,7 +224,7 @@ def test_offloaded_activations_wait_in_host_memory_on_a_gpu_plan():
     """What save_on_cpu copies out leaves the device for the host (fake tensors all live on
     the CPU, so the planner follows the copies itself); a CPU plan keeps them in the one
     memory there is."""
-    from onegpu.tools.plan import gpu_caps
+    from onegpu.plan.report import gpu_caps
 
     caps = gpu_caps("A100-40")
     plain = plan_memory(_cfg(), "cuda", caps)

@@ -4,9 +4,9 @@ step, for each architecture tested, with the planner's fake build of the folder'
 import pytest
 from conftest import HF_ARCHS, hf_overrides
 
+from onegpu.backends.torch.step_memory import measure_real_step
 from onegpu.config import load_config
-from onegpu.tools.planner import plan_memory
-from onegpu.train.measure import measure_real_step
+from onegpu.plan.memory import plan_memory
 
 
 def _cfg(folder, **over):

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from onegpu.config import load_config, with_overrides
-from onegpu.tools.fixes import planned
-from onegpu.tools.plan import gpu_caps
+from onegpu.plan.fixes import planned
+from onegpu.plan.report import gpu_caps
 from onegpu.tools.tune import candidates
 from onegpu.tools.tune_plan import activation_floors, bound, search
 

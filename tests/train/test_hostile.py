@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
+from onegpu.backends.torch import checkpoint as ckpt
+from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
-from onegpu.train import checkpoint as ckpt
-from onegpu.train.trainer import train
 
 
 def _cfg(out, **over):

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
-from onegpu.tools.plan import plan_report
-from onegpu.train.trainer import train
+from onegpu.plan.report import plan_report
 
 STEPS = 6
 
@@ -46,7 +46,7 @@ def test_offloaded_weights_train_like_the_plain_run(tmp_path):
 
 
 def test_offloaded_weights_resume_bit_exactly(tmp_path, monkeypatch):
-    from onegpu.step import TrainStep
+    from onegpu.backends.torch.step import TrainStep
 
     over = {"memory.offload_params": "true"}
     train(_cfg(tmp_path / "straight", **over))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import Config, ConfigError
-from onegpu.runs.folders import write_text_atomic
+from onegpu.runs.atomic import write_text_atomic
 from onegpu.runs.sinks import strict
 
 Arg = tuple[tuple[str, ...], dict[str, Any]]
@@ -48,21 +48,21 @@ class Env:
 def _train(ns, env: Env) -> int:
     cfg = env.load()
     if cfg.train.backend == "jax":  # imports no torch
-        from onegpu.jaxbackend.loop import train as train_jax
+        from onegpu.backends.jax.loop import train as train_jax
 
         return _report(cfg, env, train_jax(cfg))
-    from onegpu.train.oom import TrainingOutOfMemory
-    from onegpu.train.trainer import train
+    from onegpu.backends.torch.oom import TrainingOutOfMemory
+    from onegpu.backends.torch.trainer import train
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: plan before allocating
-        from onegpu.build import resolve_device
-        from onegpu.tools.memory_check import check_memory
+        from onegpu.backends.torch.build import resolve_device
+        from onegpu.plan.startup import check_memory
 
         check_memory(cfg, resolve_device(cfg.train.device))
     try:
         summary = train(cfg)
     except TrainingOutOfMemory as e:
-        from onegpu.tools.oom import explain
+        from onegpu.plan.oom import explain
 
         raise ConfigError("out of memory", explain(cfg, e)) from None
     return _report(cfg, env, summary)
@@ -93,7 +93,7 @@ def _report(cfg: Config, env: Env, summary: dict[str, Any]) -> int:
 def _profile(ns, env: Env) -> int:
     cfg = env.load()
     if cfg.train.backend == "jax":  # imports no torch
-        from onegpu.jaxbackend.profile import profile_jax
+        from onegpu.backends.jax.profile import profile_jax
 
         result = profile_jax(cfg, steps=ns.steps, warmup=ns.warmup)
         print(result["summary"], end="")
@@ -122,14 +122,14 @@ def _bench(ns, env: Env) -> int:
 
 
 def _plan(ns, env: Env) -> int:
-    from onegpu.tools.plan import gpu_table, plan_report
-    from onegpu.tools.plan_format import format_report
+    from onegpu.plan.format import format_report
+    from onegpu.plan.report import gpu_table, plan_report
 
     if ns.gpu == "list":
         print(gpu_table())
         return 0
     if ns.largest:
-        from onegpu.tools.largest import find_largest, format_largest
+        from onegpu.plan.largest import find_largest, format_largest
 
         found = find_largest(env.load(), ns.gpu, ns.memory, ns.host_memory,
                              log=lambda line: print(line, flush=True))  # fmt: skip

@@ -13,7 +13,7 @@ weights and the optimizer stay fp32. Autocast stays on around it, so the ops it 
 (norms, softmax, the loss) still run in fp32.
 
 Gradients: FSDP and DDP *average* over processes. The step divides each process's summed loss
-by the global batch's target count over the world size (step.py), so the average is the
+by the global batch's target count over the world size (backends/torch/step.py), so the average is the
 gradient of the global mean loss: N processes x k micro-batches = 1 process x N*k.
 """
 

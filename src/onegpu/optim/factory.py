@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from onegpu.config import ConfigError, OptimConfig
-from onegpu.optim.disk_tier import DiskTier
-from onegpu.optim.host_offload import HostOffloadOptimizer
+from onegpu.offload.disk_tier import DiskTier
+from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
 from onegpu.quiet import library_notes_off

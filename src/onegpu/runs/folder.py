@@ -15,7 +15,7 @@ from typing import Any
 
 import onegpu
 from onegpu.config import Config, ConfigError, OutConfig, to_toml
-from onegpu.runs.folders import atomic_path, copy_atomic, write_text_atomic
+from onegpu.runs.atomic import atomic_path, copy_atomic, write_text_atomic
 from onegpu.runs.lock import LOCK_NAME, hold_run_folder
 from onegpu.runs.sinks import JsonlSink, TensorBoardSink, strict
 

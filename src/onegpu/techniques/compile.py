@@ -1,4 +1,4 @@
-"""torch.compile, whole or regional, applied after every module change (build/model.py's order).
+"""torch.compile, whole or regional, applied after every module change (backends/torch/model.py's order).
 
 - 'default' / 'max-autotune': the loss function (forward, output layer and cross-entropy) is
   compiled as one graph, so inductor can fuse the loss with the logits it consumes.

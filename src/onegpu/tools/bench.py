@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import ConfigError, load_toml
-from onegpu.runs.folders import write_together
+from onegpu.runs.atomic import write_together
 from onegpu.tools.bench_backend import for_backend, refused
 from onegpu.tools.bench_grids import GRID_ALIASES, GRIDS, Row  # noqa: F401 - bench's API
 

@@ -20,8 +20,8 @@ from onegpu.config import ConfigError
 from onegpu.models.convert import gpt2_config_kwargs, hf_gpt2_state_dict
 from onegpu.models.gpt import GPT
 from onegpu.models.hf import HFModel, require_transformers
+from onegpu.runs.atomic import recover, staging
 from onegpu.runs.folder import MODEL_FOLDER_FILES
-from onegpu.runs.folders import recover, staging
 from onegpu.tools.trained import Trained, load_trained
 
 

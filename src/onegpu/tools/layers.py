@@ -17,13 +17,15 @@ from pathlib import Path
 LAYERS: list[tuple[str, ...]] = [
     ("config", "cache", "quiet"),  # pure data: options, where caches live; library notes off
     ("perf", "memory", "runs", "data"),  # FLOPs, peaks, allocator; saved/live bytes; the run
-    # folder; corpus, tokenizers, windows and their order (numpy: both backends)
-    ("models", "batches"),  # architecture; torch loaders
-    ("techniques", "optim", "distributed"),  # over a built model; optimizers; FSDP/DDP/DCP
-    ("step",),  # the one training step
-    ("build",),  # the one build path
-    ("train", "jaxbackend"),  # the loop, its metrics, run folders; the same on JAX (no torch)
-    ("tools",),  # the commands: plan, tune, bench, profile, info
+    # lifecycle (folder, loop, checkpoints: no framework); corpus, tokens, windows, loaders
+    ("models",),  # architecture
+    ("techniques", "distributed"),  # over a built model; FSDP/DDP/DCP
+    ("offload",),  # where bytes live: host optimizer, disk tier, weights, activations, pricing
+    ("optim",),  # optimizers (the host optimizer among them)
+    ("backends", "backends.torch", "backends.jax"),  # build, step, state <-> bytes per framework
+    ("plan",),  # the fake-tensor planner over the torch build; fixes, largest, start-up check
+    ("train",),  # the one entry: a backend (and its memory check) through the run lifecycle
+    ("tools",),  # the commands: tune, bench, profile, info, export
     ("cli",),  # argument parsing -> commands
     ("__main__",),  # `python -m onegpu`
 ]
@@ -36,6 +38,8 @@ def package_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "onegpu" or len(parts) < 2:
         return None
+    if parts[1] == "backends" and len(parts) > 2:  # each backend is a layer unit of its own
+        return f"backends.{parts[2]}"
     return parts[1]
 
 
@@ -74,7 +78,7 @@ def package_imports() -> dict[str, dict[str, set[str]]]:
         tree = ast.parse(path.read_text(), filename=str(path))
         for target in _imported(tree, module, path.name == "__init__.py"):
             dst = package_of(target)
-            known = (ROOT / dst).is_dir() or (ROOT / f"{dst}.py").exists() if dst else False
+            known = bool(dst) and ((ROOT / dst.replace(".", "/")).is_dir() or (ROOT / f"{dst}.py").exists())
             if known and dst != src:
                 edges[src][dst].add(module)
     return edges

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from onegpu.config import ConfigError
-from onegpu.runs.folders import atomic_path
+from onegpu.runs.atomic import atomic_path
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -2,7 +2,7 @@
 
 Writes (names are a contract, scripts rely on them):
 - DIR/trace.json    Chrome/Perfetto trace; steps are `ProfilerStep#N`, phases `data`,
-                    `forward`, `backward`, `optimizer` (record_function annotations of step.py);
+                    `forward`, `backward`, `optimizer` (record_function annotations of backends/torch/step.py);
 - DIR/memory.html   memory timeline of the profiled steps, stacked by kind (params, grads,
                     optimizer state, activations, other), as Lippe's profiling tutorial and
                     "Optimising the Training Loop" show them; the
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from onegpu.build import Built, build
+from onegpu.backends.torch.batches import training_batches
+from onegpu.backends.torch.build import Built, build
 from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline, profiling
+from onegpu.runs.atomic import atomic_path, write_text_atomic
 from onegpu.runs.folder import resolve_out_dir
-from onegpu.runs.folders import atomic_path, write_text_atomic
 from onegpu.runs.lock import release_run_folder
-from onegpu.train.batches import training_batches
 
 PHASES = ("data", "forward", "backward", "optimizer")
 # Ops that make the host wait for the device (on CUDA); on CPU they are counted all the same,

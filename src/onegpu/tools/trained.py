@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from onegpu.build import make_model, materialize, resolve
+from onegpu.backends.torch import checkpoint as ckpt
+from onegpu.backends.torch.build import make_model, materialize, resolve
 from onegpu.config import Config, ConfigError, load_config, with_overrides
 from onegpu.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 from onegpu.models.hf import folder_eos_id, open_hf_folder
 from onegpu.models.protocol import LanguageModel
-from onegpu.train import checkpoint as ckpt
 
 
 @dataclass

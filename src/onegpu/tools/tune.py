@@ -37,10 +37,10 @@ from onegpu.config import (
     with_overrides,
 )
 from onegpu.perf.flops import RECOMPUTE
-from onegpu.runs.folders import write_together
+from onegpu.plan.memory import plan_memory
+from onegpu.plan.report import CUDA_OVERHEAD_BYTES, process_share, rank_memory
+from onegpu.runs.atomic import write_together
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
-from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, process_share, rank_memory
-from onegpu.tools.planner import plan_memory
 
 
 def candidates(
@@ -156,7 +156,7 @@ def budget(gpu: str | None, memory: int | None) -> tuple[int, str]:
     CUDA overhead), `memory` bytes, or the GPU here; on a CPU `memory` is required."""
     import torch
 
-    from onegpu.build import resolve_device
+    from onegpu.backends.torch.build import resolve_device
     from onegpu.perf.devices import GPUS
 
     target = "cuda" if resolve_device("auto").type == "cuda" else "cpu"

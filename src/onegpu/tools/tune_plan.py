@@ -12,7 +12,7 @@ The search is branch and bound, in three steps, so an 8B model on a named GPU ta
    memory, is pruned. So is one with a lower bound on its step time (compute with its
    recomputation, its host step, its link bytes) no better than a candidate already planned.
 2. The survivors are planned fastest-bound first from two shallow copies of the model
-   (tools/depth_plan.py), largest micro-batch first per setting of the rest.
+   (plan/depth.py), largest micro-batch first per setting of the rest.
 3. The fastest that fits is confirmed by following the full model (the next one if not).
 """
 
@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
+from onegpu.offload.host_step import host_step_rate
+from onegpu.offload.pricing import LINK_EFFICIENCY
 from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
-from onegpu.perf.host_step import host_step_rate
-from onegpu.runs.folders import write_together
+from onegpu.plan.fixes import Planned, planned
+from onegpu.plan.report import EFFICIENCY, gpu_caps
+from onegpu.runs.atomic import write_together
 from onegpu.techniques.precision import resolve_precision
-from onegpu.tools.fixes import Planned, planned
-from onegpu.tools.offload_time import LINK_EFFICIENCY
-from onegpu.tools.plan import EFFICIENCY, gpu_caps
 
 
 @dataclass
@@ -79,7 +79,7 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
 def activation_floors(cfg: Config, gpu: str, cands: list[dict[str, str]]) -> dict[tuple, int]:
     """(checkpointing, precision) -> saved activations of one sequence that grow with the
     micro-batch, planned (two shallow copies each: a few plans in all)."""
-    from onegpu.tools.depth_plan import plan_extrapolated
+    from onegpu.plan.depth import plan_extrapolated
 
     floors = {}
     for key in {(c["memory.checkpointing"], c["train.precision"]) for c in cands}:
@@ -160,7 +160,7 @@ def tune_predicted(
     cfg: Config, gpu: str, host_memory: int | None, out_dir: Path, log=print
 ) -> dict[str, Any]:
     """The predicted search for `gpu`; best.toml, tune.json and tune.md in `out_dir`."""
-    from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, machine_ram
+    from onegpu.plan.report import CUDA_OVERHEAD_BYTES, machine_ram
     from onegpu.tools.tune import candidates
 
     cands = candidates(cfg, "cuda", with_compile=False)

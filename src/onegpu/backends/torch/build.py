@@ -1,0 +1,184 @@
+"""The one build path: config -> resolved settings -> model with every technique -> loss ->
+optimizer -> the TrainStep. Every command builds through here (train, profile, bench, tune, and
+`plan`, which builds the same run on fake tensors), so a technique added here reaches them all.
+
+- resolve.py: the device and every `auto` (each decided in its own technique module)
+- model.py: construction on the meta device, the techniques in their order, materialisation
+- data.py: the token splits (and a model folder's tokenizer)
+
+The model is constructed on the meta device (no memory), the structural techniques are applied,
+then it is materialised on the device and initialised (as torchtitan does). With `fake=True` it
+is materialised under PyTorch's FakeTensorMode instead: tensors with shapes, dtypes and devices
+but no memory, which is how the planner sees the very same run without allocating it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from onegpu.backends.torch.data import data_tokenizer, prepare_data
+from onegpu.backends.torch.model import Applied, apply_techniques, make_model, materialize
+from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
+from onegpu.backends.torch.step import TrainStep
+from onegpu.config import Config, check_distributed
+from onegpu.data.tokens import TokenSplits
+from onegpu.distributed import DistContext, single_process
+from onegpu.memory.saved import SavedTensorCounter
+from onegpu.models.gpt import count_params
+from onegpu.models.protocol import LanguageModel, LossFn
+from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.optim import build_optimizer
+from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.perf.flops import flops_per_token
+from onegpu.techniques.attention import check_attention_backend
+from onegpu.techniques.checkpointing import selective_cache_tensors
+from onegpu.techniques.compile import CompileTrial
+from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, apply_precision
+
+# Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the
+# planner counts their states from their allocation rules (optim/state_bytes.py).
+FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit")
+
+
+@dataclass(slots=True)
+class Built:
+    """Everything a command needs, from one build."""
+
+    cfg: Config
+    """The resolved config: what runs (config.toml)."""
+    resolved: Resolved
+    model: LanguageModel
+    optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer
+    loss_fn: LossFn
+    step: TrainStep
+    data: TokenSplits | None
+    n_params: int
+    flops_per_token: int
+    classes: int
+    """Labels of a sequence classifier (its targets: batches.classification_targets);
+    0 for a language model."""
+    fake_mode: contextlib.AbstractContextManager
+    """Enter it to run the step of a fake build (a null context for a real one)."""
+    dist: DistContext
+    """This process in a torchrun job (strategy 'none': a single-process run)."""
+    compile_trial: CompileTrial | None = None
+    """The eager-vs-compiled timing `train.compile auto` decided from (None: not timed)."""
+    asked: Config | None = None
+    """The config as given, its `auto` values unresolved."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.step.device
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        return self.resolved.precision
+
+    def saved_counter(self) -> SavedTensorCounter:
+        """Counts the bytes this model saves for backward, selective checkpoints' caches too."""
+        return SavedTensorCounter(
+            self.model, also_saved=lambda: selective_cache_tensors(self.model)
+        )
+
+
+def build(
+    cfg: Config,
+    device: torch.device | None = None,
+    *,
+    with_data: bool = True,
+    caps: DeviceCaps | None = None,
+    fake: bool = False,
+    dist_ctx: DistContext | None = None,
+) -> Built:
+    """Resolve, prepare data, build the model with its techniques, the optimizer and the step.
+
+    `fake=True` builds on fake CPU tensors for a run on `device` with capabilities `caps` (the
+    planner); compile is left out (it changes kernels, not what a step keeps alive). Raises
+    ConfigError, before anything is written, for anything this device or data cannot do.
+    """
+    ctx = dist_ctx or single_process()
+    device = device or resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
+    asked, resolved = cfg, resolve(cfg, device, caps, timed=not fake)
+    cfg = resolved.config
+    check_distributed(cfg, ctx.strategy, ctx.world_size)
+    data = prepare_data(cfg, ctx) if with_data else None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode: contextlib.AbstractContextManager = FakeTensorMode(allow_non_fake_inputs=True)
+        cfg, device = plannable(cfg), torch.device("cpu")  # CPU shape rules, nothing allocated
+    else:
+        fake_mode = contextlib.nullcontext()
+        apply_precision(resolved.precision, device)
+        check_attention_backend(resolved.attention, device, resolved.precision.param_dtype)
+    with fake_mode:
+        applied = _model_with_techniques(cfg, resolved, device, ctx, fake)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=applied.compile))  # fmt: skip
+        resolved = dataclasses.replace(resolved, config=cfg)
+        model = applied.model
+        on_host = cfg.dist.cpu_offload and ctx.enabled  # FSDP's shards live on the host
+        optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if on_host else device,
+                                    param_dtype=resolved.precision.param_dtype,
+                                    offload=cfg.memory.offload_optimizer,
+                                    offload_dir=cfg.memory.offload_dir, fake=fake)  # fmt: skip
+    step = TrainStep(model=model, loss_fn=applied.loss_fn, optimizer=optimizer,
+                     policy=resolved.precision, device=device, optim=cfg.optim,
+                     max_steps=cfg.train.max_steps, n_micro=cfg.grad_accum_steps // ctx.world_size,
+                     dist=ctx, no_sync=applied.no_sync)  # fmt: skip
+    return Built(
+        cfg=resolved.config,
+        resolved=resolved,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=applied.loss_fn,
+        step=step,
+        data=data,
+        n_params=count_params(model),
+        flops_per_token=flops_per_token(model, cfg.train_seq_len),
+        classes=model.lm_head.out_features if model.is_classifier else 0,
+        fake_mode=fake_mode,
+        dist=ctx,
+        compile_trial=applied.compile_trial,
+        asked=asked,
+    )
+
+
+def _model_with_techniques(
+    cfg: Config, resolved: Resolved, device: torch.device, ctx: DistContext, fake: bool
+) -> Applied:
+    # real: on the meta device, materialised after the techniques; fake: on fake tensors
+    # directly (moving meta parameters into a FakeTensorMode cannot swap them)
+    with torch.device("cpu" if fake else "meta"):
+        model = make_model(cfg)
+    return apply_techniques(model, cfg, resolved, device, ctx)
+
+
+def plannable(cfg: Config) -> Config:
+    """The config a fake build runs: no compile, and a stateless stand-in for optimizers that
+    cannot step fake tensors."""
+    optim = cfg.optim
+    if optim.name in FAKE_UNSAFE_OPTIMIZERS:
+        optim = dataclasses.replace(optim, name="sgd", beta1=0.0)
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, compile="none"), optim=optim
+    )
+
+
+__all__ = [
+    "FAKE_UNSAFE_OPTIMIZERS",
+    "Applied",
+    "Built",
+    "Resolved",
+    "apply_techniques",
+    "build",
+    "data_tokenizer",
+    "make_model",
+    "materialize",
+    "plannable",
+    "resolve",
+    "resolve_device",
+]

@@ -1,0 +1,200 @@
+"""The model a run trains: constructed on the meta device, every technique applied in the one
+documented order (docs/architecture.md), then materialised and initialised (as torchtitan does),
+or sharded across processes under torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from onegpu.backends.torch.resolve import Resolved
+from onegpu.config import Config, ConfigError
+from onegpu.distributed import DistContext
+from onegpu.distributed.parallelize import (
+    apply_ddp,
+    apply_fsdp,
+    fsdp_mixed_precision,
+    materialize_sharded,
+)
+from onegpu.models.gpt import GPT
+from onegpu.models.hf import build_hf_model
+from onegpu.models.protocol import LanguageModel, LossFn
+from onegpu.offload.activations import with_offload
+from onegpu.techniques import compile as compile_
+from onegpu.techniques.approx_grads import apply_approx_grads
+from onegpu.techniques.checkpointing import apply_checkpointing
+from onegpu.techniques.chunked_loss import chunked_token_loss_sum
+from onegpu.techniques.loss import classification_loss_sum, token_loss_sum
+
+
+@dataclass(slots=True)
+class Applied:
+    """What apply_techniques returns: the materialised model, the loss a step calls, and the
+    context that holds back DDP's all-reduce in the micro-batches before the last (None: none)."""
+
+    model: LanguageModel
+    loss_fn: LossFn
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
+    compile: str = "none"
+    """What `train.compile` ran as ('auto' decided)."""
+    compile_trial: compile_.CompileTrial | None = None
+    """The timing `auto` decided from (None: not 'auto', or nothing to decide)."""
+
+
+def make_model(cfg: Config) -> LanguageModel:
+    """The architecture, unmaterialised, under the caller's device context."""
+    return build_hf_model(cfg.model) if cfg.model.hf else GPT(cfg.model)
+
+
+def apply_techniques(
+    model: LanguageModel, cfg: Config, resolved: Resolved, device: torch.device, ctx: DistContext
+) -> Applied:
+    """Every technique, in the one documented order (docs/architecture.md), on a model built
+    on the meta device; under torchrun (`ctx`), FSDP2 or DDP last of all, as torchtitan does."""
+    mem, policy = cfg.memory, resolved.precision
+    # 1. Approximate-gradient layers first: they swap layers inside the blocks, before anything
+    #    wraps the blocks.
+    model = apply_approx_grads(
+        model, gelu_bits=mem.gelu_bits, randomized_linear=mem.randomized_linear
+    )
+    # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).
+    model = apply_checkpointing(model, resolved.checkpointing)
+    # 3. The loss: the output layer and cross-entropy, in chunks if asked for.
+    loss_fn = choose_loss(model, mem.loss_chunk)
+    # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
+    #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
+    #    the eager loss too, and times both once the weights exist (8.).
+    mode = compile_.auto_candidate(cfg, device, distributed=ctx.enabled)
+    eager, loss_fn = loss_fn, compile_.apply_compile(model, loss_fn, mode)
+    # 5. Materialise and initialise in fp32, so every precision starts from the same weights,
+    #    then store them in the policy's dtype (bf16 for bf16-pure). Under FSDP2: shard every
+    #    block, then the root, still on the meta device; each process then materialises its
+    #    shards with the single-process initial weights.
+    if ctx.strategy == "fsdp":
+        model = shard(model, cfg, resolved, device, ctx)
+    else:
+        model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype,
+                            init_from=cfg.model.init_from)  # fmt: skip
+    # 6. Offloading last, outermost: its hooks also see what checkpoints and the chunked loss save.
+    if mem.offload_activations:
+        eager, loss_fn = with_offload(eager, device), with_offload(loss_fn, device)
+    # 7. DDP around the model and its whole loss (its all-reduce follows what runs in forward).
+    if ctx.strategy == "ddp":
+        loss_fn, no_sync = apply_ddp(model, loss_fn, device)
+        return Applied(model, loss_fn, no_sync, compile=mode)
+    # 8. `train.compile auto`: eager or compiled, whichever the (cached) timing says pays.
+    if cfg.train.compile == "auto" and mode != "none":
+        autocast = lambda: policy.autocast(device)  # noqa: E731
+        mode, trial = compile_.decide(cfg, model, eager, loss_fn, autocast, device)
+        return Applied(model, loss_fn if mode != "none" else eager, compile=mode, compile_trial=trial)  # fmt: skip
+    return Applied(model, loss_fn, compile=mode)
+
+
+def shard(
+    model: LanguageModel, cfg: Config, resolved: Resolved, device: torch.device, ctx: DistContext
+) -> LanguageModel:
+    """FSDP2 over the meta model; the shards are filled from rank 0's host copy of the very
+    same construction, materialised as a single process would (same seed, same draws)."""
+    policy, d = resolved.precision, cfg.dist
+    template = copy.deepcopy(model) if ctx.is_main else None  # meta: costs no memory
+    if policy.param_dtype != torch.float32:  # bf16-pure: the shards are stored in bf16
+        model = model.to(policy.param_dtype)
+    model = apply_fsdp(
+        model,
+        reshard_after_forward=d.reshard_after_forward,
+        cpu_offload=d.cpu_offload,
+        pin_memory=device.type == "cuda",
+        mixed_precision=fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype),
+    )
+
+    def reference() -> nn.Module:  # only rank 0 calls it
+        cpu = torch.device("cpu")
+        return materialize(template, cpu, seed=cfg.train.seed, dtype=policy.param_dtype,
+                           init_from=cfg.model.init_from)  # fmt: skip
+
+    shard_device = torch.device("cpu") if d.cpu_offload else device
+    return materialize_sharded(model, shard_device, ctx, reference)
+
+
+def choose_loss(model: LanguageModel, loss_chunk: int) -> LossFn:
+    """The model's loss: next-token cross-entropy (chunked through the head's weight if asked
+    for), or a classifier's cross-entropy over its labels."""
+    if model.is_classifier:
+        if loss_chunk:
+            raise ConfigError(
+                "memory.loss_chunk",
+                "a sequence classifier has no vocabulary-sized logits to chunk; set it to 0",
+            )
+        return classification_loss_sum
+    if not loss_chunk:
+        return token_loss_sum
+    if transform := model.logit_transform:
+        raise ConfigError(
+            "memory.loss_chunk",
+            f"the model changes its logits after the output layer ({transform} in its "
+            "config.json), which the chunked loss would skip; set it to 0",
+        )
+    return chunked_token_loss_sum(loss_chunk)
+
+
+def materialize(
+    model: LanguageModel,
+    device: torch.device,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+    init_from: str = "",
+):
+    """Meta -> `device`, the model's initialisation from `seed`, weights stored in `dtype` (in
+    place: keeps tied parameters tied, and works on fake tensors, where Module.to would swap
+    them)."""
+    torch.manual_seed(seed)
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    model.init_weights()
+    if init_from:
+        load_initial_weights(model, init_from)
+    for p in model.parameters():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def load_initial_weights(model: nn.Module, path: str) -> None:
+    """model.init_from: a model.safetensors in this GPT's layout (a torch or a JAX run's), over
+    the initialised weights; a tied output layer may come as wte.weight or lm_head.weight.
+    Fake tensors (the planner's) keep their shapes: nothing to read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if any(is_fake(p) for p in model.parameters()):
+        return
+    file = Path(path).expanduser()
+    try:
+        state = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConfigError(
+            "model.init_from", f"{file}: not a readable safetensors file ({e})"
+        ) from None
+    own = model.state_dict()
+    tied = (
+        {"wte.weight", "lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
+    )
+    if tied and not tied & state.keys():
+        raise ConfigError("model.init_from", f"{file} has neither wte.weight nor lm_head.weight")
+    for key in tied - state.keys():
+        state[key] = state[(tied - {key}).pop()]
+    wrong = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
+    if wrong:
+        raise ConfigError("model.init_from", f"{file} does not hold this [model]'s {wrong[0]} "
+                          f"(with its shape {tuple(own[wrong[0]].shape)}): another architecture")  # fmt: skip
+    with torch.no_grad():
+        for key, value in own.items():
+            value.copy_(state[key])

@@ -1,0 +1,169 @@
+"""What a run says: the header line, the progress bar's fields, summary.json, the per-process
+summary under torchrun, and the MFU denominator (its re-check on a CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onegpu.backends.torch.build import Built
+from onegpu.config import to_dict
+from onegpu.distributed.parallelize import local_tensor
+from onegpu.memory.measure import peak_bytes, peak_kind
+from onegpu.optim.state_bytes import optimizer_state_bytes
+from onegpu.perf.allocator import active_allocator
+from onegpu.perf.devices import Peak, peak_flops
+from onegpu.runs.folder import environment
+from onegpu.runs.meter import Meter
+from onegpu.runs.outcome import run_outcome
+from onegpu.runs.signals import GracefulStop
+
+
+def run_peak(built: Built) -> Peak | None:
+    """The peak FLOP/s MFU is measured against: this device's, times the processes."""
+    peak = peak_flops(built.device, built.policy.compute_dtype, built.policy.name)
+    n = built.dist.world_size
+    if peak and n > 1:
+        peak = dataclasses.replace(peak, flops=peak.flops * n, source=f"{peak.source} x {n}")
+    return peak
+
+
+def torch_environment() -> dict[str, Any]:
+    """The framework's part of environment(): versions, threads, the host allocator."""
+    return environment(
+        torch=torch.__version__, threads=torch.get_num_threads(), allocator=active_allocator()
+    )
+
+
+def describe(built: Built, out_dir: Path, start: int) -> str:
+    cfg, ctx = built.cfg, built.dist
+    resumed = f" | resumed at step {start}" if start else ""
+    where = f"{built.device}"
+    micro = f"{built.step.n_micro} micro-batch(es)"
+    if ctx.enabled:
+        where = (
+            f"{ctx.strategy} over {ctx.world_size} processes ({ctx.backend}, {built.device.type})"
+        )
+        micro = f"{ctx.world_size} processes x {micro} of {cfg.train.micro_batch_size}"
+    return (
+        f"onegpu: {built.n_params:,} parameters | {where} | {built.policy.name} | "
+        f"batch {cfg.train.batch_size}x{cfg.train_seq_len} tokens in {micro} | "
+        f"{describe_auto(built)}data {built.data.description} | run folder {out_dir}{resumed}"
+    )
+
+
+def describe_auto(built: Built) -> str:
+    """What the `auto` loss chunk and compile chose ('' where neither was auto)."""
+    cfg, parts = built.cfg, []
+    if built.asked and built.asked.memory.loss_chunk == "auto":
+        parts.append(f"loss chunk {cfg.memory.loss_chunk or 'off'}")
+    if (trial := built.compile_trial) and trial.skipped:
+        parts.append(f"compile none (not timed: {trial.skipped})")
+    elif trial:
+        how = "cached" if trial.cached else f"compiled in {trial.compile_s:.0f} s"
+        parts.append(
+            f"compile {cfg.train.compile} (eager {trial.eager_s * 1e3:,.0f} ms vs compiled "
+            f"{trial.compiled_s * 1e3:,.0f} ms a micro-batch; {how})"
+        )
+    return "auto: " + ", ".join(parts) + " | " if parts else ""
+
+
+def progress_fields(row: dict[str, Any]) -> dict[str, str]:
+    return {
+        "loss": f"{row['loss']:.3f}",
+        "tok_s": f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] is not None else "n/a",
+        "mfu": f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a",
+        "mem": f"{row['peak_mem_bytes'] / 2**20:,.0f}MiB",
+    }
+
+
+def summarize(
+    built: Built, meter: Meter, memory: dict, stop: GracefulStop, val_loss: float | None
+) -> dict[str, Any]:
+    """summary.json: medians of the steady intervals, memory, and what ran where."""
+    cfg, device, peak = built.cfg, built.device, meter.peak
+    steady = meter.steady()
+    tokens_per_step = cfg.train.batch_size * cfg.train_seq_len
+    step_s = tokens_per_step / steady["tokens_per_s"] if steady["tokens_per_s"] else None
+    compiled = cfg.train.compile != "none"
+    trial = built.compile_trial
+    # compiled before the loop when `auto` timed it in this run
+    compile_before = (
+        trial.compile_s if trial and not trial.cached and not trial.skipped and compiled else 0.0
+    )
+    return {
+        "params": built.n_params,
+        "tokens": meter.tokens,
+        "tokens_per_s": steady["tokens_per_s"],
+        "step_time_s": step_s,
+        "first_step_s": meter.first_step_s,
+        # the first step's excess over a steady step: compilation (and warm-up)
+        "compile_time_s": (
+            max(0.0, meter.first_step_s - step_s) + compile_before if step_s and compiled else None
+        ),
+        "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
+        "mfu": steady["mfu"],
+        "peak_mem_bytes": peak_bytes(device),
+        "peak_mem_kind": peak_kind(device),
+        "memory": memory or None,
+        **run_outcome(meter, stop, val_loss),
+        "flops_per_token": built.flops_per_token,
+        "peak_flops": peak.flops if peak else None,
+        "peak_flops_source": peak.source if peak else None,
+        "precision": built.policy.name,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **torch_environment(),
+        "config": to_dict(cfg),
+        **({"dist": distributed_summary(built)} if built.dist.enabled else {}),
+    }
+
+
+def distributed_summary(built: Built) -> dict[str, Any]:
+    """Per-process measurements (a collective): peak memory and the bytes of this process's
+    parameters, gradients' shards and optimizer states."""
+    ctx = built.dist
+    params = list({id(p): p for p in built.model.parameters()}.values())
+    mine = {
+        "rank": ctx.rank,
+        "peak_mem_bytes": peak_bytes(built.device),
+        "param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in params),
+        "optimizer_bytes": optimizer_state_bytes(built.optimizer),
+        "param_device": str(local_tensor(params[0]).device),
+    }
+    return {
+        "strategy": ctx.strategy,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "reshard_after_forward": built.cfg.dist.reshard_after_forward,
+        "cpu_offload": built.cfg.dist.cpu_offload,
+        "per_rank": ctx.gather(mine),
+    }
+
+
+def recheck_peak(built: Built, summary: dict[str, Any]) -> None:
+    """A CPU run faster than its cached matmul peak proves the figure stale (measured while
+    another process ran, or on other hardware under the same key): measure it again for the
+    next runs, and say so."""
+    if built.device.type != "cpu" or not summary["mfu"] or summary["mfu"] <= 1.0:
+        return
+    if not built.dist.is_main:  # one measurement per job: ranks measuring at once slow each other
+        return
+    from onegpu.perf.devices import cpu_peak
+    from onegpu.techniques.precision import bf16_native
+
+    dtype = built.policy.compute_dtype
+    if dtype != torch.float32 and not (dtype == torch.bfloat16 and bf16_native(built.device)):
+        return  # an emulated dtype's peak bounds nothing: autocast runs much of it in fp32
+
+    fresh = cpu_peak(dtype, refresh=True).flops
+    warnings.warn(
+        f"MFU {summary['mfu']:.0%} exceeds the cached CPU matmul peak "
+        f"({summary['peak_flops'] / 1e9:,.0f} GFLOP/s): measured again, "
+        f"{fresh / 1e9:,.0f} GFLOP/s, for the next runs (onegpu info shows it)",
+        stacklevel=1,
+    )

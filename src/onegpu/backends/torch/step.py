@@ -1,0 +1,205 @@
+"""The one training step every command runs: train, profile, plan, tune, bench, memory checks.
+
+    micro-batches -> forward (autocast) -> loss / tokens of the whole batch -> backward (scaled)
+    -> unscale -> clip -> optimizer step (skipped on a non-finite loss or gradient) -> zero grads
+
+The step owns everything that differs between techniques at step time (autocast, the loss
+scaler, accumulation, clipping, the optimizer stepped inside backward, the skipped-step flag),
+so the loops that call it never branch on precision, optimizer kind or compile. It never reads
+a value back from the device: loss, gradient norm and the skipped flag are returned as device
+tensors, read by the caller once per log step. Phases are annotated with `record_function`
+(`forward`, `backward`, `optimizer`) for `onegpu profile`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.profiler import record_function
+
+from onegpu.config import OptimConfig
+from onegpu.data.loader import count_targets
+from onegpu.distributed import DistContext, single_process
+from onegpu.distributed.parallelize import full_tensor
+from onegpu.models.protocol import LossFn
+from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.optim import lr_at, set_lr
+from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.techniques.precision import PrecisionPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    loss: torch.Tensor
+    """Mean loss over the target tokens of the whole batch (device tensor)."""
+    grad_norm: torch.Tensor
+    """Global L2 norm of the gradients before clipping (device tensor)."""
+    skipped: torch.Tensor
+    """True if the update was skipped: a non-finite loss or gradient (fp16: the loss scaler's
+    overflow test) left parameters and optimizer state untouched (device tensor)."""
+    lr: float
+    """The learning rate this step used."""
+
+
+class TrainStep:
+    """`step(inputs_BT, targets_BT, n_tokens, index)` runs one optimizer step of the batch.
+
+    Exact accumulation: each micro-batch's summed loss is divided by `n_tokens`, the number of
+    target tokens in the whole batch, so the accumulated gradient equals the full-batch mean-loss
+    gradient even with padding and uneven micro-batches (never an average of micro-batch means).
+
+    Under torchrun each process runs its share of the global batch (`n_micro` micro-batches)
+    and `n_tokens` still counts the whole global batch's targets: FSDP/DDP average the
+    processes' gradients, so each divides its summed loss by n_tokens / world_size, and the
+    average is the full-batch gradient. DDP's all-reduce is held back (`no_sync`) until the last
+    micro-batch; FSDP reduce-scatters every micro-batch, so no process ever holds whole gradients.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer,
+        policy: PrecisionPolicy,
+        device: torch.device,
+        optim: OptimConfig,
+        max_steps: int,
+        n_micro: int,
+        dist: DistContext | None = None,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.dist = dist or single_process()
+        self.no_sync = no_sync
+        self.policy, self.device = policy, device
+        self.optim, self.max_steps, self.n_micro = optim, max_steps, n_micro
+        # A disabled scaler (every precision but fp16) passes values through unchanged.
+        self.scaler = policy.grad_scaler(device)
+        self._false: torch.Tensor | None = None
+        # Chosen once here, so that no call branches on the optimizer's kind.
+        self._update = (
+            self._collect_in_backward_norm
+            if isinstance(optimizer, OptimizerInBackward)
+            else self._clip_and_step
+        )
+        # Where the batch's gradients are: on the parameters, or in the host optimizer's
+        # buffers (memory.offload_optimizer), in the model's parameter order either way.
+        self._gradients = (
+            optimizer.gradients
+            if isinstance(optimizer, HostOffloadOptimizer)
+            else lambda: [p for p in self.model.parameters() if p.grad is not None]
+        )
+
+    def __call__(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int, index: int
+    ) -> StepOutput:
+        """Optimizer step number `index` (0-based: it sets the scheduled learning rate)."""
+        lr = lr_at(index, self.optim, self.max_steps)
+        set_lr(self.optimizer, lr)
+        loss = self.forward_backward(inputs_BT, targets_BT, n_tokens)
+        with record_function("optimizer"):
+            grad_norm, skipped = self._update(loss)
+        return StepOutput(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr)
+
+    def forward_backward(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int
+    ) -> torch.Tensor:
+        """Accumulate the batch's gradients over the micro-batches; returns its mean loss."""
+        total: torch.Tensor | None = None
+        world = self.dist.world_size
+        denom = max(n_tokens, 1) / world if world > 1 else max(n_tokens, 1)
+        micro = list(
+            zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True)
+        )
+        for i, (x_bT, y_bT) in enumerate(micro):
+            hold = self.no_sync is not None and i < len(micro) - 1
+            with self.no_sync() if hold else contextlib.nullcontext():
+                with record_function("forward"), self.policy.autocast(inputs_BT.device):
+                    loss = self.loss_fn(self.model, x_bT, y_bT) / denom
+                with record_function("backward"):
+                    self.scaler.scale(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None  # n_micro >= 1
+        if world > 1:  # the mean over processes of their (world-scaled) shares: the batch's loss
+            dist.all_reduce(total)
+            total = total / world
+        return total
+
+    def _clip_and_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        params = self._gradients()
+        self.scaler.unscale_(self.optimizer)
+        if self.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = full_tensor(norm)  # FSDP: the norm over every shard (one all-reduce)
+        if self.scaler.is_enabled():
+            # The scaler skips the update iff some gradient is inf/nan, i.e. iff the global norm
+            # is not finite: the same test, kept on the device (get_scale() would sync).
+            skipped = torch.isfinite(norm).logical_not_()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:  # fp32/bf16: a non-finite loss or gradient must not reach the weights either
+            skipped = torch.isfinite(norm).logical_and_(torch.isfinite(loss)).logical_not_()
+            self._guarded_step(skipped)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, skipped
+
+    def _guarded_step(self, skipped: torch.Tensor) -> None:
+        """Step unless `skipped`: no parameter or optimizer state changes on a skipped step.
+
+        torch's fused optimizers (AdamW, the default) take the flag on the device, as they do
+        from GradScaler (`found_inf`): no sync. The others are asked on the host: one sync per
+        step for them on a GPU (GradScaler does the same for non-fused optimizers)."""
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            self.optimizer.found_inf = skipped.to(torch.float32)
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        elif is_fake(skipped) or not bool(skipped):  # a planned (fake) step is a normal step
+            self.optimizer.step()
+
+    def _collect_in_backward_norm(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every parameter was stepped inside backward: only the norm is left to collect."""
+        norm = self.optimizer.pop_grad_norm()
+        return norm, self._not_skipped(norm)
+
+    def _not_skipped(self, like: torch.Tensor) -> torch.Tensor:
+        """A constant False on the device, made once (no kernel per step)."""
+        if self._false is None or self._false.device != like.device:
+            self._false = torch.zeros((), dtype=torch.bool, device=like.device)
+        return self._false
+
+    def log_extras(self) -> dict[str, Any]:
+        """Figures only some runs have, for the log line (reads the device: log steps only): the
+        fp16 loss scale; a mixture of experts' router balancing term (coefficient x aux loss,
+        included in `loss`) of the last micro-batch."""
+        extras = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
+        aux = getattr(self.model, "last_auxiliary", None)
+        if aux is not None:
+            extras["router_aux_loss"] = aux.item()
+        return extras
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean next-token loss over fixed batches (summed, then divided by target tokens)."""
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        n = 0
+        for x, y in batches:
+            n += count_targets(y)
+            x, y = x.to(self.device), y.to(self.device)
+            with self.policy.autocast(self.device):
+                total += self.loss_fn(self.model, x, y).double()
+        self.model.train(was_training)
+        return total.item() / max(n, 1)

@@ -1,0 +1,70 @@
+"""A real training step's memory, measured: where its peak goes and what it saves for backward.
+
+The trainer measures its second step this way (optimizer states exist by then, as in every
+later step); `measure_real_step` does the same on random tokens for the planner's accuracy
+checks (tests, benchmarks/plan_accuracy.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from onegpu.backends.torch.build import Built, build
+from onegpu.backends.torch.step import StepOutput
+from onegpu.config import Config
+from onegpu.data.loader import classification_targets, count_targets
+from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
+from onegpu.optim.state_bytes import optimizer_state_bytes
+from onegpu.perf.allocator import release_free_memory
+
+
+def measured_step(built: Built) -> int | None:
+    """The step whose memory a run measures (`train.measure_memory`): the second, when
+    optimizer states exist as in every later step; None on several processes (the profiler
+    follows one process) or when turned off."""
+    t = built.cfg.train
+    if not t.measure_memory or built.dist.enabled:
+        return None
+    return min(1, t.max_steps - 1)
+
+
+def measure_step(
+    built: Built, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int, index: int
+) -> tuple[StepOutput, dict]:
+    """Run `built.step` once, on this batch, under the memory profiler and the saved-tensor
+    counter.
+
+    Returns its output and the breakdown at the step's peak (`params, grads, optimizer,
+    activations, other, peak`; optimizer states counted exactly) plus the saved bytes of one
+    micro-batch."""
+    outputs: list[StepOutput] = []
+    counter = built.saved_counter()
+
+    def step() -> None:
+        with counter:
+            outputs.append(built.step(inputs_BT, targets_BT, n_tokens, index))
+
+    memory: dict[str, Any] = profile_step_memory(step, built.device)
+    release_free_memory()  # the profile's pages: otherwise kept for the rest of the run
+    with_exact_optimizer_bytes(memory, optimizer_state_bytes(built.optimizer))
+    # micro-batches have equal shapes, so each saves the same bytes
+    memory["saved_activations_per_micro_batch"] = counter.bytes // built.step.n_micro
+    return outputs[0], memory
+
+
+def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any]]:
+    """Two steps on random tokens (the first creates optimizer states), the second measured.
+    Eager, as the planner follows it (compile changes kernels, and `auto` would time it)."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile="none"))
+    built = build(cfg, with_data=False)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train_seq_len + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    if built.classes:
+        y = classification_targets(x, built.classes)
+    n = count_targets(y)
+    built.step(x, y, n, 0)
+    _, memory = measure_step(built, x, y, n, 1)
+    return built, memory

@@ -1,0 +1,207 @@
+"""The optimizer in host memory (`memory.offload_optimizer`): ZeRO-Offload for one device.
+
+Optimizer states and a host copy of every weight (the master the optimizer updates) live in
+host memory, pinned where an accelerator exists; the device keeps only the weights the forward
+uses. As backward produces each parameter's gradient (`register_post_accumulate_grad_hook`),
+it is copied into a reused host buffer on a side stream and the device gradient is freed, so
+full gradients never sit on the device. The step runs on the CPU (fused AdamW on CPU, or any
+optimizer onegpu builds, torchao's 8-bit AdamW and the Kahan optimizers of bf16-pure
+included: the host then holds 8-bit or Kahan-compensated states, which no other tool offers),
+and the updated weights are copied back to the device.
+
+What it takes from torchao's `CPUOffloadOptimizer` (the design: per-parameter hooks, a side
+stream, pinned host copies, H2D after the step) and why it is ours: torchao's refuses every
+device but CUDA/XPU (our tests and CPU runs need it), frees device gradients only without
+accumulation, clips nothing (the global norm needs every gradient), and steps one optimizer per
+parameter (its checkpoints do not load into the non-offloaded optimizer). Here:
+
+- Gradients accumulate on the host, in the host copy's dtype (fp32 under fp32/bf16/fp16): a
+  micro-batch's gradient is added to the buffer, exactly what autograd's accumulation on the
+  device computes, so the result is bit-identical to not offloading on a CPU.
+- The global norm (clipping, the non-finite guard, fp16's inf check) is taken over the host
+  gradients once the batch's backward is done: the step waits for the last gradient anyway
+  when clipping, and reading the norm costs no device sync (it is a host tensor).
+- One optimizer over the host copies, with the model's parameter groups: its state_dict has
+  the layout of the device optimizer's, so a checkpoint written offloaded resumes without
+  offload and the other way round.
+
+With `memory.offload_dir` the weight copies and the states live in memory-mapped files instead
+(offload/disk_tier.py); the gradient buffers stay in RAM.
+
+On a CPU the "device" and the host are the same memory: offloading then only adds copies (the
+machinery's overhead, measured in benchmarks/offload.py), and is what the tests run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from onegpu.offload.disk_tier import DiskTier, step_into_disk
+
+
+class HostOffloadOptimizer:
+    """Looks like an optimizer to the step: `param_groups` (for the LR schedule and the loss
+    scaler, holding the host copies and their gradients), `step`, `zero_grad`, `state_dict`.
+    `grad_params` lists the host copies in the model's parameter order (the norm's order)."""
+
+    _step_supports_amp_scaling = False  # the guard reads its host-side norm instead
+
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+        device: torch.device,
+        model_params: list[torch.Tensor],
+        *,
+        disk: DiskTier | None = None,
+        on_disk: bool = False,
+    ):
+        self.device = device
+        pin = device.type == "cuda"
+        self.disk = disk  # memory.offload_dir: weight copies and states in mapped files
+        self.on_disk = on_disk or disk is not None  # (a plan has the tier but makes no files)
+        self._states_on_disk = False
+        self._host: dict[torch.Tensor, torch.Tensor] = {}  # device param -> host copy
+        host_groups = []
+        for group in groups:
+            host_params = []
+            for p in group["params"]:
+                if disk is not None:
+                    h = disk.tensor_like(p.detach().to("cpu"))
+                else:
+                    h = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                    h.copy_(p.detach())
+                h.grad = torch.zeros_like(h)  # the accumulation buffer, reused every step
+                self._host[p] = h
+                host_params.append(h)
+                p.register_post_accumulate_grad_hook(self._offload_grad)
+            host_groups.append({**group, "params": host_params})
+        self.inner = make_optimizer(host_groups)
+        seen: set[int] = set()
+        self.grad_params = []  # host copies in model order, each once (tied weights)
+        for p in model_params:
+            if id(p) not in seen and p in self._host:
+                seen.add(id(p))
+                self.grad_params.append(self._host[p])
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._staging: dict[torch.Tensor, torch.Tensor] = {}  # pinned, one per parameter
+        self._arrived: dict[torch.Tensor, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ backward: out they go
+
+    @torch.no_grad()
+    def _offload_grad(self, p: torch.Tensor) -> None:
+        """Add `p`'s new gradient into its host buffer, then free it on the device."""
+        host = self._host[p].grad
+        grad, p.grad = p.grad, None
+        if self._stream is None:  # same memory: a plain add, as autograd accumulates
+            host.add_(grad.to(host.dtype))
+            return
+        # The copy waits for backward to have produced the gradient, runs beside the rest of
+        # backward into a pinned staging buffer, and the device buffer lives until it is done.
+        self._land(p)  # the previous micro-batch's copy frees the staging buffer
+        staging = self._staging.get(p)
+        if staging is None:
+            staging = self._staging[p] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            staging.copy_(grad, non_blocking=True)
+            grad.record_stream(self._stream)
+        self._arrived[p] = (self._stream.record_event(), host, staging)
+
+    def _land(self, p: torch.Tensor) -> None:
+        """Wait for `p`'s copy in flight, if any, and add it into the host buffer."""
+        if p in self._arrived:
+            event, host, staging = self._arrived.pop(p)
+            event.synchronize()
+            host.add_(staging.to(host.dtype))
+
+    def wait_for_gradients(self) -> None:
+        """Every gradient of the backward passes so far is in its host buffer."""
+        for p in list(self._arrived):
+            self._land(p)
+
+    # ------------------------------------------------------------------ the step, on the host
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The host copies holding the batch's gradients (all of them have arrived), in the
+        model's parameter order."""
+        self.wait_for_gradients()
+        return self.grad_params
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        return self.inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """Step the host copies, then bring the updated weights back to the device."""
+        self.wait_for_gradients()
+        if self.disk is not None and not self._states_on_disk:
+            step_into_disk(self.inner, self.disk)  # states made one parameter at a time
+            self._states_on_disk = True
+        else:
+            self.inner.step()
+        self._copy_to_device()
+
+    @torch.no_grad()
+    def _copy_to_device(self) -> None:
+        if self._stream is not None:  # nothing queued on the device still reads the old weights
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        ctx = torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext()
+        with ctx:
+            for p, h in self._host.items():
+                p.copy_(h, non_blocking=self._stream is not None)
+        if self._stream is not None:  # the next forward must see the new weights
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Host buffers back to zero for the next batch; device gradients are already gone."""
+        for h in self._host.values():
+            h.grad.zero_()
+        for p in self._host:
+            p.grad = None
+
+    def host_bytes(self, *, staging: bool) -> int:
+        """Host memory besides the optimizer's states: the weight copies (unless they are on
+        the disk) and the gradient buffers (and, with an accelerator, the pinned staging
+        buffers of the gradients)."""
+        copies = sum(h.numel() * h.element_size() for h in self._host.values())
+        host = copies if self.on_disk else 2 * copies
+        if not staging:
+            return host
+        return host + sum(p.numel() * p.element_size() for p in self._host)
+
+    def disk_bytes(self) -> int:
+        """Bytes of weight copies the disk tier holds (the states' come on top)."""
+        if not self.on_disk:
+            return 0
+        return sum(h.numel() * h.element_size() for h in self._host.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The states as saved (by this optimizer or a device one: same layout), and the host
+        copies taken from the device weights, which a checkpoint loads first."""
+        self.inner.load_state_dict(state)
+        if self.disk is not None and self.inner.state:
+            for per_param in self.inner.state.values():
+                self.disk.move_state(per_param)
+            self._states_on_disk = True
+        self.sync_from_device()
+
+    @torch.no_grad()
+    def sync_from_device(self) -> None:
+        """Take the device weights as the host copies (after a checkpoint loaded the model)."""
+        for p, h in self._host.items():
+            h.copy_(p.detach())

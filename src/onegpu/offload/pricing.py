@@ -1,0 +1,54 @@
+"""What offloading adds to a planned step: the bytes that cross the host link and the CPU's
+optimizer step (a prediction, labelled as one; docs/offload.md).
+
+- memory.offload_optimizer: every micro-batch's gradients go to the host (one parameter-sized
+  copy each), the updated weights come back once per step.
+- memory.offload_activations: every micro-batch's saved activations go to the host in forward
+  and come back in backward.
+- FSDP's CPU offload (memory.offload_params, dist.cpu_offload): every micro-batch gathers the
+  weights to the device for forward and again for backward (once, with reshard_after_forward
+  false) and sends the gradients back; each process moves its shard over its own link.
+
+The copies run on a side stream beside compute, so the step is predicted at the longer of the
+two, plus the CPU's optimizer step, which waits for the last gradient (and the next forward for
+its weights). On a CPU plan the device and the host are one memory: no link, only the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onegpu.config import Config
+from onegpu.distributed.shares import shard_fraction
+from onegpu.offload.host_step import host_step_rate
+from onegpu.perf.devices import GPUS
+
+LINK_EFFICIENCY = 0.8
+"""Assumed fraction of the link's datasheet rate that pinned, large copies reach."""
+
+
+def offload_costs(cfg: Config, plan: Any, gpu: str | None, world_size: int) -> dict[str, Any]:
+    """{} when nothing is offloaded; else the link bytes and seconds and the host step."""
+    fsdp_host = cfg.dist.cpu_offload
+    n_micro = cfg.grad_accum_steps // world_size
+    moved = 2 * plan.offloaded_per_micro_batch * n_micro  # activations: out and back
+    out: dict[str, Any] = {"host_step_s": 0.0}
+    if cfg.memory.offload_optimizer or fsdp_host:
+        share = shard_fraction(plan.param_shapes, world_size) if fsdp_host else 1.0
+        numel = sum(p.numel for p in plan.param_shapes) * share
+        stored = sum(p.numel * p.element_size for p in plan.param_shapes) * share
+        if fsdp_host:
+            gathers = 2 if cfg.dist.reshard_after_forward else 1
+            gathered = numel * (2 if plan.compute_dtype != plan.param_dtype else 4)
+            moved += n_micro * (gathers * gathered + stored)
+        else:
+            moved += n_micro * stored + stored
+        rate, how = host_step_rate(cfg.optim.name)
+        out.update(host_step_s=numel / rate, host_step_source=how)
+    if not moved:
+        return {}
+    out["link_bytes"] = int(moved)
+    if gpu:
+        link = GPUS[gpu].host_link * LINK_EFFICIENCY
+        out.update(link_s=moved / link, link_rate=link)
+    return out

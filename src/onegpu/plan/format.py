@@ -1,0 +1,164 @@
+"""`onegpu plan`'s report as the terminal shows it: memory at the peak, the analytic figures
+beside it, the predicted speed (and what offloading adds), and whether it fits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onegpu.memory.breakdown import GROUPS
+from onegpu.perf.devices import GiB
+from onegpu.plan.report import CUDA_OVERHEAD_BYTES
+
+
+def _by_block(by_block: dict[str, int]) -> str:
+    """Blocks of equal size shown once ('blocks.0-47: 2,272.4 each')."""
+    mib = 2**20
+    blocks = {k: v for k, v in by_block.items() if k.startswith("blocks.")}
+    rest = ", ".join(f"{k} {v / mib:,.1f}" for k, v in by_block.items() if k not in blocks)
+    if blocks and len(set(blocks.values())) == 1:
+        size = next(iter(blocks.values()))
+        return f"blocks.0-{len(blocks) - 1} {size / mib:,.1f} each, {rest}"
+    return ", ".join(f"{k} {v / mib:,.1f}" for k, v in by_block.items())
+
+
+def format_report(r: dict[str, Any], gpu: str | None) -> str:
+    """The report as the terminal shows it."""
+    lines = _memory_lines(r) + [""] + _analytic_lines(r, gpu)
+    if "capacity_bytes" in r:
+        lines += [""] + _capacity_lines(r, gpu)
+    return "\n".join(lines)
+
+
+def _memory_lines(r: dict[str, Any]) -> list[str]:
+    mib, n, mem, c = 2**20, r["params"], r["memory"], r["config"]
+    lines = [
+        f"onegpu plan (a prediction: one training step followed on fake tensors, "
+        f"{r['plan_seconds']:.1f} s)",
+        f"  {n:,} parameters, {c['precision']}, batch {c['batch']} x {c['seq_len']} in "
+        f"micro-batches of {c['micro_batch']}, checkpointing {c['checkpointing']}, "
+        f"{c['optimizer']}, loss chunk {c['loss_chunk'] or 'off'}",
+        "",
+        "memory at the step's peak                  MiB    bytes/param",
+    ]
+    if "dist" in r:
+        d = r["dist"]
+        lines[0] += f"; per process of {d['world_size']} under {d['strategy']}"
+        lines.insert(2, f"  rank 0's share (the largest); reshard_after_forward "
+                     f"{str(d['reshard_after_forward']).lower()}, cpu_offload "
+                     f"{str(d['cpu_offload']).lower()}")  # fmt: skip
+    groups = [*GROUPS, "gathered"] if "gathered" in mem else GROUPS
+    for g in groups:
+        per = f"{mem[g] / n:8.2f}" if g in ("params", "grads", "optimizer") else ""
+        label = "gathered for compute (FSDP all-gather)" if g == "gathered" else g
+        lines.append(f"  {label:<38} {mem[g] / mib:9,.1f}   {per}")
+    if mem.get("host"):
+        lines.append(f"  {'in host memory (offloaded)':<38} {mem['host'] / mib:9,.1f}")
+    if mem.get("disk"):
+        lines.append(f"  {'on disk (memory.offload_dir)':<38} {mem['disk'] / mib:9,.1f}")
+    return lines + [
+        f"  {'peak (predicted)':<38} {mem['peak'] / mib:9,.1f}   {mem['peak'] / n:8.2f}",
+        f"  the peak comes in {r['peak_at']}",
+        "",
+        f"saved activations per micro-batch: {r['saved_activations_per_micro_batch'] / mib:,.1f} MiB",
+        "  by kind:  " + ", ".join(f"{k} {v / mib:,.1f}" for k, v in r["saved_by_kind"].items()),
+        "  by block: " + _by_block(r["saved_by_block"]),
+    ]
+
+
+def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
+    mib, n, mem = 2**20, r["params"], r["memory"]
+    lines = [
+        "beside the analytic figures:",
+        f"  HF's single-GPU guide: mixed-precision AdamW needs 18 bytes/parameter (fp32 weights 4, 16-bit copy "
+        f"2, fp32 grads 4, states 8); planned here: "
+        f"{(2 * mem['params'] + mem['optimizer']) / n:.2f} with every gradient alive (weights, "
+        "same-sized gradients, states; the 16-bit weight copies of autocast live only inside a "
+        "forward and are counted under activations)",
+        f"  Korthikanti et al.: s*b*h*(34 + 5*a*s/h) = "
+        f"{r['korthikanti_bytes_per_layer'] / mib:,.1f} MiB per layer (16-bit, full attention "
+        "matrix stored); fused attention keeps no s x s matrix and fp32 autocast ops keep 4-byte "
+        "tensors, hence the difference with the per-block figures above",
+    ]
+    if "predicted_tokens_per_s" in r:
+        lines.append(
+            f"  speed on {gpu or 'this CPU'}: {r['predicted_tokens_per_s']:,.0f} tokens/s, "
+            f"{r['predicted_step_time_s'] * 1e3:,.0f} ms/step (prediction: counted FLOPs at "
+            f"{r['efficiency_assumed']:.0%} of the {'datasheet' if gpu else 'measured'} peak"
+            + (
+                f", x{r['recompute_factor']:.2f} for recomputation"
+                if r.get("recompute_factor", 1) > 1
+                else ""
+            )
+            + ")"
+        )
+    if "offload" in r:
+        o = r["offload"]
+        link = (f"{o['link_bytes'] / GiB:,.2f} GiB over the host link ({o['link_s'] * 1e3:,.0f} ms "
+                f"at {o['link_rate'] / 1e9:,.1f} GB/s, beside compute)" if "link_s" in o
+                else "no link here (one memory)")  # fmt: skip
+        host_step = (f", then the CPU's optimizer step {o['host_step_s'] * 1e3:,.0f} ms "
+                     f"({o['host_step_source']})" if "host_step_source" in o else "")  # fmt: skip
+        lines.append(
+            f"  offloaded: compute {r['predicted_compute_s'] * 1e3:,.0f} ms, {link}{host_step}"
+        )
+    return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return f", {seconds * 1e3:,.0f} ms" if seconds is not None else ""
+
+
+def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
+    cap = r["capacity_bytes"]
+    lines = [
+        f"{gpu or 'the budget'}: {cap / GiB:,.1f} GiB -> "
+        + ("fits" if r["fits"] else "DOES NOT FIT")
+        + f", headroom {r['headroom_bytes'] / GiB:+,.2f} GiB"
+        + (" (0.5 GiB kept for the CUDA context)" if gpu else ""),
+    ]
+    if r["memory"].get("host"):
+        host, cap = r["memory"]["host"], r["host_memory_bytes"]
+        lines.append(f"  host memory: {host / GiB:,.1f} GiB of {cap / GiB:,.1f} GiB -> "
+                     + ("fits" if host <= cap else "DOES NOT FIT: raise --host-memory or "
+                        "offload less"))  # fmt: skip
+    if r.get("fixes"):
+        lines.append("  fixes, fastest first (planned alone, then with the ones above; device "
+                     "GiB, host GiB, predicted ms/step):")  # fmt: skip
+    for f in r.get("fixes", []):
+        if f.get("instead"):
+            lines.append("  or instead, alone (predicted faster than the list above):")
+        lines.append(
+            f"  + {f['change']:<40} alone {f['peak_alone'] / GiB:6.2f}"
+            f"{' fits' if f['fits_alone'] else '     '} | together "
+            f"{f['peak_with_previous'] / GiB:6.2f}, host {f['host_with_previous'] / GiB:5.1f}"
+            f"{_ms(f['step_s_with_previous'])}{'  FITS' if f['fits_with_previous'] else ''}"
+        )
+    best = next((f for f in r.get("fixes", []) if "best_overrides" in f), None)
+    if best:
+        flags = " ".join(f"--{k} {v}" for k, v in best["best_overrides"].items())
+        lines.append(f"  -> fits with: {flags} (--best-toml PATH writes the whole configuration)")
+    if "gpus_needed" in r:
+        g = r["gpus_needed"]
+        table = ", ".join(
+            f"{row['world_size']}: {row['peak'] / GiB:,.1f} GiB{' fits' if row['fits'] else ''}"
+            for row in g["rows"]
+        )
+        lines.append(f"  FSDP over N x {gpu}, rank 0's planned peak: {table}")
+        lines.append(
+            f"  -> needs {g['fewest']} x {gpu}"
+            if g["fewest"]
+            else f"  -> does not fit on the GPU counts the global batch splits into "
+            f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more"
+        )
+    short = [f for f in r.get("fixes", []) if f["peak_with_previous"] + (CUDA_OVERHEAD_BYTES if gpu else 0)
+             <= r["capacity_bytes"] and f["host_with_previous"] > r["host_memory_bytes"]]  # fmt: skip
+    if short and not any(f["fits_with_previous"] for f in r["fixes"]):
+        lines.append(
+            f"  the device fits with {short[0]['host_with_previous'] / GiB:,.1f} GiB in host memory "
+            f"(after '{short[0]['change']}'), more than the {r['host_memory_bytes'] / GiB:,.1f} "
+            "GiB planned for: --host-memory BYTES plans for a larger host"
+        )
+    elif r.get("fixes") and not any(f["fits_with_previous"] for f in r["fixes"]):
+        lines.append("  nothing in the list makes it fit: a smaller model, shorter sequences "
+                     "or a larger GPU (or FSDP across several) are left")  # fmt: skip
+    return lines

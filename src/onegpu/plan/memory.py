@@ -1,0 +1,304 @@
+"""Predict a training step's memory without allocating it: the same build, a fake device.
+
+The configured model, techniques, loss and optimizer are built by the one build path under
+PyTorch's FakeTensorMode (meta tensors that carry a device, so autocast and every kernel's
+shape rules apply), and two real training steps run on them: the first creates the optimizer
+states, the second is followed op by op by LiveTensorBytes. Nothing is allocated, so gpt2-xl or
+a 7B shape plans in seconds on a laptop. Fake tensors behave like CPU tensors: a plan for a GPU
+uses the CPU kernels' saved tensors and autocast rules, which match CUDA's for the matmuls.
+
+What the prediction covers: tensor bytes (what `torch.cuda.max_memory_allocated` and the CPU
+profiler's memory timeline measure). Not covered: the CUDA context (~0.3-1 GiB), allocator
+caching and fragmentation (`memory_reserved` above `allocated`), library workspaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
+from onegpu.config import Config, ConfigError
+from onegpu.data.loader import classification_targets
+from onegpu.distributed.shares import ParamShape
+from onegpu.memory.breakdown import GROUPS
+from onegpu.memory.tracker import storage_id
+from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
+from onegpu.plan.tracker import ModuleStack, PlanTracker, saves_on_host
+from onegpu.techniques.precision import DeviceCaps, device_caps
+
+
+class Unplannable(ConfigError):
+    """The model's step has shapes that depend on the data (a mixture of experts routing with
+    `nonzero`): fake tensors carry no values, so no plan can follow it."""
+
+
+@dataclass
+class MemoryPlan:
+    memory: dict[str, int]  # the measured breakdown's names: params, grads, ..., peak
+    peak_phase: str  # "forward" or "backward/optimizer"
+    peak_op: str
+    saved_by_kind: dict[str, int] = field(default_factory=dict)
+    saved_by_block: dict[str, int] = field(default_factory=dict)
+    saved_per_micro_batch: int = 0
+    n_params: int = 0
+    flops_per_token: int = 0
+    seconds: float = 0.0
+    precision: str = ""  # what `train.precision` resolved to on the target
+    loss_chunk: int = 0  # what `memory.loss_chunk` resolved to
+    compute_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = torch.float32
+    weight_copies_at_peak: int = 0
+    """Of `activations`: autocast's 16-bit copies of weights, saved for backward, alive at the
+    peak (under FSDP's mixed precision the gathered 16-bit weights take their place)."""
+    param_shapes: list[ParamShape] = field(default_factory=list)
+    """Every parameter once (tied ones once): how FSDP would shard them."""
+    block_numels: list[int] = field(default_factory=list)
+    """Parameters per block (FSDP gathers one block at a time)."""
+    segments: list[dict[str, int]] = field(default_factory=list)
+    """With plan_memory(..., by_segment=True): the breakdown at the peak of each stretch of the
+    step in or out of backward (forward, backward, ..., the optimizer step)."""
+    offloaded_per_micro_batch: int = 0
+    """Bytes activation offload copies to the host per micro-batch (and back in backward)."""
+
+    @property
+    def peak_key(self) -> str:
+        """The column of a GPU's datasheet peaks its matmuls run at (fp32/tf32/bf16/fp16)."""
+        return {"bf16-pure": "bf16"}.get(self.precision, self.precision)
+
+
+def _kind(op: str, module: str, dtype: torch.dtype) -> str:
+    """What a saved tensor is, from the op that made it and the module it was made in."""
+    if dtype in (torch.bool, torch.uint8) or "dropout" in op or "bernoulli" in op:
+        return "dropout masks / bit codes"
+    if "attention" in op:
+        return "attention (outputs, logsumexp)"
+    if "layer_norm" in op:
+        return "norms (outputs, mean, rstd)"
+    if "gelu" in op:
+        return "GELU"
+    if module.endswith("lm_head") or "cross_entropy" in op or "log_softmax" in op:
+        return "logits / loss"
+    if op in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"):
+        return "matmul outputs"
+    if op == "aten._to_copy":
+        return "16-bit copies (autocast)"
+    if op in ("aten.add", "aten.add_"):
+        return "residual stream"
+    if op in ("aten.clone", "aten._unsafe_view", "aten.view", "aten.cat", "aten.transpose"):
+        return "reshaped copies"
+    if "embedding" in op or module in ("wte", "wpe", "drop"):
+        return "embeddings"
+    return "other"
+
+
+@dataclass
+class _FollowedStep:
+    """What following one step recorded: the tracker (live bytes, peak, who made what), the
+    saved storages with their module, the gradients' storages, and the exact saved total."""
+
+    tracker: PlanTracker
+    saved: dict[int, tuple[int, torch.dtype, str]]  # allocation number -> (bytes, dtype, module)
+    grad_serials: set[int]
+    saved_bytes: int
+
+
+def _first_grad_hook(p: torch.Tensor, fn):
+    """register_post_accumulate_grad_hook, but run before the hooks already there: the
+    optimizer in backward and the host-offloaded optimizer free the gradient in theirs. (torch
+    calls them in the insertion order of the tensor's plain hook dict.)"""
+    handle = p.register_post_accumulate_grad_hook(fn)
+    hooks = p._post_accumulate_grad_hooks
+    earlier = [(k, v) for k, v in hooks.items() if k != handle.id]
+    hooks.clear()
+    hooks[handle.id] = fn
+    hooks.update(earlier)
+    return handle
+
+
+def _follow_step(
+    built: Built, target: str, x: torch.Tensor, y: torch.Tensor, by_segment: bool = False
+) -> _FollowedStep:
+    """Run the built step (a steady one: optimizer states already exist) op by op, labelling
+    every storage it makes: saved for backward, gradient, or other."""
+    model = built.model
+    modules = ModuleStack(model)
+    tracker = PlanTracker(modules, target)
+    tracker.by_segment = by_segment
+    followed = _FollowedStep(tracker, {}, set(), 0)
+    counter = built.saved_counter()  # the exact total, selective caches included
+
+    def pack(t: torch.Tensor):
+        counter.pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
+        serial = tracker.serials.get(storage_id(t))
+        if serial is not None and serial not in followed.saved:  # None: made before the step
+            followed.saved[serial] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
+        return t
+
+    def grad_ready(p: torch.Tensor) -> None:
+        serial = tracker.serials.get(storage_id(p.grad))
+        if serial is not None:
+            followed.grad_serials.add(serial)
+
+    params = list({id(p): p for p in model.parameters()}.values())
+    host_saves = saves_on_host(tracker) if target != "cpu" else contextlib.nullcontext()
+    tracker.param_storages = {storage_id(p) for p in params}
+    hooks = [_first_grad_hook(p, grad_ready) for p in params]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_saves, tracker:
+            built.step(x, y, y.numel(), 1)
+    finally:
+        modules.remove()
+        for h in hooks:
+            h.remove()
+    followed.saved_bytes = counter.bytes
+    return followed
+
+
+def plan_memory(
+    cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None, *, by_segment: bool = False
+) -> MemoryPlan:
+    """Build the configured run on fake tensors and follow one steady-state training step.
+
+    `target` is the device type the plan is for ('cpu' or 'cuda') and `caps` its capabilities
+    (default: this machine's CPU; a GPU's from the table): they decide what `auto` precision and
+    attention stand for, exactly as `build` decides them for a real run."""
+    t0 = time.perf_counter()
+    device = torch.device(target)
+    if caps is None and target == "cpu":
+        caps = device_caps(device)
+    # Micro-batches after the second repeat it exactly (same shapes, gradients already
+    # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
+    n_micro = min(cfg.grad_accum_steps, 2)
+    B, T = cfg.train.micro_batch_size * n_micro, cfg.train_seq_len
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=B, max_steps=2))
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    built = build(cfg, device, with_data=False, caps=caps, fake=True)
+    try:
+        with built.fake_mode:
+            tokens = torch.zeros(B, T + 1, dtype=torch.long)
+            x, y = tokens[:, :-1], tokens[:, 1:]
+            if built.classes:
+                y = classification_targets(x, built.classes)
+            built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first step does
+            followed = _follow_step(built, target, x, y, by_segment)
+    except DynamicOutputShapeException as e:
+        raise Unplannable("model.hf", _unplannable(built, e)) from None
+    plan = _label(built, cfg.optim.name, followed, n_micro, target)
+    plan.seconds = time.perf_counter() - t0
+    return plan
+
+
+def _unplannable(built: Built, e: Exception) -> str:
+    name = type(getattr(built.model, "hf", built.model)).__name__
+    return (f"{name} chooses its shapes from the data ({e.args[0] if e.args else e}, the eager "
+            "loop over experts), which the planner's fake tensors cannot follow: set "
+            '"experts_implementation": "grouped_mm" in its config.json where transformers '
+            "offers it, or measure a step with onegpu profile")  # fmt: skip
+
+
+def _block_prefixes(model: nn.Module) -> dict[str, str]:
+    """Module name of each block -> 'blocks.N' (a transformers model's blocks live deeper,
+    e.g. hf.model.layers.N)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(b)]: f"blocks.{i}" for i, b in enumerate(model.blocks) if id(b) in names}
+
+
+def _block_of(module: str, prefixes: dict[str, str]) -> str:
+    for prefix, block in prefixes.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return block
+    head = module.split(".")[0]
+    return "loss" if not head else "embeddings/head" if head == "hf" else head
+
+
+def _breakdown(
+    built: Built,
+    followed: _FollowedStep,
+    storages: dict[int, int],
+    param_bytes: int,
+    state_bytes: int,
+    target: str,
+) -> tuple[dict[str, int], int]:
+    """The measured names' bytes of the storages alive at one moment (and the autocast weight
+    copies among them); offloaded state as host (or disk) bytes."""
+    tracker, saved = followed.tracker, followed.saved
+    at_peak: dict[str, int] = defaultdict(int)
+    weight_copies = 0
+    for serial, nbytes in storages.items():
+        in_grads, in_saved = serial in followed.grad_serials, serial in saved
+        at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
+        if in_saved and serial in tracker.weight_copies:
+            weight_copies += nbytes
+    memory = {"params": param_bytes, "grads": at_peak["grads"], "optimizer": state_bytes,
+              "activations": at_peak["activations"], "other": at_peak["other"]}  # fmt: skip
+    memory["peak"] = sum(memory.values())
+    opt = built.optimizer
+    if isinstance(opt, HostOffloadOptimizer):  # states, copies, buffers: host (or disk)
+        memory["peak"] -= memory["optimizer"]
+        host = opt.host_bytes(staging=target == "cuda")
+        if opt.on_disk:  # memory.offload_dir: states and weight copies in mapped files
+            memory["disk"] = memory["optimizer"] + opt.disk_bytes()
+            memory["host"] = host
+        else:
+            memory["host"] = memory["optimizer"] + host
+        memory["optimizer"] = 0
+    if tracker.host_peak:  # offloaded activations, at their most (the end of forward)
+        memory["host"] = memory.get("host", 0) + tracker.host_peak
+    return memory, weight_copies
+
+
+def _label(
+    built: Built, optimizer: str, followed: _FollowedStep, n_micro: int, target: str
+) -> MemoryPlan:
+    """The breakdown at the peak under the measured names, and the saved bytes by kind/block."""
+    params = list({id(p): p for p in built.model.parameters()}.values())
+    state_bytes = (
+        predicted_state_bytes(optimizer, params)
+        if optimizer in FAKE_UNSAFE_OPTIMIZERS
+        else optimizer_state_bytes(built.optimizer)
+    )
+    tracker, saved = followed.tracker, followed.saved
+    param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+
+    def breakdown(storages: dict[int, int]) -> tuple[dict[str, int], int]:
+        return _breakdown(built, followed, storages, param_bytes, state_bytes, target)
+
+    memory, weight_copies = breakdown(tracker.peak_storages)
+    by_kind: dict[str, int] = defaultdict(int)
+    by_block: dict[str, int] = defaultdict(int)
+    prefixes = _block_prefixes(built.model)
+    for serial, (nbytes, dtype, module) in saved.items():
+        op, made_in = tracker.made_by.get(serial, ("", module))
+        by_kind[_kind(op, made_in or module, dtype)] += nbytes // n_micro
+        by_block[_block_of(module or made_in, prefixes)] += nbytes // n_micro
+    return MemoryPlan(
+        memory=memory,
+        peak_phase="backward/optimizer" if tracker.peak_in_backward else "forward",
+        peak_op=tracker.peak_op,
+        saved_by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        saved_by_block=dict(by_block),
+        saved_per_micro_batch=followed.saved_bytes // n_micro,
+        offloaded_per_micro_batch=tracker.host_total // n_micro,
+        segments=[breakdown(storages)[0] for _, storages in tracker.segments],
+        n_params=built.n_params,  # vocabulary padding left out, as everywhere
+        flops_per_token=built.flops_per_token,
+        precision=built.policy.name,
+        loss_chunk=built.cfg.memory.loss_chunk,
+        compute_dtype=built.policy.compute_dtype,
+        param_dtype=built.policy.param_dtype,
+        weight_copies_at_peak=weight_copies,
+        param_shapes=[ParamShape(tuple(p.shape), p.element_size()) for p in params],
+        block_numels=[sum(p.numel() for p in b.parameters()) for b in built.model.blocks],
+    )
+
+
+__all__ = ["GROUPS", "MemoryPlan", "plan_memory"]

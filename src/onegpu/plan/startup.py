@@ -1,0 +1,109 @@
+"""`onegpu train` plans before it allocates: a run the planner says cannot fit this machine is
+refused at once, with the planner's figure and its fixes, instead of swapping or being killed
+by the kernel minutes later.
+
+The plan is the search's (two shallow copies extrapolated in depth: a second or two at gpt2-xl)
+and is cached by everything that changes a step's memory, so a repeated start costs a file
+read. What it is compared with: on a CPU, the memory available now (MemAvailable: RAM not
+needed by others, page cache included); on a GPU, the device's free memory (less the CUDA
+context) and the host's available memory for what is offloaded there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onegpu.cache import cached, has
+from onegpu.config import Config, ConfigError, to_dict
+from onegpu.perf.devices import GiB
+
+# What does not change a step's memory (left out of the cache key).
+_IRRELEVANT_SECTIONS = ("out", "checkpoint", "dist")
+_IRRELEVANT_TRAIN = ("max_steps", "log_every", "eval_every", "eval_batches", "resume",
+                     "resume_new_data", "skip_memory_check", "seed", "max_consecutive_skips")  # fmt: skip
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else RAM."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from onegpu.plan.report import machine_ram
+
+    return machine_ram()
+
+
+def planned_need(cfg: Config, target: str) -> dict[str, int]:
+    """{'peak', 'host', 'disk'} of `cfg` on `target`, planned once per configuration."""
+    from onegpu.plan.fixes import planned
+
+    key_cfg = to_dict(cfg)
+    for section in _IRRELEVANT_SECTIONS:
+        key_cfg.pop(section, None)
+    for name in _IRRELEVANT_TRAIN:
+        key_cfg["train"].pop(name, None)
+    blob = json.dumps([key_cfg, target, torch.__version__], sort_keys=True, default=str)
+    key = hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def plan() -> dict[str, int]:
+        p = planned(cfg, target, None, None, fast=True, speed=False)
+        return {"peak": p.peak, "host": p.host}
+
+    return cached("start-plans.json", key, plan, valid=has("peak", "host"))
+
+
+def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
+    """ConfigError (exit 2) where the plan does not fit this machine; None when the check is
+    off; else what was compared."""
+    if cfg.train.skip_memory_check:
+        return None
+    from onegpu.plan.memory import Unplannable
+
+    target = "cuda" if device.type == "cuda" else "cpu"
+    try:
+        need = planned_need(cfg, target)
+    except Unplannable as e:  # the run itself is fine: say so and train unchecked
+        print(f"onegpu: memory check skipped: {e}", file=sys.stderr)
+        return {"skipped": str(e)}
+    host_free = available_host_bytes()
+    if target == "cuda":
+        from onegpu.plan.report import CUDA_OVERHEAD_BYTES
+
+        free, _ = torch.cuda.mem_get_info(device)
+        device_free = free - CUDA_OVERHEAD_BYTES
+        short = need["peak"] > device_free or need["host"] > host_free
+    else:  # one memory: the device's peak and what is "offloaded" share it
+        device_free = host_free
+        short = need["peak"] + need["host"] > host_free
+    if short:
+        raise ConfigError(
+            "train.skip_memory_check", _refusal(cfg, need, device_free, host_free, target)
+        )
+    return {"need": need, "device_free": device_free, "host_free": host_free}
+
+
+def _refusal(
+    cfg: Config, need: dict[str, int], device_free: int, host_free: int, target: str
+) -> str:
+    from onegpu.plan.fixes import fixes_for
+
+    budget = device_free if target == "cuda" else host_free - need["host"]
+    found = fixes_for(cfg, max(budget, 0), target, base_peak=need["peak"], host_budget=host_free)
+    best = next((f for f in found if "best_overrides" in f), None)
+    where = "this GPU has" if target == "cuda" else "this machine has"
+    fix = ("fits with " + " ".join(f"--{k} {v}" for k, v in best["best_overrides"].items())
+           if best else "nothing in the planner's list makes it fit: a smaller model, shorter "
+           "sequences or a smaller batch")  # fmt: skip
+    host = f" (+{need['host'] / GiB:.1f} GiB on the host)" if need["host"] else ""
+    return (f"the planner predicts a peak of {need['peak'] / GiB:.1f} GiB{host}; {where} "
+            f"{device_free / GiB:.1f} GiB available; it {fix}; or start anyway with "
+            "--train.skip_memory_check true")  # fmt: skip
