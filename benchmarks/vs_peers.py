@@ -94,8 +94,8 @@ def _hf_model(model: str):
 
 def _windows(model: str):
     """The token windows onegpu trains on (its own data path: same tokens, same split)."""
+    from onegpu.backends.torch.loader import PackedSequences
     from onegpu.config import load_config
-    from onegpu.data.loader import PackedSequences
     from onegpu.data.tokens import prepare_tokens
 
     cfg = load_config(MODELS[model]["preset"], overrides=MODELS[model]["over"])

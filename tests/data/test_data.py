@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from onegpu.backends.torch.loader import PackedSequences, make_train_loader
 from onegpu.config import ConfigError, DataConfig
 from onegpu.data.corpus import open_corpus
-from onegpu.data.loader import PackedSequences, make_train_loader
 from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer
 from onegpu.data.tokens import prepare_tokens, read_bin, write_bin
 

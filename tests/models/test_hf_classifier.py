@@ -9,9 +9,9 @@ import transformers
 from conftest import hf_overrides
 
 from onegpu.backends.torch.build import build
+from onegpu.backends.torch.loader import classification_targets, count_targets
 from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
-from onegpu.data.loader import classification_targets, count_targets
 
 
 def _cfg(folder, **over):

@@ -7,8 +7,8 @@ import transformers
 from conftest import HF_ARCHS, hf_overrides
 
 from onegpu.backends.torch.build import build
+from onegpu.backends.torch.loader import IGNORE_INDEX, count_targets
 from onegpu.config import ConfigError, load_config
-from onegpu.data.loader import IGNORE_INDEX, count_targets
 
 
 def _cfg(folder, **over):

@@ -5,8 +5,8 @@ chunked."""
 import pytest
 import torch
 
+from onegpu.backends.torch.loader import IGNORE_INDEX
 from onegpu.config import load_config
-from onegpu.data.loader import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,9 +2,9 @@
 
 import torch
 
+from onegpu.backends.torch.loader import IGNORE_INDEX, count_targets
 from onegpu.backends.torch.step import TrainStep
 from onegpu.config import OptimConfig
-from onegpu.data.loader import IGNORE_INDEX, count_targets
 from onegpu.models.gpt import GPT
 from onegpu.techniques.loss import token_loss_sum
 from onegpu.techniques.precision import resolve_precision

@@ -5,8 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from onegpu.backends.torch.build import build
+from onegpu.backends.torch.loader import IGNORE_INDEX
 from onegpu.config import ConfigError, load_config
-from onegpu.data.loader import IGNORE_INDEX
 
 MODES = ["none", "attn", "mlp", "attn+mlp", "block", "every:2", "selective", "dots"]
 

@@ -12,6 +12,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
+IGNORE_INDEX = -100
+"""The target of a position that is not trained (torch's cross_entropy default; the JAX loss
+uses the same): one value for both backends."""
+
 
 def window_count(n_tokens: int, seq_len: int) -> int:
     return max(0, (n_tokens - 1) // seq_len)

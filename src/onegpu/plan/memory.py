@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
+from onegpu.backends.torch.loader import classification_targets
 from onegpu.config import Config, ConfigError
-from onegpu.data.loader import classification_targets
 from onegpu.distributed.shares import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import storage_id

@@ -21,7 +21,7 @@ from torch import nn
 
 from onegpu.cache import cached, peek
 from onegpu.config import ModelConfig
-from onegpu.data.loader import IGNORE_INDEX
+from onegpu.data.windows import IGNORE_INDEX
 from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
 from onegpu.perf.logits import (  # noqa: F401 - the rule, shared with the JAX backend

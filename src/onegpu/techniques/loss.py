@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onegpu.data.loader import IGNORE_INDEX
+from onegpu.data.windows import IGNORE_INDEX
 
 
 def token_loss_sum(

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onegpu.config import Config
-
-IGNORE_INDEX = -100  # as onegpu.data.loader (torch's cross_entropy default)
+from onegpu.data.windows import IGNORE_INDEX
 
 
 def token_loss_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

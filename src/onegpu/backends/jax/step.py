@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from onegpu.backends.jax.loss import IGNORE_INDEX
 from onegpu.config import Config
+from onegpu.data.windows import IGNORE_INDEX
 
 
 class StepOut(NamedTuple):

@@ -6,8 +6,13 @@ from __future__ import annotations
 import torch
 
 from onegpu.backends.torch.build import Built
+from onegpu.backends.torch.loader import (
+    DevicePrefetcher,
+    count_targets,
+    make_eval_batches,
+    make_train_loader,
+)
 from onegpu.config import Config
-from onegpu.data.loader import DevicePrefetcher, count_targets, make_eval_batches, make_train_loader
 
 
 def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:

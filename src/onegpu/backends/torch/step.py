@@ -24,8 +24,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.profiler import record_function
 
+from onegpu.backends.torch.loader import count_targets
 from onegpu.config import OptimConfig
-from onegpu.data.loader import count_targets
 from onegpu.distributed import DistContext, single_process
 from onegpu.distributed.parallelize import full_tensor
 from onegpu.models.protocol import LossFn

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from onegpu.backends.torch.build import Built, build
+from onegpu.backends.torch.loader import classification_targets, count_targets
 from onegpu.backends.torch.step import StepOutput
 from onegpu.config import Config
-from onegpu.data.loader import classification_targets, count_targets
 from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.allocator import release_free_memory

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from onegpu.backends.torch import resume
 from onegpu.backends.torch.batches import training_batches, validation_batches
 from onegpu.backends.torch.build import Built, build, resolve_device
+from onegpu.backends.torch.loader import DevicePrefetcher
 from onegpu.backends.torch.oom import TrainingOutOfMemory, out_of_memory_report
 from onegpu.backends.torch.report import (
     describe,
@@ -32,7 +33,6 @@ from onegpu.backends.torch.saver import Saver, make_saver
 from onegpu.backends.torch.step_memory import measure_step, measured_step
 from onegpu.backends.torch.totals import meter_for
 from onegpu.config import Config, with_offload_params
-from onegpu.data.loader import DevicePrefetcher
 from onegpu.distributed import DistContext, init_distributed
 from onegpu.distributed.context import shutdown
 from onegpu.memory.measure import reset_peak

@@ -16,9 +16,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from onegpu.data import windows
-from onegpu.data.windows import sample_indices
+from onegpu.data.windows import IGNORE_INDEX, sample_indices
 
-IGNORE_INDEX = -100
 """Target value excluded from the loss (padding); torch's cross_entropy default."""
 
 
