@@ -25,7 +25,8 @@ from pathlib import Path
 from onegpu.config import load_config
 from onegpu.offload.pricing import LINK_EFFICIENCY
 from onegpu.perf.devices import GPUS, GiB
-from onegpu.plan.report import CUDA_OVERHEAD_BYTES, EFFICIENCY, plan_report
+from onegpu.plan.report import plan_report
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, EFFICIENCY
 
 BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "max_position_embeddings": 8192, "hidden_act": "silu"}

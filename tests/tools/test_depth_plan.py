@@ -6,8 +6,8 @@ import pytest
 from onegpu.config import load_config
 from onegpu.plan.depth import plan_extrapolated, shallow_depths
 from onegpu.plan.memory import plan_memory
-from onegpu.plan.report import gpu_caps
 from onegpu.plan.shapes import Shape, ladder, scaled, shape_of, with_depth, with_shape
+from onegpu.plan.targets import gpu_caps
 
 CONFIGS = {
     "plain": {},

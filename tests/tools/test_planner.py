@@ -141,7 +141,7 @@ def test_the_fix_list_reaches_for_host_memory_when_nothing_else_fits():
 
     from onegpu.plan.fixes import FIXES, HOST_TIERS, fixes_for
     from onegpu.plan.fixes import with_fix as _with
-    from onegpu.plan.report import gpu_caps
+    from onegpu.plan.targets import gpu_caps
 
     caps = gpu_caps("RTX4090")
     cfg = _cfg(**{"train.precision": "fp32", "memory.loss_chunk": "0", "model.d_model": "256",
@@ -224,7 +224,7 @@ def test_offloaded_activations_wait_in_host_memory_on_a_gpu_plan():
     """What save_on_cpu copies out leaves the device for the host (fake tensors all live on
     the CPU, so the planner follows the copies itself); a CPU plan keeps them in the one
     memory there is."""
-    from onegpu.plan.report import gpu_caps
+    from onegpu.plan.targets import gpu_caps
 
     caps = gpu_caps("A100-40")
     plain = plan_memory(_cfg(), "cuda", caps)

@@ -7,7 +7,7 @@ import pytest
 
 from onegpu.config import load_config, with_overrides
 from onegpu.plan.fixes import planned
-from onegpu.plan.report import gpu_caps
+from onegpu.plan.targets import gpu_caps
 from onegpu.tools.tune import candidates
 from onegpu.tools.tune_plan import activation_floors, bound, search
 

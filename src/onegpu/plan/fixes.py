@@ -93,7 +93,7 @@ def planned(
 ) -> Planned:
     """Plan `cfg` as `onegpu plan` does for one process (weights on the host included); `fast`:
     from two shallow copies of the model."""
-    from onegpu.plan.report import predicted_speed, process_share, rank_memory
+    from onegpu.plan.targets import predicted_speed, process_share, rank_memory
 
     cfg = with_offload_params(cfg)
     strategy = resolve_strategy(cfg.dist, 1)

@@ -7,7 +7,7 @@ from typing import Any
 
 from onegpu.memory.breakdown import GROUPS
 from onegpu.perf.devices import GiB
-from onegpu.plan.report import CUDA_OVERHEAD_BYTES
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
 
 
 def _by_block(by_block: dict[str, int]) -> str:

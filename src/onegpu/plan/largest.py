@@ -17,8 +17,8 @@ from typing import Any
 from onegpu.config import Config, ConfigError
 from onegpu.perf.devices import GPUS
 from onegpu.plan.fixes import fixes_for, planned
-from onegpu.plan.report import CUDA_OVERHEAD_BYTES, gpu_caps, machine_ram
 from onegpu.plan.shapes import Shape, ladder, shape_of, with_shape
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, gpu_caps, machine_ram
 
 
 def find_largest(

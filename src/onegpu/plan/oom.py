@@ -13,7 +13,7 @@ from onegpu.backends.torch.oom import TrainingOutOfMemory
 from onegpu.config import Config
 from onegpu.plan.fixes import fixes_for
 from onegpu.plan.memory import plan_memory
-from onegpu.plan.report import CUDA_OVERHEAD_BYTES
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
 
 
 def explain(cfg: Config, err: TrainingOutOfMemory) -> str:

@@ -4,30 +4,26 @@ predicted speed, and whether it fits a GPU (and if not, the cheapest changes tha
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
-
-import torch
 
 from onegpu.config import (
     Config,
     ConfigError,
-    DistConfig,
-    check_batch_split,
     check_distributed,
     resolve_strategy,
     with_offload_params,
 )
-from onegpu.distributed.shares import per_rank_memory
-from onegpu.offload.pricing import offload_costs
-from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
-from onegpu.perf.flops import recompute_factor
+from onegpu.perf.devices import GPUS
 from onegpu.plan.memory import MemoryPlan, plan_memory
-from onegpu.techniques.precision import DeviceCaps
-
-# Reserved on a GPU beyond tensors: CUDA context and kernels (~0.3-1 GiB) and allocator slack.
-CUDA_OVERHEAD_BYTES = GiB // 2
-EFFICIENCY = 0.4  # assumed fraction of peak FLOP/s a training step reaches (a prediction)
+from onegpu.plan.targets import (
+    CUDA_OVERHEAD_BYTES,
+    GPU_COUNTS,
+    gpu_caps,
+    machine_ram,
+    predicted_speed,
+    process_share,
+    rank_memory,
+)
 
 
 def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
@@ -36,49 +32,6 @@ def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
     dropout and the full attention matrix stored: s*b*h*(34 + 5*a*s/h)."""
     s, h, a = cfg.train_seq_len, cfg.model.d_model, cfg.model.n_head
     return int(s * micro_batch * h * (34 + 5 * a * s / h))
-
-
-def gpu_caps(gpu: str) -> DeviceCaps:
-    """What a GPU of the table runs natively: decides `auto` precision as on the real GPU."""
-    peak = GPUS[gpu].peak
-    return DeviceCaps(type="cuda", bf16="bf16" in peak, tf32="tf32" in peak)
-
-
-GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-"""World sizes `onegpu plan --gpu` tries for 'how many GPUs does it need'."""
-
-
-def process_share(cfg: Config, world_size: int) -> Config:
-    """The config one of `world_size` processes runs, as one process: its share of the global
-    batch."""
-    check_batch_split(cfg, world_size)
-    t = cfg.train
-    # planned as one process: rank_memory adds what sharding and dist.cpu_offload change
-    return dataclasses.replace(
-        cfg,
-        train=dataclasses.replace(t, batch_size=t.batch_size // world_size),
-        dist=DistConfig(),
-    )
-
-
-def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -> dict[str, int]:
-    """Rank 0's planned bytes (distributed/shares.py) from the plan of one process's share."""
-    gathered_16bit = plan.param_dtype == torch.float32 and plan.compute_dtype != torch.float32
-    single = dict(plan.memory)
-    if gathered_16bit and strategy == "fsdp":
-        # FSDP's mixed precision computes with the gathered 16-bit weights themselves (counted
-        # under `gathered`): autocast's saved copies of the weights do not exist
-        single["activations"] -= plan.weight_copies_at_peak
-    return per_rank_memory(
-        single,
-        plan.param_shapes,
-        plan.block_numels,
-        world_size=world_size,
-        strategy=strategy,
-        reshard_after_forward=cfg.dist.reshard_after_forward,
-        cpu_offload=cfg.dist.cpu_offload,
-        gather_bytes=2 if gathered_16bit else plan.param_shapes[0].element_size,
-    )
 
 
 def plan_report(
@@ -137,13 +90,6 @@ def plan_report(
     return report
 
 
-def machine_ram() -> int:
-    """This machine's physical memory in bytes (the default --host-memory)."""
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def gpu_table() -> str:
     """`onegpu plan --gpu list`: the GPUs a plan can target, their memory and peaks."""
     lines = ["name        memory   peak dense TFLOP/s (fp32 / tf32 / bf16 / fp16)"]
@@ -180,29 +126,6 @@ def _memory_report(cfg: Config, plan: MemoryPlan, mem: dict[str, int]) -> dict[s
         "plan_seconds": plan.seconds,
         "flops_per_token": plan.flops_per_token,
     }
-
-
-def predicted_speed(
-    cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int
-) -> dict[str, Any]:
-    """The predicted step time: counted FLOPs at EFFICIENCY of the peak for the compute dtype
-    (a GPU's datasheet, or this CPU's measured matmul peak); {} when the peak is unknown."""
-    if gpu:
-        spec = GPUS[gpu]
-        peak_flops = spec.peak.get(plan.peak_key, spec.peak["fp32"])
-    else:
-        peak_flops = cpu_peak_flops(plan.compute_dtype)
-    if not peak_flops:
-        return {}
-    tokens = cfg.train.batch_size * cfg.train_seq_len
-    recompute = recompute_factor(cfg.memory.checkpointing)
-    compute_s = plan.flops_per_token * recompute * tokens / (peak_flops * EFFICIENCY * world_size)
-    offload = offload_costs(cfg, plan, gpu, world_size)
-    step_s = max(compute_s, offload.get("link_s", 0.0)) + offload.get("host_step_s", 0.0)
-    return {"predicted_step_time_s": step_s, "predicted_tokens_per_s": tokens / step_s,
-            "predicted_compute_s": compute_s, "efficiency_assumed": EFFICIENCY,
-            "recompute_factor": recompute,
-            **({"offload": offload} if offload else {})}  # fmt: skip
 
 
 def _fits(mem: dict[str, int], capacity: int) -> bool:

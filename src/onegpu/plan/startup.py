@@ -37,7 +37,7 @@ def available_host_bytes() -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    from onegpu.plan.report import machine_ram
+    from onegpu.plan.targets import machine_ram
 
     return machine_ram()
 
@@ -76,7 +76,7 @@ def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
         return {"skipped": str(e)}
     host_free = available_host_bytes()
     if target == "cuda":
-        from onegpu.plan.report import CUDA_OVERHEAD_BYTES
+        from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
 
         free, _ = torch.cuda.mem_get_info(device)
         device_free = free - CUDA_OVERHEAD_BYTES

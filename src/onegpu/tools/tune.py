@@ -38,7 +38,7 @@ from onegpu.config import (
 )
 from onegpu.perf.flops import RECOMPUTE
 from onegpu.plan.memory import plan_memory
-from onegpu.plan.report import CUDA_OVERHEAD_BYTES, process_share, rank_memory
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, process_share, rank_memory
 from onegpu.runs.atomic import write_together
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
 
