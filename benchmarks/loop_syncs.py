@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
-from onegpu.backends.torch.trainer import train
 from onegpu.config import load_config
+from onegpu.train import train
 
 
 def syncs_of_a_run(precision: str, steps: int, out: str) -> int:

@@ -107,7 +107,7 @@ def test_the_torch_tools_read_a_jax_run(tmp_path):
 @pytest.mark.slow  # 60 steps and their checkpoints: 12 s
 def test_a_diverging_jax_run_skips_updates_and_keeps_the_last_good_checkpoint(tmp_path):
     from onegpu.backends.jax import checkpoint as state
-    from onegpu.backends.jax.loop import train
+    from onegpu.train import train
 
     out = tmp_path / "run"
     over = {"optim.lr": "1e6", "train.max_steps": "60", "checkpoint.keep_last": "1",

@@ -9,9 +9,8 @@ import pytest
 
 pytest.importorskip("jax")
 
-from onegpu.backends.jax.loop import train as train_jax  # noqa: E402
-from onegpu.backends.torch.trainer import train as train_torch  # noqa: E402
 from onegpu.config import load_config  # noqa: E402
+from onegpu.train import train  # noqa: E402
 
 STEPS = 20
 REL = 1e-4
@@ -35,7 +34,7 @@ def _losses(out):
 def start(tmp_path_factory):
     """A model.safetensors of the torch backend (two steps from the torch initialisation)."""
     out = tmp_path_factory.mktemp("start")
-    train_torch(_cfg(out, **{"train.max_steps": 2, "train.eval_every": 0}))
+    train(_cfg(out, **{"train.max_steps": 2, "train.eval_every": 0}))
     return out / "model.safetensors"
 
 
@@ -51,11 +50,11 @@ def start(tmp_path_factory):
 )
 def test_both_backends_log_the_same_losses_from_the_same_weights(tmp_path, start, init_on, over):
     if init_on == "jax":  # the other way round: a JAX run's weights start both
-        train_jax(_cfg(tmp_path / "jstart", **{"train.max_steps": 2, "train.eval_every": 0,
+        train(_cfg(tmp_path / "jstart", **{"train.backend": "jax"}, **{"train.max_steps": 2, "train.eval_every": 0,
                                                "model.init_from": str(start)}))  # fmt: skip
         start = tmp_path / "jstart" / "model.safetensors"
-    t = train_torch(_cfg(tmp_path / "t", **{"model.init_from": str(start)}, **over))
-    j = train_jax(_cfg(tmp_path / "j", **{"model.init_from": str(start)}, **over))
+    t = train(_cfg(tmp_path / "t", **{"model.init_from": str(start)}, **over))
+    j = train(_cfg(tmp_path / "j", **{"train.backend": "jax"}, **{"model.init_from": str(start)}, **over))
     (lt, vt), (lj, vj) = _losses(tmp_path / "t"), _losses(tmp_path / "j")
     assert lt.keys() == lj.keys() == set(range(1, STEPS + 1))
     for step in lt:

@@ -10,8 +10,8 @@ from conftest import hf_overrides
 
 from onegpu.backends.torch.build import build
 from onegpu.backends.torch.loader import classification_targets, count_targets
-from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
+from onegpu.train import train
 
 
 def _cfg(folder, **over):

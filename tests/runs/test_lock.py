@@ -47,13 +47,13 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path):
 def test_a_run_refused_after_its_folder_check_leaves_no_folder_behind(tmp_path, monkeypatch):
     """The lock makes the folder; a refusal before the run is written (here the build's)
     takes both away again."""
-    from onegpu.backends.torch import trainer
+    from onegpu.backends.torch import backend
     from onegpu.cli import main
 
     def refuse(*args, **kwargs):
         raise ConfigError("model.attention", "refused by the build")
 
-    monkeypatch.setattr(trainer, "build", refuse)
+    monkeypatch.setattr(backend, "build", refuse)
     run = tmp_path / "new-run"
     assert main(["train", "--preset", "tiny", "--out.dir", str(run)]) == 2
     assert not run.exists()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from onegpu.backends.torch import trainer
+from onegpu import train as trainer
 from onegpu.backends.torch.build import build
 from onegpu.backends.torch.step import TrainStep
 from onegpu.config import load_config

@@ -99,7 +99,7 @@ def test_approximate_layers_save_memory_in_the_model_and_compose():
 
 
 def test_tiny_trains_with_approximate_gradients(tmp_path):
-    from onegpu.backends.torch.trainer import train
+    from onegpu.train import train
 
     over = {
         "train.device": "cpu",

@@ -186,7 +186,7 @@ def test_bad_memory_options_are_refused(key, value):
 
 
 def test_train_reports_the_memory_breakdown(tmp_path):
-    from onegpu.backends.torch.trainer import train
+    from onegpu.train import train
 
     over = {
         "train.device": "cpu",
@@ -212,8 +212,8 @@ def test_train_reports_the_memory_breakdown(tmp_path):
 
 def test_breakdown_counts_states_the_profiler_does_not_recognise(tmp_path):
     """Adafactor's factored states are not labelled by the profiler: the exact count is used."""
-    from onegpu.backends.torch.trainer import train
     from onegpu.config import load_config
+    from onegpu.train import train
 
     over = {
         "train.device": "cpu",

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from onegpu.backends.torch import trainer
+from onegpu import train as trainer
 from onegpu.backends.torch.build import build
 from onegpu.config import load_config
 

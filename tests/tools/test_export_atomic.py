@@ -13,10 +13,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from onegpu.backends.torch.trainer import train
 from onegpu.config import load_config
 from onegpu.runs.atomic import recover, staging
 from onegpu.tools.export import export
+from onegpu.train import train
 
 
 def _run(out, layers: int):

@@ -5,7 +5,6 @@ import pytest
 import torch
 import transformers
 
-from onegpu.backends.torch.trainer import train
 from onegpu.cli import main
 from onegpu.config import ConfigError, ModelConfig, load_config
 from onegpu.models.convert import hf_gpt2_state_dict, load_hf_gpt2
@@ -13,6 +12,7 @@ from onegpu.models.gpt import GPT
 from onegpu.tools.export import export
 from onegpu.tools.generate import generate
 from onegpu.tools.trained import load_trained
+from onegpu.train import train
 
 
 def _train(out, **over):

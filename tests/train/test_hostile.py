@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from onegpu.backends.torch import checkpoint as ckpt
-from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
+from onegpu.train import train
 
 
 def _cfg(out, **over):

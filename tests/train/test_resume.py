@@ -12,8 +12,8 @@ import torch
 
 from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.backends.torch.step import TrainStep
-from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
+from onegpu.train import train
 
 STEPS = 8
 
@@ -221,8 +221,9 @@ def test_resume_across_epoch_boundaries_continues_the_data_order(stop_at, tmp_pa
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
-    from onegpu.backends.torch.build import build
     from onegpu.backends.torch.saver import make_saver
+
+    from onegpu.backends.torch.build import build
     from onegpu.backends.torch.totals import meter_for
     from onegpu.runs.folder import RunFolder
 

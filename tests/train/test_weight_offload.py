@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from onegpu.backends.torch.trainer import train
 from onegpu.config import ConfigError, load_config
 from onegpu.plan.report import plan_report
+from onegpu.train import train
 
 STEPS = 6
 

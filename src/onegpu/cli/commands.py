@@ -5,7 +5,6 @@ checks of their arguments live with the functions they call."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onegpu.config import Config, ConfigError
+from onegpu.config import Config
 from onegpu.runs.atomic import write_text_atomic
 from onegpu.runs.sinks import strict
 
@@ -46,26 +45,10 @@ class Env:
 
 
 def _train(ns, env: Env) -> int:
+    from onegpu.train import train  # imports the backend train.backend names, no other
+
     cfg = env.load()
-    if cfg.train.backend == "jax":  # imports no torch
-        from onegpu.backends.jax.loop import train as train_jax
-
-        return _report(cfg, env, train_jax(cfg))
-    from onegpu.backends.torch.oom import TrainingOutOfMemory
-    from onegpu.backends.torch.trainer import train
-
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: plan before allocating
-        from onegpu.backends.torch.build import resolve_device
-        from onegpu.plan.startup import check_memory
-
-        check_memory(cfg, resolve_device(cfg.train.device))
-    try:
-        summary = train(cfg)
-    except TrainingOutOfMemory as e:
-        from onegpu.plan.oom import explain
-
-        raise ConfigError("out of memory", explain(cfg, e)) from None
-    return _report(cfg, env, summary)
+    return _report(cfg, env, train(cfg))
 
 
 def _report(cfg: Config, env: Env, summary: dict[str, Any]) -> int:

@@ -42,7 +42,6 @@ from onegpu.config.validation import (
     check_distributed,
     resolve_strategy,
     validate,
-    with_offload_params,
 )
 
 __all__ = [
@@ -77,6 +76,5 @@ __all__ = [
     "to_toml",
     "type_name",
     "validate",
-    "with_offload_params",
     "with_overrides",
 ]

@@ -3,7 +3,6 @@ technique combinations that cannot work; each raises ConfigError naming the fiel
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 
@@ -237,18 +236,6 @@ def _validate_memory(cfg: Config) -> None:
 # Optimizers whose step and sharded checkpoints are tested under torchrun (FSDP2's DTensors,
 # DDP, Distributed Checkpoint); torchao's 8-bit states and Adafactor's factored ones are not yet.
 DIST_OPTIMIZERS = ("adamw", "sgd")
-
-
-def with_offload_params(cfg: Config) -> Config:
-    """memory.offload_params as what runs it: FSDP2 with its shards on the host (one process,
-    or each process of a torchrun job), whose optimizer then steps on the host too."""
-    if not cfg.memory.offload_params:
-        return cfg
-    return dataclasses.replace(
-        cfg,
-        dist=dataclasses.replace(cfg.dist, strategy="fsdp", cpu_offload=True),
-        memory=dataclasses.replace(cfg.memory, offload_optimizer=False),
-    )
 
 
 def resolve_strategy(dist: DistConfig, world_size: int, field: str = "dist.strategy") -> str:

@@ -20,9 +20,9 @@ from onegpu.config import (
     check_distributed,
     resolve_strategy,
     to_toml,
-    with_offload_params,
     with_overrides,
 )
+from onegpu.offload.weights import with_offload_params
 from onegpu.plan.depth import plan_extrapolated
 from onegpu.plan.memory import plan_memory
 from onegpu.techniques.precision import DeviceCaps

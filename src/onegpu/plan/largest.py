@@ -16,9 +16,10 @@ from typing import Any
 
 from onegpu.config import Config, ConfigError
 from onegpu.perf.devices import GPUS
+from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import fixes_for, planned
 from onegpu.plan.shapes import Shape, ladder, shape_of, with_shape
-from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, gpu_caps, machine_ram
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, gpu_caps
 
 
 def find_largest(

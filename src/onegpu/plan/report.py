@@ -11,15 +11,15 @@ from onegpu.config import (
     ConfigError,
     check_distributed,
     resolve_strategy,
-    with_offload_params,
 )
+from onegpu.offload.weights import with_offload_params
 from onegpu.perf.devices import GPUS
+from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.memory import MemoryPlan, plan_memory
 from onegpu.plan.targets import (
     CUDA_OVERHEAD_BYTES,
     GPU_COUNTS,
     gpu_caps,
-    machine_ram,
     predicted_speed,
     process_share,
     rank_memory,

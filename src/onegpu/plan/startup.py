@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,24 +21,12 @@ import torch
 from onegpu.cache import cached, has
 from onegpu.config import Config, ConfigError, to_dict
 from onegpu.perf.devices import GiB
+from onegpu.perf.host_memory import available_host_bytes
 
 # What does not change a step's memory (left out of the cache key).
 _IRRELEVANT_SECTIONS = ("out", "checkpoint", "dist")
 _IRRELEVANT_TRAIN = ("max_steps", "log_every", "eval_every", "eval_batches", "resume",
                      "resume_new_data", "skip_memory_check", "seed", "max_consecutive_skips")  # fmt: skip
-
-
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else RAM."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from onegpu.plan.targets import machine_ram
-
-    return machine_ram()
 
 
 def planned_need(cfg: Config, target: str) -> dict[str, int]:

@@ -70,13 +70,6 @@ def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -
     )
 
 
-def machine_ram() -> int:
-    """This machine's physical memory in bytes (the default --host-memory)."""
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def predicted_speed(
     cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int
 ) -> dict[str, Any]:

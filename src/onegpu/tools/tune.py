@@ -33,9 +33,9 @@ from onegpu.config import (
     check_distributed,
     resolve_strategy,
     to_toml,
-    with_offload_params,
     with_overrides,
 )
+from onegpu.offload.weights import with_offload_params
 from onegpu.perf.flops import RECOMPUTE
 from onegpu.plan.memory import plan_memory
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, process_share, rank_memory

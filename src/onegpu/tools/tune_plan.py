@@ -30,6 +30,7 @@ from onegpu.offload.host_step import host_step_rate
 from onegpu.offload.pricing import LINK_EFFICIENCY
 from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
+from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import Planned, planned
 from onegpu.plan.targets import EFFICIENCY, gpu_caps
 from onegpu.runs.atomic import write_together
@@ -160,7 +161,7 @@ def tune_predicted(
     cfg: Config, gpu: str, host_memory: int | None, out_dir: Path, log=print
 ) -> dict[str, Any]:
     """The predicted search for `gpu`; best.toml, tune.json and tune.md in `out_dir`."""
-    from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, machine_ram
+    from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
     from onegpu.tools.tune import candidates
 
     cands = candidates(cfg, "cuda", with_compile=False)

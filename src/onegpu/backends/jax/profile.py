@@ -22,18 +22,18 @@ def profile_jax(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, An
     import jax
     import jax.numpy as jnp
 
+    from onegpu.backends.jax.backend import batches, xla_memory
     from onegpu.backends.jax.build import build
-    from onegpu.backends.jax.loop import _batches, xla_memory
     from onegpu.config.schedule import lr_at
 
     out = resolve_out_dir(cfg.out)
     try:
         built = build(cfg)
-        batches = _batches(built, 0)
+        steps = batches(built, 0)
         key = jax.random.key(cfg.train.seed)
 
         def one_step(step: int) -> None:
-            x, y, n = next(batches)
+            x, y, n = next(steps)
             lr = jnp.float32(lr_at(step, cfg.optim, cfg.train.max_steps))
             built.params, built.opt_state, got = built.step(
                 built.params, built.opt_state, x, y, n, lr, jax.random.fold_in(key, step)

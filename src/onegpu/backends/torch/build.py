@@ -26,11 +26,12 @@ from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
 from onegpu.backends.torch.step import TrainStep
 from onegpu.config import Config, check_distributed
 from onegpu.data.tokens import TokenSplits
-from onegpu.distributed import DistContext, single_process
+from onegpu.distributed import DistContext, init_distributed, single_process
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import count_params
 from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.offload.weights import with_offload_params
 from onegpu.optim import build_optimizer
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
@@ -100,6 +101,10 @@ def build(
     planner); compile is left out (it changes kernels, not what a step keeps alive). Raises
     ConfigError, before anything is written, for anything this device or data cannot do.
     """
+    if not fake:  # weights on the host: FSDP2's CPU offload (a plan plans one process's share)
+        cfg = with_offload_params(cfg)
+        if dist_ctx is None and cfg.memory.offload_params:  # a group of this one process
+            dist_ctx = init_distributed(cfg.dist, resolve_device(cfg.train.device).type, alone=True)
     ctx = dist_ctx or single_process()
     device = device or resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
     asked, resolved = cfg, resolve(cfg, device, caps, timed=not fake)

@@ -1,147 +1,127 @@
-"""Crash-safe training checkpoints: everything a continuation needs, and only complete files count.
+"""The torch state of a run as checkpoint bytes, and back (runs/checkpoints.py holds the rules
+every backend's checkpoints follow: names, atomic writes, pruning, the same-run checks).
 
-A checkpoint is one file, `DIR/checkpoints/step-00000050.pt`, holding the model, the optimizer
-(every kind onegpu builds, Kahan buffers and per-parameter optimizers included), the loss
-scaler, the step, the data position (samples consumed), the RNG states (torch CPU and CUDA,
-Python, NumPy), the counters and the resolved config. It is written to a temporary name in the
-same folder, flushed and fsynced, renamed into place and the folder fsynced (the pattern
-torchtitan uses for its `.metadata`): a save killed at any moment leaves either the previous
-checkpoints alone or a `.tmp-*` leftover, removed at the next start, never a half file under a
-checkpoint's name. Loading uses `torch.load(weights_only=True)`: tensors and plain containers,
-no pickled objects.
-
-A run of several processes (torchrun) writes a folder instead, `DIR/checkpoints/step-00000050/`:
-every process writes its shards of model and optimizer through Distributed Checkpoint into
-`.tmp-step-00000050/`, rank 0 adds `train_state.pt` (everything else above, with every
-process's RNG states) and renames the folder into place once all of it is on disk: the same
-all-or-nothing rule, for a sharded save. Either kind resumes at any world size.
+A single-process checkpoint is one `torch.save` file holding the shared part, the model, the
+optimizer (every kind onegpu builds, Kahan buffers and per-parameter optimizers included), the
+loss scaler and the RNG states (torch CPU and CUDA, Python, NumPy). A torchrun job writes a
+folder: every process's shards of model and optimizer through Distributed Checkpoint, and
+`train_state.pt` with everything else (every process's RNG states). Loading uses
+`torch.load(weights_only=True)`: tensors and plain containers, no pickled objects. Either kind
+resumes at any world size: the shards are re-cut on load; each process's RNG state comes back
+when the world size is the same, otherwise the generators restart from (seed, step), which only
+dropout and randomized layers draw from (a warning says so when they are on).
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
-import re
-import shutil
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
+from onegpu.backends.torch.build import Built
 from onegpu.config import ConfigError
+from onegpu.distributed import dcp
+from onegpu.runs import checkpoints
+from onegpu.runs.checkpoints import FOLDER_STATE, Checkpoint
 
-FORMAT = 1
-_NAME = re.compile(r"^step-(\d{8})(\.pt)?$")
-TMP_PREFIX = ".tmp-"
-TRAIN_STATE = "train_state.pt"
-"""A sharded checkpoint's file of everything but the model and optimizer shards."""
+SUFFIX = ".pt"
+TRAIN_STATE = FOLDER_STATE
 
 
 def checkpoint_name(step: int, sharded: bool = False) -> str:
-    return f"step-{step:08d}" if sharded else f"step-{step:08d}.pt"
+    """A torch checkpoint's name: a file, or a folder of shards."""
+    return checkpoints.checkpoint_name(step, "" if sharded else SUFFIX)
 
 
-def _is_complete(path: Path) -> bool:
-    if path.is_dir():  # a sharded checkpoint only ever appears complete (renamed into place)
-        return (path / TRAIN_STATE).is_file() and (path / ".metadata").is_file()
-    return path.is_file() and path.suffix == ".pt"
+def save_file(path: Path, state: dict[str, Any]) -> None:
+    """`state` as one crash-safe torch.save file."""
+    checkpoints.write_atomic(path, lambda f: _save(state, f))
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+def _save(state: dict[str, Any], f: IO[bytes]) -> None:
+    torch.save(state, f)
 
 
-def _fsync_dir(folder: Path) -> None:
+def read(path: Path, field: str = "train.resume") -> dict[str, Any]:
+    """A checkpoint file's state, or a folder's train_state (ConfigError naming `field` when
+    it is corrupt, truncated or holds pickled objects)."""
+    return _load_state(path / TRAIN_STATE if path.is_dir() else path, field)
+
+
+def load(path: Path, field: str = "train.resume") -> Checkpoint:
+    """A torch checkpoint (file or folder), checked as runs/checkpoints.py checks any."""
+    return checkpoints.load(path, "torch", lambda p: read(p, field), field)
+
+
+def state_of(built: Built, common: dict[str, Any]) -> dict[str, Any]:
+    """A single file's state: the shared part, model, optimizer, scaler and RNG states."""
+    return {
+        **common,
+        "model": built.model.state_dict(),
+        "optimizer": built.optimizer.state_dict(),
+        "scaler": built.step.scaler.state_dict(),
+        "rng": rng_state(),
+    }
+
+
+def train_state_of(
+    built: Built, common: dict[str, Any], rngs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A sharded checkpoint's train_state.pt: all but model and optimizer, with every
+    process's RNG states (rank order)."""
+    return {
+        **common,
+        "scaler": built.step.scaler.state_dict(),
+        "rng": rngs,
+        "world_size": built.dist.world_size,
+        "strategy": built.dist.strategy,
+    }
+
+
+def load_state(built: Built, previous: Checkpoint) -> None:
+    """Model, optimizer and scaler as they were. (RNG states are restored by `start_rng`,
+    right before the first step, after anything else has drawn from them.)"""
+    state = previous.state
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not every platform opens folders
+        if previous.sharded:  # any world size, re-cut on load
+            dcp.load(previous.path, built.model, built.optimizer)
+        elif built.dist.strategy == "fsdp":  # one process's file into shards
+            dcp.load_full(built.model, built.optimizer, state["model"], state["optimizer"])
+        else:
+            built.model.load_state_dict(state["model"])
+            built.optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ConfigError(
+            "train.resume", f"{previous.path} does not fit this model or optimizer ({e})"
+        ) from None
+    if state["scaler"]:
+        built.step.scaler.load_state_dict(state["scaler"])
+
+
+def start_rng(built: Built, previous: Checkpoint | None) -> None:
+    """The generators the steps draw from: seeded afresh, or as the checkpoint saved them."""
+    if previous is None:
+        torch.manual_seed(built.cfg.train.seed)
         return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, state: dict[str, Any]) -> None:
-    """torch.save to a temporary file beside `path`, fsync, rename, fsync the folder."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:  # a full disk: no half-written file left to fill it further
-        tmp.unlink(missing_ok=True)
-        if (failed := _os_error_in(e)) is not None:  # the disk's error, whatever torch wrapped
-            raise OSError(failed.errno, failed.strerror, str(path)) from None
-        if isinstance(e, RuntimeError) and "write" in str(e).lower():  # torch's wrapped ENOSPC
-            raise OSError(28, "no space left on device (or the write failed)", str(path)) from None
-        raise
-    _fsync_dir(path.parent)
-
-
-def _os_error_in(e: BaseException | None) -> OSError | None:
-    """The OSError behind `e`: torch.save's zip writer turns a full disk's ENOSPC into a
-    RuntimeError ("unexpected pos ...") raised while handling it."""
-    seen = 0
-    while e is not None and seen < 8:
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return None
-
-
-def write_train_state_atomic(folder: Path, state: dict[str, Any]) -> None:
-    """A sharded checkpoint's last piece: train_state.pt into the (temporary) folder, then the
-    folder renamed to `folder`'s name and the parent fsynced."""
-    tmp_folder = folder.with_name(TMP_PREFIX + folder.name)
-    write_atomic(tmp_folder / TRAIN_STATE, state)
-    os.replace(tmp_folder, folder)
-    _fsync_dir(folder.parent)
-
-
-def remove_partial(folder: Path) -> list[Path]:
-    """Delete leftovers of saves that were killed (files and sharded folders); returns them."""
-    removed = list(folder.glob(f"{TMP_PREFIX}*"))
-    for p in removed:
-        _remove(p)
-    return removed
-
-
-def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in folder.iterdir()
-        if (m := _NAME.match(p.name)) and _is_complete(p)
-    ]
-    return sorted(found)
-
-
-def prune(
-    folder: Path, *, keep_last: int, keep_every: int, keep_before: int | None = None
-) -> Path | None:
-    """Keep the newest `keep_last` checkpoints, every multiple of `keep_every` steps, and the
-    newest at or before step `keep_before` (the last good one, while updates are being
-    skipped: it outlives a divergence whatever keep_last says); returns that one."""
-    ckpts = complete_checkpoints(folder)
-    newest = {step for step, _ in ckpts[-keep_last:]} if keep_last > 0 else set()
-    good = [(step, path) for step, path in ckpts if keep_before is not None and step <= keep_before]
-    last_good = good[-1] if good else None
-    for step, path in ckpts:
-        if step in newest or (keep_every and step % keep_every == 0) or (step, path) == last_good:
-            continue
-        _remove(path)
-    return last_good[1] if last_good else None
+    rngs = previous.state["rng"] if previous.sharded else [previous.state["rng"]]
+    ctx = built.dist
+    if len(rngs) == ctx.world_size:
+        set_rng_state(rngs[ctx.rank])
+        return
+    torch.manual_seed(built.cfg.train.seed + previous.step)
+    m = built.cfg.memory
+    if built.cfg.model.dropout or m.randomized_linear:
+        warnings.warn(
+            f"the checkpoint was written by {len(rngs)} process(es), this run has "
+            f"{ctx.world_size}: dropout and randomized layers draw new random streams from here "
+            "on (the same run would draw others)",
+            stacklevel=1,
+        )
 
 
 # ---------------------------------------------------------------------------- RNG states
@@ -184,24 +164,6 @@ def _as_tuples(x: Any) -> Any:
     return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-# ---------------------------------------------------------------------------- loading
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint:
-    path: Path
-    state: dict[str, Any]
-
-    @property
-    def step(self) -> int:
-        return int(self.state["step"])
-
-    @property
-    def sharded(self) -> bool:
-        """A folder written by several processes: model and optimizer are in DCP shards."""
-        return self.path.is_dir()
-
-
 def _allow_optimizer_tensor_types() -> bool:
     """torchao's 8-bit optimizer states are tensor subclasses: allow exactly those classes."""
     try:
@@ -222,25 +184,7 @@ def _torch_load(path: Path) -> Any:
         raise
 
 
-def load(path: Path, field: str = "train.resume") -> Checkpoint:
-    """A checkpoint (file or sharded folder), or ConfigError naming `field` if it is missing,
-    truncated or foreign."""
-    if path.is_dir():
-        if not _is_complete(path):
-            raise ConfigError(
-                field,
-                f"{path} is not a complete sharded checkpoint (no {TRAIN_STATE} or .metadata); "
-                "resume from another one or auto",
-            )
-        return Checkpoint(path, _load_state(path / TRAIN_STATE, field, sharded=True))
-    if not path.is_file():
-        raise ConfigError(
-            field, f"{path} is not a checkpoint; give a step-* file or folder, or auto"
-        )
-    return Checkpoint(path, _load_state(path, field, sharded=False))
-
-
-def _load_state(path: Path, field: str, *, sharded: bool) -> dict[str, Any]:
+def _load_state(path: Path, field: str) -> dict[str, Any]:
     try:
         state = _torch_load(path)
     except pickle.UnpicklingError:
@@ -255,9 +199,4 @@ def _load_state(path: Path, field: str, *, sharded: bool) -> dict[str, Any]:
             f"{path} cannot be read as a checkpoint: it is corrupt, truncated or not a "
             f"checkpoint file ({type(e).__name__}); resume from an older one or start afresh",
         ) from None
-    holds = "world_size" if sharded else "model"
-    if not isinstance(state, dict) or state.get("format") != FORMAT or holds not in state:
-        raise ConfigError(
-            field, f"{path} is not an onegpu training checkpoint (format {FORMAT} expected)"
-        )
     return state

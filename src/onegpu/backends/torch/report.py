@@ -1,5 +1,5 @@
-"""What a run says: the header line, the progress bar's fields, summary.json, the per-process
-summary under torchrun, and the MFU denominator (its re-check on a CPU)."""
+"""What a torch run says: the header line, its fields of summary.json, the per-process summary
+under torchrun, and the MFU denominator (its re-check on a CPU)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import Peak, peak_flops
 from onegpu.runs.folder import environment
-from onegpu.runs.meter import Meter
-from onegpu.runs.outcome import run_outcome
-from onegpu.runs.signals import GracefulStop
 
 
 def run_peak(built: Built) -> Peak | None:
@@ -72,48 +69,22 @@ def describe_auto(built: Built) -> str:
     return "auto: " + ", ".join(parts) + " | " if parts else ""
 
 
-def progress_fields(row: dict[str, Any]) -> dict[str, str]:
-    return {
-        "loss": f"{row['loss']:.3f}",
-        "tok_s": f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] is not None else "n/a",
-        "mfu": f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a",
-        "mem": f"{row['peak_mem_bytes'] / 2**20:,.0f}MiB",
-    }
-
-
-def summarize(
-    built: Built, meter: Meter, memory: dict, stop: GracefulStop, val_loss: float | None
-) -> dict[str, Any]:
-    """summary.json: medians of the steady intervals, memory, and what ran where."""
-    cfg, device, peak = built.cfg, built.device, meter.peak
-    steady = meter.steady()
-    tokens_per_step = cfg.train.batch_size * cfg.train_seq_len
-    step_s = tokens_per_step / steady["tokens_per_s"] if steady["tokens_per_s"] else None
+def torch_summary(built: Built, memory: dict[str, Any]) -> dict[str, Any]:
+    """The torch backend's fields of summary.json: memory, device, versions, compilation."""
+    cfg, device = built.cfg, built.device
     compiled = cfg.train.compile != "none"
     trial = built.compile_trial
-    # compiled before the loop when `auto` timed it in this run
-    compile_before = (
-        trial.compile_s if trial and not trial.cached and not trial.skipped and compiled else 0.0
-    )
     return {
         "params": built.n_params,
-        "tokens": meter.tokens,
-        "tokens_per_s": steady["tokens_per_s"],
-        "step_time_s": step_s,
-        "first_step_s": meter.first_step_s,
-        # the first step's excess over a steady step: compilation (and warm-up)
-        "compile_time_s": (
-            max(0.0, meter.first_step_s - step_s) + compile_before if step_s and compiled else None
+        "compiled": compiled,
+        # compiled before the loop when `auto` timed it in this run
+        "compile_before_s": (
+            trial.compile_s if trial and not trial.cached and not trial.skipped and compiled else 0.0
         ),
         "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
-        "mfu": steady["mfu"],
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),
         "memory": memory or None,
-        **run_outcome(meter, stop, val_loss),
-        "flops_per_token": built.flops_per_token,
-        "peak_flops": peak.flops if peak else None,
-        "peak_flops_source": peak.source if peak else None,
         "precision": built.policy.name,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -1,0 +1,136 @@
+"""The torch backend of the run lifecycle (runs/backend.py): the one build, the one TrainStep,
+the torch state as checkpoint bytes. The lifecycle (runs/lifecycle.py) drives it; nothing here
+knows the loop's cadence, the run folder's rules or the checkpoints' names."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from onegpu.backends.torch import checkpoint as ckpt
+from onegpu.backends.torch import report, writes
+from onegpu.backends.torch.batches import training_batches, validation_batches
+from onegpu.backends.torch.build import Built, build, resolve_device
+from onegpu.backends.torch.loader import DevicePrefetcher
+from onegpu.backends.torch.oom import out_of_memory_report
+from onegpu.backends.torch.step_memory import measure_step, measured_step
+from onegpu.backends.torch.totals import meter_for
+from onegpu.config import Config
+from onegpu.distributed import DistContext, init_distributed
+from onegpu.distributed.context import shutdown
+from onegpu.memory.measure import reset_peak
+from onegpu.offload.weights import with_offload_params
+from onegpu.perf import allocator
+from onegpu.runs.backend import Stepped
+from onegpu.runs.checkpoints import Checkpoint
+from onegpu.runs.folder import RunFolder
+from onegpu.runs.meter import Meter
+
+MemoryCheck = Callable[[Config, torch.device], None]
+"""Plans a configuration before it allocates (plan/startup.py; the planner sits above the
+backends, so the caller hands it in)."""
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, memory_check: MemoryCheck | None = None):
+        self._memory_check = memory_check
+        self.ctx: DistContext | None = None
+        self.built: Built | None = None
+        self.tokenizer: Any = None
+        self._batches: DevicePrefetcher | None = None
+        self._eval_batches: list = []
+        self._measure_at: int | None = None
+        self._memory: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def processes(self, cfg: Config) -> Iterator[DistContext]:
+        allocator.apply()  # library users get the tuned glibc malloc too (perf/allocator.py)
+        cfg = with_offload_params(cfg)  # weights on the host: FSDP2's CPU offload, one process
+        device_type = resolve_device(cfg.train.device).type
+        self.ctx = init_distributed(cfg.dist, device_type, alone=cfg.memory.offload_params)
+        try:
+            yield self.ctx
+        finally:
+            shutdown(self.ctx)
+
+    @property
+    def checkpoint_suffix(self) -> str:
+        return "" if self.ctx is not None and self.ctx.enabled else ckpt.SUFFIX
+
+    def check_memory(self, cfg: Config) -> None:
+        # one process plans its run; torchrun's ranks are planned by `onegpu plan --world-size`
+        if self._memory_check is not None and not self.ctx.enabled:
+            self._memory_check(cfg, resolve_device(cfg.train.device))
+
+    def build(self, cfg: Config) -> Config:
+        self.built = build(cfg, dist_ctx=self.ctx)
+        self.tokenizer = self.built.data.tokenizer
+        return self.built.cfg
+
+    def data_fingerprint(self) -> str | None:
+        data = self.built.data if self.built is not None else None
+        return data.fingerprint() if data is not None else None
+
+    def read_checkpoint(self, path: Path) -> dict[str, Any]:
+        return ckpt.read(path)
+
+    def load_state(self, checkpoint: Checkpoint) -> None:
+        ckpt.load_state(self.built, checkpoint)
+
+    def start(self, step: int) -> None:
+        # the loader draws its seed from the global generator, before seed() sets it
+        self._batches = training_batches(self.built, step)
+        self._eval_batches = validation_batches(self.built)
+        self._measure_at = measured_step(self.built)
+        self.built.model.train()
+        reset_peak(self.built.device)
+
+    def meter(self) -> Meter:
+        return meter_for(self.built, report.run_peak(self.built))
+
+    def describe(self, out_dir: Path, start: int) -> str:
+        return report.describe(self.built, out_dir, start)
+
+    def seed(self, checkpoint: Checkpoint | None) -> None:
+        ckpt.start_rng(self.built, checkpoint)
+
+    def guard(self, run: RunFolder, meter: Meter) -> contextlib.AbstractContextManager[None]:
+        return out_of_memory_report(run, self.built.device, meter)
+
+    def step(self, step: int) -> Stepped:
+        with record_function("data"):
+            x, y, n_tokens = next(self._batches)
+        tokens = x.numel() * self.built.dist.world_size  # every process runs an equal share
+        if step == self._measure_at:  # optimizer states exist by then, as in every later step
+            t0 = time.perf_counter()
+            out, self._memory = measure_step(self.built, x, y, n_tokens, step)
+            return Stepped(out, tokens, measured_s=time.perf_counter() - t0)
+        return Stepped(self.built.step(x, y, n_tokens, step), tokens)
+
+    def evaluate(self) -> float:
+        return self.built.step.evaluate(self._eval_batches)
+
+    def weights_finite(self) -> bool:
+        return writes.weights_finite(self.built)
+
+    def write_checkpoint(
+        self, path: Path, common: dict[str, Any], *, wait: bool
+    ) -> Callable[[], None] | None:
+        return writes.write_checkpoint(self.built, path, common, wait=wait)
+
+    def final_weights(self, path: Path) -> None:
+        writes.write_final_weights(self.built, path)
+
+    def summary(self, meter: Meter) -> dict[str, Any]:
+        return report.torch_summary(self.built, self._memory)
+
+    def finished(self, summary: dict[str, Any]) -> None:
+        report.recheck_peak(self.built, summary)
