@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from onegpu.backends.torch import checkpoint as ckpt
-from onegpu.backends.torch import resume
 from onegpu.backends.torch.build import build
 from onegpu.backends.torch.totals import meter_for
 from onegpu.config import load_config
+from onegpu.runs import checkpoints
 
 
 def cost(preset: str, repeats: int) -> dict:
@@ -34,13 +34,15 @@ def cost(preset: str, repeats: int) -> dict:
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.train_seq_len + 1))
     built.step(x[:, :-1], x[:, 1:], x.shape[1] - 1, 0)
     meter = meter_for(built, None)
-    state = resume.state_of(built, step=1, meter=meter.state_dict())
+    common = checkpoints.common_state(built.cfg, backend="torch", step=1,
+                                      meter=meter.state_dict(), data=None)
+    state = ckpt.state_of(built, common)
     saves, loads = [], []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         path = Path(tmp) / ckpt.checkpoint_name(1)
         for _ in range(repeats):
             t0 = time.perf_counter()
-            ckpt.write_atomic(path, state)
+            ckpt.save_file(path, state)
             saves.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             ckpt.load(path)

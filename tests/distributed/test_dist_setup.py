@@ -14,6 +14,7 @@ from onegpu.config import ConfigError, DistConfig, load_config
 from onegpu.distributed import DistContext, init_distributed
 from onegpu.distributed.context import resolve_strategy
 from onegpu.distributed.shares import ParamShape, per_rank_memory, shard_fraction
+from onegpu.runs import checkpoints
 
 
 def test_auto_is_fsdp_on_several_processes_and_nothing_on_one():
@@ -96,11 +97,11 @@ def test_only_complete_sharded_folders_count_and_leftovers_go(tmp_path):
     half = tmp_path / ckpt.checkpoint_name(6, sharded=True)  # no train_state.pt: not complete
     half.mkdir()
     (half / ".metadata").write_bytes(b"x")
-    killed = tmp_path / (ckpt.TMP_PREFIX + ckpt.checkpoint_name(8, sharded=True))
+    killed = tmp_path / (checkpoints.TMP_PREFIX + ckpt.checkpoint_name(8, sharded=True))
     killed.mkdir()
     (killed / "__0_0.distcp").write_bytes(b"x")
-    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [4]
-    assert ckpt.remove_partial(tmp_path) == [killed] and not killed.exists()
+    assert [s for s, _ in checkpoints.complete_checkpoints(tmp_path)] == [4]
+    assert checkpoints.remove_partial(tmp_path) == [killed] and not killed.exists()
     with pytest.raises(ConfigError, match="not a complete sharded checkpoint"):
         ckpt.load(half)
 

@@ -22,6 +22,7 @@ import torch
 from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.config import load_config
 from onegpu.plan.report import plan_report
+from onegpu.runs import checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -159,9 +160,9 @@ def test_a_background_checkpoint_is_whole_and_resumes_exactly(runs, tmp_path):
     """DDP's run saved at steps 2 and 4 with checkpoint.async_save on: the shards of step 2
     were staged during step 2's save and written while step 3 ran; the checkpoint holds step
     2's state, not a later one's."""
-    folders = [p for _, p in ckpt.complete_checkpoints(runs["ddp"] / "checkpoints")]
+    folders = [p for _, p in checkpoints.complete_checkpoints(runs["ddp"] / "checkpoints")]
     assert [p.name for p in folders] == [ckpt.checkpoint_name(s, sharded=True) for s in (2, 4)]
-    assert not list((runs["ddp"] / "checkpoints").glob(f"{ckpt.TMP_PREFIX}*"))
+    assert not list((runs["ddp"] / "checkpoints").glob(f"{checkpoints.TMP_PREFIX}*"))
     launch(tmp_path / "again", 2, **{"train.micro_batch_size": 4, "dist.strategy": "ddp",
                                      "train.resume": str(folders[0])})  # fmt: skip
     resumed = losses(tmp_path / "again")
@@ -234,16 +235,16 @@ def test_a_kill_during_sharded_saves_leaves_the_previous_checkpoint_usable(tmp_p
     )
     deadline = time.monotonic() + 120
     folder = out / "checkpoints"
-    while time.monotonic() < deadline and len(ckpt.complete_checkpoints(folder)) < 3:
+    while time.monotonic() < deadline and len(checkpoints.complete_checkpoints(folder)) < 3:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    saved = ckpt.complete_checkpoints(folder)
+    saved = checkpoints.complete_checkpoints(folder)
     assert saved and saved[-1][0] < steps, "the run ended before it was killed"
     for _, path in saved:  # every folder under a checkpoint's name is whole
         assert (path / ".metadata").is_file() and (path / ckpt.TRAIN_STATE).is_file()
     launch(out, 2, **over, **{"train.resume": "auto"})
-    assert not list(folder.glob(f"{ckpt.TMP_PREFIX}*"))  # the killed save's leftovers are gone
+    assert not list(folder.glob(f"{checkpoints.TMP_PREFIX}*"))  # the killed save's leftovers are gone
     launch(tmp_path / "whole", 2, **over)
     assert_same_losses(losses(out), losses(tmp_path / "whole"))
 
@@ -271,7 +272,7 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_ends_on_the_same_losses(tm
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(), start_new_session=True)  # fmt: skip
     deadline = time.time() + 120
-    while not ckpt.complete_checkpoints(out / "checkpoints") and time.time() < deadline:
+    while not checkpoints.complete_checkpoints(out / "checkpoints") and time.time() < deadline:
         time.sleep(0.2)
     workers = subprocess.run(["pgrep", "-f", f"onegpu train .*{out}"], capture_output=True,
                              text=True).stdout.split()  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 from onegpu import cache
 from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.cli import main
+from onegpu.runs import checkpoints
 
 
 def test_a_cache_of_the_wrong_shape_is_measured_again(tmp_path, monkeypatch):
@@ -51,5 +52,5 @@ def test_a_full_disk_during_a_save_is_one_line_exit_1_and_leaves_no_partial_file
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err
     assert "--train.resume auto" in err[0]
-    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(ckpt.TMP_PREFIX)]
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(checkpoints.TMP_PREFIX)]
     assert os.listdir(run / "checkpoints") == []

@@ -8,6 +8,7 @@ import torch
 
 from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.config import ConfigError, load_config
+from onegpu.runs import checkpoints
 from onegpu.train import train
 
 
@@ -44,7 +45,7 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(tmp_path):
     train(_cfg(straight, **{"train.max_steps": "8"}))
     out = tmp_path / "run"
     train(_cfg(out))
-    newest = ckpt.complete_checkpoints(out / "checkpoints")[-1][1]
+    newest = checkpoints.complete_checkpoints(out / "checkpoints")[-1][1]
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])  # a disk error
     with pytest.warns(UserWarning, match=r"skipping .*step-00000006"):
         s = train(_cfg(out, **{"train.max_steps": "8", "train.resume": "auto"}))

@@ -13,6 +13,7 @@ import torch
 from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.backends.torch.step import TrainStep
 from onegpu.config import ConfigError, load_config
+from onegpu.runs import checkpoints
 from onegpu.train import train
 
 STEPS = 8
@@ -126,7 +127,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_128_plus_its_number(si
     assert proc.returncode == code, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and summary["signal"] == sig.name and summary["steps"] > 0
-    found = ckpt.complete_checkpoints(out / "checkpoints")
+    found = checkpoints.complete_checkpoints(out / "checkpoints")
     assert [s for s, _ in found] == [summary["steps"]]
     rows = (out / "metrics.jsonl").read_text().splitlines()
     assert json.loads(rows[-1])["step"] == summary["steps"]  # the partial interval is logged
@@ -141,7 +142,7 @@ def test_resume_refuses_a_changed_trajectory_and_bad_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match=r"^out.dir: .*--train.resume auto"):
         train(_cfg(out))  # a folder holding a run is never reused by accident
     bad = tmp_path / "bad.pt"
-    good = ckpt.complete_checkpoints(out / "checkpoints")[-1][1]
+    good = checkpoints.complete_checkpoints(out / "checkpoints")[-1][1]
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # killed mid-copy
     with pytest.raises(ConfigError, match=r"^train.resume: .*corrupt, truncated"):
         train(_cfg(tmp_path / "other", **{"train.resume": str(bad)}))
@@ -154,25 +155,25 @@ def test_leftovers_of_a_killed_save_are_removed_and_never_loaded(tmp_path):
     out = tmp_path / "run"
     train(_cfg(out, **{"train.max_steps": "4"}))
     folder = out / "checkpoints"
-    leftover = folder / f"{ckpt.TMP_PREFIX}step-00000006.pt.1234"
+    leftover = folder / f"{checkpoints.TMP_PREFIX}step-00000006.pt.1234"
     leftover.write_bytes(b"PK\x03\x04 half a zip")
     s = train(_cfg(out, **{"train.resume": "auto", "train.max_steps": "6"}))
     assert s["steps"] == 6 and not leftover.exists()
-    assert [step for step, _ in ckpt.complete_checkpoints(folder)] == [2, 4, 6][-3:]
+    assert [step for step, _ in checkpoints.complete_checkpoints(folder)] == [2, 4, 6][-3:]
 
 
 def test_keep_last_and_keep_every(tmp_path):
     out = tmp_path / "run"
     train(_cfg(out, **{"train.max_steps": "12", "checkpoint.every": "1",
                        "checkpoint.keep_last": "2", "checkpoint.keep_every": "5"}))  # fmt: skip
-    assert [s for s, _ in ckpt.complete_checkpoints(out / "checkpoints")] == [5, 10, 11, 12]
+    assert [s for s, _ in checkpoints.complete_checkpoints(out / "checkpoints")] == [5, 10, 11, 12]
 
 
 def test_overwrite_replaces_the_whole_old_run(tmp_path):
     out = tmp_path / "run"
     train(_cfg(out, **{"train.max_steps": "6"}))
     train(_cfg(out, **{"train.max_steps": "2", "out.overwrite": "true"}))
-    assert [s for s, _ in ckpt.complete_checkpoints(out / "checkpoints")] == [2]
+    assert [s for s, _ in checkpoints.complete_checkpoints(out / "checkpoints")] == [2]
     assert max(json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
@@ -195,7 +196,7 @@ def test_out_of_memory_is_answered_with_the_planners_cheapest_fixes(tmp_path, mo
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("onegpu: error: out of memory: out of memory at step 3 on cpu")
     assert "cheapest changes" in err[0] and "--" in err[0]
-    assert [s for s, _ in ckpt.complete_checkpoints(out / "checkpoints")] == [2]
+    assert [s for s, _ in checkpoints.complete_checkpoints(out / "checkpoints")] == [2]
 
 
 @pytest.mark.slow
@@ -221,20 +222,19 @@ def test_resume_across_epoch_boundaries_continues_the_data_order(stop_at, tmp_pa
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
-    from onegpu.backends.torch.saver import make_saver
-
-    from onegpu.backends.torch.build import build
-    from onegpu.backends.torch.totals import meter_for
+    from onegpu.backends.torch.backend import TorchBackend
+    from onegpu.runs.backend import OneProcess
     from onegpu.runs.folder import RunFolder
+    from onegpu.runs.saver import Saver
 
-    cfg = _cfg(tmp_path / "run")
-    built = build(cfg, with_data=False)
-    run = RunFolder(tmp_path / "run", built.cfg)
-    meter = meter_for(built, None)
-    saver = make_saver(run, built)
+    backend = TorchBackend()
+    cfg = backend.build(_cfg(tmp_path / "run"))
+    run = RunFolder(tmp_path / "run", cfg)
+    meter = backend.meter()
+    saver = Saver(run, backend, cfg, OneProcess())
     assert saver.save(meter, wait=True) is not None  # finite: written
     with torch.no_grad():
-        built.model.blocks[0].mlp.fc.weight[0, 0] = float("inf")
+        backend.built.model.blocks[0].mlp.fc.weight[0, 0] = float("inf")
     with pytest.warns(UserWarning, match="non-finite"):
         assert saver.save(meter, wait=True) is None
     with pytest.warns(UserWarning, match="non-finite"):
@@ -263,7 +263,7 @@ def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monke
     `--train.resume auto` finishes the run."""
     from onegpu.cli import main
 
-    real = ckpt.write_atomic
+    real = checkpoints.write_atomic
     saves = {"n": 0}
 
     def interrupted_save(path, state):
@@ -273,7 +273,7 @@ def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monke
             os.kill(os.getpid(), signal.SIGINT)
         real(path, state)
 
-    monkeypatch.setattr(ckpt, "write_atomic", interrupted_save)
+    monkeypatch.setattr(checkpoints, "write_atomic", interrupted_save)
     out = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--train.device", "cpu", "--train.max_steps", "6",
             "--checkpoint.every", "1", "--train.measure_memory", "false", "--out.progress",
@@ -283,8 +283,8 @@ def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monke
     assert err[-1].startswith("onegpu: stopped at once by a second SIGINT")
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in err)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
-    kept = ckpt.complete_checkpoints(out / "checkpoints")
+    kept = checkpoints.complete_checkpoints(out / "checkpoints")
     assert [s for s, _ in kept] == [1]
-    monkeypatch.setattr(ckpt, "write_atomic", real)
+    monkeypatch.setattr(checkpoints, "write_atomic", real)
     assert main([*args, "--train.resume", "auto"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 6

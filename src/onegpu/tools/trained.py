@@ -16,6 +16,7 @@ from onegpu.config import Config, ConfigError, load_config, with_overrides
 from onegpu.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer
 from onegpu.models.hf import folder_eos_id, open_hf_folder
 from onegpu.models.protocol import LanguageModel
+from onegpu.runs import checkpoints
 
 
 @dataclass
@@ -67,7 +68,7 @@ def _from_run(run: Path, device: torch.device) -> Trained:
         load_model(model, str(final), strict=True, device=str(device))
         weights = str(final)
     else:
-        found = ckpt.complete_checkpoints(run / "checkpoints")
+        found = checkpoints.complete_checkpoints(run / "checkpoints")
         if not found:
             raise ConfigError(
                 "RUN_DIR", f"{run} has no model.safetensors and no complete checkpoint"

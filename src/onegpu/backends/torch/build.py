@@ -101,11 +101,7 @@ def build(
     planner); compile is left out (it changes kernels, not what a step keeps alive). Raises
     ConfigError, before anything is written, for anything this device or data cannot do.
     """
-    if not fake:  # weights on the host: FSDP2's CPU offload (a plan plans one process's share)
-        cfg = with_offload_params(cfg)
-        if dist_ctx is None and cfg.memory.offload_params:  # a group of this one process
-            dist_ctx = init_distributed(cfg.dist, resolve_device(cfg.train.device).type, alone=True)
-    ctx = dist_ctx or single_process()
+    cfg, ctx = _processes(cfg, dist_ctx, fake)
     device = device or resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
     asked, resolved = cfg, resolve(cfg, device, caps, timed=not fake)
     cfg = resolved.config
@@ -150,6 +146,19 @@ def build(
         compile_trial=applied.compile_trial,
         asked=asked,
     )
+
+
+def _processes(
+    cfg: Config, dist_ctx: DistContext | None, fake: bool
+) -> tuple[Config, DistContext]:
+    """The processes a real build runs on: the caller's, or, for weights offloaded to the host
+    (FSDP2's CPU offload, offload/weights.py), a group of this one process. A fake build plans
+    one process's share: the planner applies the same rewrite to its figures."""
+    if not fake:
+        cfg = with_offload_params(cfg)
+        if dist_ctx is None and cfg.memory.offload_params:
+            dist_ctx = init_distributed(cfg.dist, resolve_device(cfg.train.device).type, alone=True)
+    return cfg, dist_ctx or single_process()
 
 
 def _model_with_techniques(
