@@ -77,6 +77,7 @@ def straight(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow  # several runs per backend (tests/train keeps torch's in the fast suite)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_signal_saves_and_the_resumed_run_is_the_straight_one(
     backend, straight, tmp_path, monkeypatch
@@ -98,19 +99,21 @@ def test_a_signal_saves_and_the_resumed_run_is_the_straight_one(
     _same_weights(out, straight[backend])
 
 
+@pytest.mark.slow  # several runs per backend (tests/train keeps torch's in the fast suite)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resume_auto_skips_a_damaged_newest_checkpoint(backend, straight, tmp_path):
     out = tmp_path / "run"
-    train(_cfg(out, backend, **{"train.max_steps": "6"}))
+    train(_cfg(out, backend))
     newest = checkpoints.complete_checkpoints(out / "checkpoints")[-1][1]
-    assert newest.name == f"step-00000006{SUFFIX[backend]}"
+    assert newest.name == f"step-00000008{SUFFIX[backend]}"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])  # a disk error
-    with pytest.warns(UserWarning, match=r"skipping .*step-00000006"):
+    with pytest.warns(UserWarning, match=r"skipping .*step-00000008"):
         s = train(_cfg(out, backend, **{"train.resume": "auto"}))
     assert s["steps"] == 8
-    _same_weights(out, straight[backend])  # from step 4, bit for bit
+    _same_weights(out, straight[backend])  # steps 7 and 8 again from step 6, bit for bit
 
 
+@pytest.mark.slow  # several runs per backend (tests/train keeps torch's in the fast suite)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_resume_on_changed_data_or_trajectory_is_refused(backend, tmp_path):
     src = tmp_path / "data.txt"
