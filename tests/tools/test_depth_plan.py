@@ -49,8 +49,8 @@ def test_a_plan_extrapolated_in_depth_equals_the_full_plan(over, target):
 
 def test_shallow_depths_are_whole_periods_of_the_checkpointing_policy():
     cfg = load_config("tiny", overrides={"memory.checkpointing": "every:3"})
-    assert shallow_depths(cfg) == (6, 9)
-    assert shallow_depths(load_config("tiny")) == (2, 3)
+    assert shallow_depths(cfg.memory) == (6, 9)
+    assert shallow_depths(load_config("tiny").memory) == (2, 3)
 
 
 def test_a_reshaped_hf_folder_has_the_shape_asked_for(hf_folder):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from onegpu.cli.commands import COMMANDS, Command, Env
 from onegpu.config import ConfigError, all_fields, all_keys, load_config, preset_names, type_name
+from onegpu.config.environment import error_file, rank_from_env
 from onegpu.runs.signals import StopNow
 
 EPILOG = """Every option is --section.field VALUE (booleans: true/false). Precedence:
@@ -102,7 +103,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 speaks for every process
+    rank0 = rank_from_env() == 0  # under torchrun, rank 0 speaks for every process
     warnings.showwarning = _show_warning
     if not rank0:
         warnings.simplefilter("ignore")
@@ -131,14 +132,14 @@ def _fail(line: str, code: int, speak: bool) -> int:
     cause instead of "To enable traceback see ..." (its own report around it is torchrun's)."""
     if speak:
         print(line, file=sys.stderr)
-    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if error_path := error_file():
         import json
         import time
 
         record = {"message": line, "extraInfo": {"py_callstack": line,
                                                  "timestamp": str(int(time.time()))}}  # fmt: skip
         with contextlib.suppress(OSError):
-            Path(error_file).write_text(json.dumps({"message": record}))
+            Path(error_path).write_text(json.dumps({"message": record}))
     return code
 
 

@@ -4,8 +4,7 @@ runs, as is the JAX-only model.scan_layers on the torch backend."""
 
 from __future__ import annotations
 
-import os
-
+from onegpu.config.environment import world_size_from_env
 from onegpu.config.options import Config, ConfigError
 
 JAX_ATTENTION = ("auto", "plain", "sdpa")
@@ -49,6 +48,6 @@ def validate_backend(cfg: Config) -> None:
     _refuse(m.scan_layers and mem.checkpointing.startswith("every:"), "memory.checkpointing",
             "every:K rematerialises some blocks, but scanned blocks are all one: use block, "
             "attn+mlp or selective with model.scan_layers, or unroll the layers")  # fmt: skip
-    _refuse(cfg.dist.strategy in ("fsdp", "ddp") or int(os.environ.get("WORLD_SIZE", "1")) > 1,
+    _refuse(cfg.dist.strategy in ("fsdp", "ddp") or world_size_from_env() > 1,
             "dist.strategy", f"(several processes) {none_yet}; the JAX backend trains on "
             "one process")  # fmt: skip

@@ -7,7 +7,14 @@ import math
 import warnings
 
 from onegpu.config.backends import validate_backend
-from onegpu.config.options import Config, ConfigError, DistConfig, parse_checkpointing
+from onegpu.config.options import (
+    Config,
+    ConfigError,
+    DistConfig,
+    MemoryConfig,
+    TrainConfig,
+    parse_checkpointing,
+)
 
 
 def _require(cond: bool, key: str, message: str) -> None:
@@ -20,7 +27,7 @@ def validate(cfg: Config) -> None:
     _validate_counts(cfg)
     _validate_shapes(cfg)
     _validate_optim(cfg)
-    _validate_memory(cfg)
+    _validate_memory(cfg.memory)
     _validate_combinations(cfg)
     _validate_offload(cfg)
     validate_backend(cfg)
@@ -215,8 +222,7 @@ def _validate_offload(cfg: Config) -> None:
     )
 
 
-def _validate_memory(cfg: Config) -> None:
-    mem = cfg.memory
+def _validate_memory(mem: MemoryConfig) -> None:
     parse_checkpointing(mem.checkpointing)
     _require(
         mem.loss_chunk == "auto" or mem.loss_chunk >= 0,
@@ -303,12 +309,11 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         f"{cfg.optim.name} is not supported with several processes yet; use "
         f"{' or '.join(DIST_OPTIMIZERS)}",
     )
-    check_batch_split(cfg, world_size)
+    check_batch_split(cfg.train, world_size)
 
 
-def check_batch_split(cfg: Config, world_size: int) -> None:
+def check_batch_split(t: TrainConfig, world_size: int) -> None:
     """The global batch must split into `world_size` processes x whole micro-batches."""
-    t = cfg.train
     _require(world_size >= 1, "--world-size", f"must be at least 1, got {world_size}")
     _require(
         t.batch_size % (t.micro_batch_size * world_size) == 0,

@@ -9,7 +9,6 @@ before the build) so that they never wait on a GPU stream.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -18,6 +17,12 @@ import torch
 import torch.distributed as dist
 
 from onegpu.config import ConfigError, DistConfig, resolve_strategy
+from onegpu.config.environment import (
+    launched_by_torchrun,
+    local_rank_from_env,
+    restart_count,
+    world_size_from_env,
+)
 
 T = TypeVar("T")
 # Set once this process has opened a process group: its gloo threads may outlive
@@ -113,10 +118,6 @@ def single_process() -> DistContext:
     return DistContext(strategy="none")
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) -> DistContext:
     """Open the process group torchrun describes (once per process; later calls reuse it).
     `alone`: outside torchrun, a process group of this one process (weights offloaded through
@@ -125,7 +126,7 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
     strategy = resolve_strategy(cfg, world_size)
     if strategy == "none":
         return single_process()
-    outside = "MASTER_ADDR" not in os.environ and not dist.is_initialized()
+    outside = not launched_by_torchrun() and not dist.is_initialized()
     if outside and not alone:
         raise ConfigError(
             "dist.strategy",
@@ -137,7 +138,7 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
         backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl" and device_type != "cuda":
         raise ConfigError("dist.backend", "nccl needs CUDA devices; use gloo (or auto) on CPUs")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = local_rank_from_env()
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     global _OPENED
@@ -166,7 +167,7 @@ def _attempt_store() -> dict:
     failed attempt, behind a prefix of this attempt's own. Without it a restarted process can
     read a dead process's gloo address (our extra groups multiply the keys) and fail in
     connectFullMesh ("Connection refused") or hang. {} outside torchelastic."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    attempt = restart_count()
     if attempt is None:
         return {}
     store, rank, world_size = next(dist.rendezvous("env://"))

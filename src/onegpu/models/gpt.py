@@ -128,6 +128,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.vocab_size = cfg.vocab_size
         self.padded_vocab = padded_vocab(cfg)
+        self.last_auxiliary: torch.Tensor | None = None  # dense: no auxiliary term
         self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)

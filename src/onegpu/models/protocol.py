@@ -9,6 +9,7 @@ getattr/hasattr.
   `padded_vocab`: its rows with the padding for matrix units
 - `cfg`: the resolved ModelConfig
 - `is_classifier`: a sequence classifier (targets are labels, one per row)
+- `last_auxiliary`: the auxiliary term the last step took (the log shows it); None where none
 - `logit_transform`: the config attribute by which the model changes its logits after the
   head (soft-capping, scaling), which a chunked loss would skip; None where there is none
 - `init_weights()`: initialise in place (after materialisation); `tie_weights()`: re-tie
@@ -39,6 +40,8 @@ class LanguageModel(Protocol):
     cfg: ModelConfig
     is_classifier: bool
     logit_transform: str | None
+    last_auxiliary: torch.Tensor | None
+    """The auxiliary term `auxiliary_loss` took last (detached, for the log line); None: none."""
 
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor: ...
 

@@ -100,7 +100,7 @@ def planned(
     check_distributed(cfg, strategy, 1)
     share = process_share(cfg, 1)
     plan = plan_extrapolated(share, target, caps) if fast else plan_memory(share, target, caps)
-    mem = rank_memory(cfg, plan, 1, strategy) if strategy != "none" else plan.memory
+    mem = rank_memory(cfg.dist, plan, 1, strategy) if strategy != "none" else plan.memory
     # the speed needs this CPU's measured peaks (seconds, once per machine): only when asked
     step_s = predicted_speed(cfg, plan, gpu, 1).get("predicted_step_time_s") if speed else None
     return Planned(mem["peak"], mem.get("host", 0), step_s, plan.n_params, plan.flops_per_token)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from onegpu.config import Config, ConfigError
+from onegpu.config import Config, ConfigError, ModelConfig
 from onegpu.perf.devices import GPUS
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import fixes_for, planned
@@ -71,7 +71,7 @@ def _rung(cfg, shape: Shape, target, caps, gpu, budget: int, host: int, tokens: 
     sized = with_shape(cfg, shape)
     p = planned(sized, target, caps, gpu, fast=True)
     out = {"shape": shape.__dict__, "label": shape.label(), "params": p.n_params,
-           "model_flags": _model_flags(sized),
+           "model_flags": _model_flags(sized.model),
            "overrides": {}, "peak": p.peak, "host": p.host, "step_s": p.step_s, "fits": False}  # fmt: skip
     if p.peak <= budget and p.host <= host:
         full = planned(sized, target, caps, gpu, fast=False)
@@ -90,10 +90,9 @@ def _rung(cfg, shape: Shape, target, caps, gpu, budget: int, host: int, tokens: 
                   "step_s": step_s, "tokens_per_s": tokens / step_s if step_s else None}  # fmt: skip
 
 
-def _model_flags(cfg: Config) -> dict[str, str]:
+def _model_flags(m: ModelConfig) -> dict[str, str]:
     """The [model] overrides that train this size: a reshaped folder (its config.json alone,
     under the cache) for model.hf, the fields of onegpu's GPT otherwise."""
-    m = cfg.model
     if m.hf:
         return {"model.hf": m.hf}
     return {"model.n_layer": str(m.n_layer), "model.d_model": str(m.d_model),

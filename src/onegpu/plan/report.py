@@ -56,7 +56,7 @@ def plan_report(
     check_distributed(cfg, strategy, world_size)  # what training would refuse, refused here
     plan = plan_memory(process_share(cfg, world_size), target, caps)
     distributed = strategy != "none"
-    mem = rank_memory(cfg, plan, world_size, strategy) if distributed else plan.memory
+    mem = rank_memory(cfg.dist, plan, world_size, strategy) if distributed else plan.memory
     report = _memory_report(cfg, plan, mem)
     if distributed:
         report["dist"] = {
@@ -148,7 +148,7 @@ def gpus_needed(
         several = cfg.grad_accum_steps // n > 1
         if several not in shares:
             shares[several] = plan_memory(process_share(cfg, n), target, caps)
-        peak = rank_memory(cfg, shares[several], n, "fsdp" if n > 1 else "none")["peak"]
+        peak = rank_memory(cfg.dist, shares[several], n, "fsdp" if n > 1 else "none")["peak"]
         rows.append({"world_size": n, "peak": peak, "fits": peak + CUDA_OVERHEAD_BYTES <= capacity})
     fewest = next((r["world_size"] for r in rows if r["fits"]), None)
     return {"fewest": fewest, "rows": rows}

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from onegpu.cache import cache_root
-from onegpu.config import Config
+from onegpu.config import Config, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,10 @@ class Shape:
         )
 
 
-def _hf_config(cfg: Config):
+def _hf_config(m: ModelConfig):
     from onegpu.models.hf.folder import open_hf_folder
 
-    return open_hf_folder(cfg.model.hf, cfg.model.hf_head).config
+    return open_hf_folder(m.hf, m.hf_head).config
 
 
 def shape_of(cfg: Config) -> Shape:
@@ -49,7 +49,7 @@ def shape_of(cfg: Config) -> Shape:
     if not cfg.model.hf:
         m = cfg.model
         return Shape(m.n_layer, m.d_model, m.n_head, m.n_head, m.mlp_ratio * m.d_model)
-    c = _hf_config(cfg)
+    c = _hf_config(cfg.model)
     c = c.get_text_config() if hasattr(c, "get_text_config") else c
     d, heads = int(c.hidden_size), int(c.num_attention_heads)
     kv = int(getattr(c, "num_key_value_heads", None) or heads)
@@ -73,7 +73,7 @@ def with_shape(cfg: Config, shape: Shape) -> Config:
             mlp_ratio=shape.d_ff // shape.d_model,
         )
         return dataclasses.replace(cfg, model=m)
-    config = _hf_config(cfg)
+    config = _hf_config(cfg.model)
     values = config.to_dict()
     text = values.get("text_config") if isinstance(values.get("text_config"), dict) else values
     explicit_head_dim = text.get("head_dim")

@@ -40,7 +40,7 @@ GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 def process_share(cfg: Config, world_size: int) -> Config:
     """The config one of `world_size` processes runs, as one process: its share of the global
     batch."""
-    check_batch_split(cfg, world_size)
+    check_batch_split(cfg.train, world_size)
     t = cfg.train
     # planned as one process: rank_memory adds what sharding and dist.cpu_offload change
     return dataclasses.replace(
@@ -50,7 +50,7 @@ def process_share(cfg: Config, world_size: int) -> Config:
     )
 
 
-def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -> dict[str, int]:
+def rank_memory(dist: DistConfig, plan: MemoryPlan, world_size: int, strategy: str) -> dict[str, int]:
     """Rank 0's planned bytes (distributed/shares.py) from the plan of one process's share."""
     gathered_16bit = plan.param_dtype == torch.float32 and plan.compute_dtype != torch.float32
     single = dict(plan.memory)
@@ -64,8 +64,8 @@ def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -
         plan.block_numels,
         world_size=world_size,
         strategy=strategy,
-        reshard_after_forward=cfg.dist.reshard_after_forward,
-        cpu_offload=cfg.dist.cpu_offload,
+        reshard_after_forward=dist.reshard_after_forward,
+        cpu_offload=dist.cpu_offload,
         gather_bytes=2 if gathered_16bit else plan.param_shapes[0].element_size,
     )
 

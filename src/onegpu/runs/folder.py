@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import onegpu
-from onegpu.config import Config, ConfigError, OutConfig, to_toml
+from onegpu.config import Config, ConfigError, ModelConfig, OutConfig, to_toml
 from onegpu.runs.atomic import atomic_path, copy_atomic, write_text_atomic
 from onegpu.runs.lock import LOCK_NAME, hold_run_folder
 from onegpu.runs.sinks import JsonlSink, TensorBoardSink, strict
@@ -137,18 +137,18 @@ class RunFolder:
         self._metrics = JsonlSink(path / "metrics.jsonl")
         self._tensorboard = TensorBoardSink(path / "tensorboard") if cfg.out.tensorboard else None
 
-    def write_model_files(self, cfg: Config, tokenizer: Any | None) -> None:
+    def write_model_files(self, m: ModelConfig, tokenizer: Any | None) -> None:
         """What export and generate need besides the weights, so that they work after the
         model folder or the token cache is gone: `model/` holds a model.hf folder's
         config and tokenizer files; `tokenizer.json` the data's tokenizer (with its
         end-of-text id in `tokenizer_eot.txt`)."""
         if not self.main:
             return
-        if cfg.model.hf:
+        if m.hf:
             target = self.path / "model"
             target.mkdir(exist_ok=True)
             for name in MODEL_FOLDER_FILES:
-                src = Path(cfg.model.hf).expanduser() / name
+                src = Path(m.hf).expanduser() / name
                 if src.is_file():
                     copy_atomic(src, target / name)
         if tokenizer is not None and hasattr(tokenizer, "to_tokenizers"):

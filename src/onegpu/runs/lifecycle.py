@@ -98,7 +98,7 @@ def _run(
                       "--train.max_steps to train on")  # fmt: skip
             folder.close()
             return done
-    folder.write_model_files(cfg, backend.tokenizer)
+    folder.write_model_files(cfg.model, backend.tokenizer)
     group.barrier()  # the folder is ready (an overwritten run's checkpoints gone) for every rank
     # the batches first: a loader may draw its seed from the global generator, before the
     # random streams are set (or restored) by seed()

@@ -49,7 +49,7 @@ def _plain(cfg: Config, device: torch.device) -> tuple[Config, LanguageModel]:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="sdpa"))
     cfg = resolve(cfg, device).config
     with torch.device("meta"):
-        model = make_model(cfg)
+        model = make_model(cfg.model)
     model = materialize(model, device, seed=cfg.train.seed, dtype=torch.float32)
     return cfg, model.eval()
 

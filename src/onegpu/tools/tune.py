@@ -30,6 +30,7 @@ from typing import Any
 from onegpu.config import (
     Config,
     ConfigError,
+    ModelConfig,
     check_distributed,
     resolve_strategy,
     to_toml,
@@ -63,7 +64,7 @@ def candidates(
         "memory.checkpointing": ["none", "selective", "attn+mlp", "block"],
         "train.precision": lowp,
         "optim.name": ["adamw", "adamw8bit"],
-        "memory.loss_chunk": ["0", "1024"] if _vocab_size(cfg) > 4096 else ["0"],
+        "memory.loss_chunk": ["0", "1024"] if _vocab_size(cfg.model) > 4096 else ["0"],
         "memory.offload_activations": ["false", "true"] if device_type == "cuda" else ["false"],
         # the host tiers (one process; under torchrun FSDP's own CPU offload below)
         "memory.offload_optimizer": ["false", "true"] if host_tiers else ["false"],
@@ -99,16 +100,16 @@ def planned_peak(cfg: Config, target: str, world_size: int) -> int:
         return plan_memory(cfg, target).memory["peak"]
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
     plan = plan_memory(process_share(cfg, world_size), target)
-    return rank_memory(cfg, plan, world_size, strategy)["peak"]
+    return rank_memory(cfg.dist, plan, world_size, strategy)["peak"]
 
 
-def _vocab_size(cfg: Config) -> int:
+def _vocab_size(m: ModelConfig) -> int:
     """The model's vocabulary (a model.hf folder's, not the preset's)."""
-    if cfg.model.hf:
+    if m.hf:
         from onegpu.models.hf import resolve_model_config
 
-        return resolve_model_config(cfg.model).vocab_size
-    return cfg.model.vocab_size
+        return resolve_model_config(m).vocab_size
+    return m.vocab_size
 
 
 def target_caps(device_type: str) -> DeviceCaps:

@@ -96,7 +96,7 @@ def build(cfg: Config) -> JaxBuilt:
     model = GPT(cfg.model, precision, cfg.memory.checkpointing, cfg.model.scan_layers)
     loss = make_loss(model, cfg, chunk)
     params = init_params(cfg, model)
-    tx = make_optimizer(cfg, params)
+    tx = make_optimizer(cfg.optim, params)
     opt_state = tx.init(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params))
     return JaxBuilt(
         cfg=cfg,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from onegpu.config import Config
+from onegpu.config import Config, OptimConfig
 from onegpu.data.windows import IGNORE_INDEX
 
 
@@ -31,10 +31,9 @@ def decay_mask(params: dict) -> dict:
     )
 
 
-def make_optimizer(cfg: Config, params: dict) -> optax.GradientTransformation:
+def make_optimizer(o: OptimConfig, params: dict) -> optax.GradientTransformation:
     """AdamW (torch's: decoupled decay, bias-corrected moments, eps outside the sqrt), SGD
     with momentum beta1, or Adafactor; the learning rate is an argument of every step."""
-    o = cfg.optim
 
     def build(learning_rate):
         if o.name == "adamw":

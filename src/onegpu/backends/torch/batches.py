@@ -12,7 +12,7 @@ from onegpu.backends.torch.loader import (
     make_eval_batches,
     make_train_loader,
 )
-from onegpu.config import Config
+from onegpu.config import DataConfig
 
 
 def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
@@ -26,7 +26,7 @@ def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
         batch_size=cfg.train.batch_size,
         seed=cfg.train.seed,
         start=start_step * cfg.train.batch_size,
-        num_workers=_num_workers(cfg, built.device),
+        num_workers=_num_workers(cfg.data, built.device),
         pin_memory=built.device.type == "cuda",
         classes=built.classes,
     )
@@ -49,7 +49,7 @@ def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
     )
 
 
-def _num_workers(cfg: Config, device: torch.device) -> int:
-    if cfg.data.num_workers >= 0:
-        return cfg.data.num_workers
+def _num_workers(d: DataConfig, device: torch.device) -> int:
+    if d.num_workers >= 0:
+        return d.num_workers
     return 2 if device.type == "cuda" else 0  # on CPU workers compete with compute for cores

@@ -167,7 +167,7 @@ def _model_with_techniques(
     # real: on the meta device, materialised after the techniques; fake: on fake tensors
     # directly (moving meta parameters into a FakeTensorMode cannot swap them)
     with torch.device("cpu" if fake else "meta"):
-        model = make_model(cfg)
+        model = make_model(cfg.model)
     return apply_techniques(model, cfg, resolved, device, ctx)
 
 

@@ -3,7 +3,7 @@ cache), with the tokenizer of a model folder where it has one."""
 
 from __future__ import annotations
 
-from onegpu.config import Config, check_data_sizes
+from onegpu.config import Config, ModelConfig, check_data_sizes
 from onegpu.data.tokenizer import FileTokenizer
 from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.distributed import DistContext
@@ -13,17 +13,17 @@ from onegpu.models.hf import folder_eos_id, open_hf_folder
 def prepare_data(cfg: Config, ctx: DistContext) -> TokenSplits:
     """Token splits for the run; ConfigError when they cannot hold a batch."""
     data = ctx.main_first(
-        lambda: prepare_tokens(cfg.data, cfg.model.vocab_size, data_tokenizer(cfg))
+        lambda: prepare_tokens(cfg.data, cfg.model.vocab_size, data_tokenizer(cfg.model))
     )
     check_data_sizes(cfg, len(data.train), len(data.val))
     return data
 
 
-def data_tokenizer(cfg: Config) -> FileTokenizer | None:
+def data_tokenizer(m: ModelConfig) -> FileTokenizer | None:
     """A model folder's own tokenizer, when it has one (else data.tokenizer's)."""
-    if not cfg.model.hf:
+    if not m.hf:
         return None
-    folder = open_hf_folder(cfg.model.hf, cfg.model.hf_head)
+    folder = open_hf_folder(m.hf, m.hf_head)
     if folder.tokenizer is None:
         return None
     return FileTokenizer(folder.tokenizer, folder_eos_id(folder))

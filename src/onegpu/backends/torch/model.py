@@ -15,7 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from onegpu.backends.torch.resolve import Resolved
-from onegpu.config import Config, ConfigError
+from onegpu.config import Config, ConfigError, ModelConfig
 from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import (
     apply_ddp,
@@ -48,9 +48,9 @@ class Applied:
     """The timing `auto` decided from (None: not 'auto', or nothing to decide)."""
 
 
-def make_model(cfg: Config) -> LanguageModel:
+def make_model(m: ModelConfig) -> LanguageModel:
     """The architecture, unmaterialised, under the caller's device context."""
-    return build_hf_model(cfg.model) if cfg.model.hf else GPT(cfg.model)
+    return build_hf_model(m) if m.hf else GPT(m)
 
 
 def apply_techniques(

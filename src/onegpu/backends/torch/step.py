@@ -184,7 +184,7 @@ class TrainStep:
         fp16 loss scale; a mixture of experts' router balancing term (coefficient x aux loss,
         included in `loss`) of the last micro-batch."""
         extras = {"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}
-        aux = getattr(self.model, "last_auxiliary", None)
+        aux = self.model.last_auxiliary
         if aux is not None:
             extras["router_aux_loss"] = aux.item()
         return extras

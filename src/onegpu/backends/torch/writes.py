@@ -100,7 +100,7 @@ def write_final_weights(built: Built, path: Path) -> None:
         if not built.dist.is_main:
             return
         with torch.device("meta"):
-            model = make_model(built.cfg)
+            model = make_model(built.cfg.model)
         model.to_empty(device="cpu")
         model.load_state_dict(full)
         model.tie_weights()
