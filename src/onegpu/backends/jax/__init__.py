@@ -1,6 +1,6 @@
 """The JAX backend (`train.backend = "jax"`): onegpu's GPT in Flax, optimizers from optax,
 the loop over the same data order, run folder, meter and signals as the torch backend. It
-imports no torch (tests/jaxbackend/test_no_torch.py); docs/jax.md says what it supports."""
+imports no torch (tests/jax/test_no_torch.py); docs/jax.md says what it supports."""
 
 from __future__ import annotations
 
