@@ -29,4 +29,5 @@ def with_offload(loss_fn: LossFn, device: torch.device) -> LossFn:
         with saved_to_host(pin):
             return loss_fn(model, idx, targets)
 
+    offloaded.saves_on_host = True  # what offload/homes.py reads
     return offloaded

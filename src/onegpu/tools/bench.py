@@ -175,6 +175,7 @@ def measured_row(out: Path) -> dict[str, Any]:
         "memory": {k: mem.get(k) for k in ("params", "grads", "optimizer", "activations", "other")},
         "saved_activations_per_micro_batch": mem.get("saved_activations_per_micro_batch"),
         "loss": summary["loss"],
+        "offload": summary.get("offload"),
         "compile_time_s": summary.get("compile_time_s"),
         "mfu": summary.get("mfu"),
         "precision": summary["precision"],

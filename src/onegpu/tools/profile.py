@@ -155,6 +155,7 @@ def summary_text(prof, trace: dict, built: Built, steps: int, cuda: bool) -> str
         f"onegpu profile: {built.n_params:,} parameters on {built.device}, {built.policy.name}, "
         f"batch {cfg.train.batch_size}x{cfg.train_seq_len} in {cfg.grad_accum_steps} micro-batch(es), "
         f"{steps} profiled steps",
+        "where bytes live: " + ", ".join(f"{k} {v}" for k, v in built.homes().items()),
         "",
         f"step time (median of profiled steps): {step_ms:.1f} ms  ->  {tokens / step_ms * 1e3:,.0f} tokens/s "
         "(under the profiler: slower than a real run)",

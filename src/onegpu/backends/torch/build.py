@@ -30,6 +30,7 @@ from onegpu.distributed import DistContext, init_distributed, single_process
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import count_params
 from onegpu.models.protocol import LanguageModel, LossFn
+from onegpu.offload.homes import homes
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.offload.weights import with_offload_params
 from onegpu.optim import build_optimizer
@@ -78,6 +79,11 @@ class Built:
     @property
     def policy(self) -> PrecisionPolicy:
         return self.resolved.precision
+
+    def homes(self) -> dict[str, str]:
+        """Where optimizer states, weights and saved activations live (offload/homes.py)."""
+        on_host = self.dist.enabled and self.cfg.dist.cpu_offload
+        return homes(self.optimizer, self.loss_fn, weights_on_host=on_host)
 
     def saved_counter(self) -> SavedTensorCounter:
         """Counts the bytes this model saves for backward, selective checkpoints' caches too."""

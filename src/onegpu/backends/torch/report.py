@@ -85,6 +85,7 @@ def torch_summary(built: Built, memory: dict[str, Any]) -> dict[str, Any]:
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),
         "memory": memory or None,
+        "offload": built.homes(),
         "precision": built.policy.name,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
