@@ -147,8 +147,11 @@ def entry() -> None:
     from onegpu.perf import allocator
 
     if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile", "tune"):
-        allocator.maybe_reexec_with_fast_allocator(sys.argv[1:])
-        allocator.apply()  # where nothing was preloaded: glibc tuned in this process
+        try:
+            allocator.maybe_reexec_with_fast_allocator(sys.argv[1:])
+            allocator.apply()  # where nothing was preloaded: glibc tuned in this process
+        except ConfigError as e:  # ONEGPU_ALLOCATOR misspelt: before main(), same one line
+            sys.exit(_fail(f"onegpu: error: {e}", 2, os.environ.get("RANK", "0") == "0"))
     try:
         code = main()
         sys.stdout.flush()
