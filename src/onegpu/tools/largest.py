@@ -17,7 +17,7 @@ from typing import Any
 from onegpu.config import Config, ConfigError
 from onegpu.perf.devices import GPUS
 from onegpu.tools.fixes import fixes_for, planned
-from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, gpu_caps, machine_ram
+from onegpu.tools.plan import CUDA_OVERHEAD_BYTES, gpu_caps, machine_ram, one_budget
 from onegpu.tools.shapes import Shape, ladder, shape_of, with_shape
 
 
@@ -32,6 +32,7 @@ def find_largest(
     rung planned on the way."""
     if gpu is None and memory_bytes is None:
         raise ConfigError("--largest", "needs a device to fit: --gpu NAME or --memory BYTES")
+    one_budget(gpu, memory_bytes)
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)

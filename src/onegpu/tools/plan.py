@@ -81,6 +81,15 @@ def rank_memory(cfg: Config, plan: MemoryPlan, world_size: int, strategy: str) -
     )
 
 
+def one_budget(gpu: str | None, memory_bytes: int | None) -> None:
+    """--gpu and --memory each set the budget (a GPU of the table, or bytes on this machine's
+    device): given both, one would be dropped without a word."""
+    if gpu is not None and memory_bytes is not None:
+        raise ConfigError("--memory", f"--gpu {gpu} and --memory {memory_bytes} are alternatives; "
+                          f"keep --gpu {gpu} to plan for that GPU's memory, or --memory "
+                          f"{memory_bytes} for a budget in bytes on this machine")  # fmt: skip
+
+
 def plan_report(
     cfg: Config,
     gpu: str | None,
@@ -91,6 +100,7 @@ def plan_report(
     """The plan of one process (of `world_size`) on `gpu` (None: this CPU, with an optional
     budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes. What it keeps in
     host memory must fit `host_memory` (default: this machine's RAM) too."""
+    one_budget(gpu, memory_bytes)
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
     if memory_bytes is not None and memory_bytes <= 0:
