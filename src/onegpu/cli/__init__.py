@@ -120,9 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # the machine, not the input: a full disk, a folder made read-only
         if e.filename is None:
             raise
-        return _fail(f"onegpu: error: {e.filename}: {e.strerror or e}; what was saved before "
-                     "is intact (an interrupted save leaves no partial file that a resume would "
-                     "load); fix this and continue with --train.resume auto", 1, True)  # fmt: skip
+        from onegpu.runs.folder import RunFolderWriteError
+
+        resume = ("; what was saved before is intact (an interrupted save leaves no partial "
+                  "file that a resume would load); fix this and continue with --train.resume "
+                  "auto") if isinstance(e, RunFolderWriteError) else ""  # fmt: skip
+        return _fail(f"onegpu: error: {e.filename}: {e.strerror or e}{resume}", 1, True)
 
 
 def _fail(line: str, code: int, speak: bool) -> int:

@@ -20,7 +20,7 @@ from onegpu.data.windows import eval_windows, train_windows
 from onegpu.jaxbackend import require_jax, state
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.peaks import cached_cpu_peak
-from onegpu.runs.folder import RunFolder, environment, resolve_out_dir
+from onegpu.runs.folder import RunFolder, environment, resolve_out_dir, writes_of
 from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter
 from onegpu.runs.outcome import run_outcome
@@ -42,7 +42,8 @@ def train(cfg: Config) -> dict[str, Any]:
         release_run_folder(out_dir, unused=True)
         raise
     try:
-        return _run(built, run, previous, start, out_dir)
+        with writes_of(out_dir):  # a failed write of the folder: a resume continues the run
+            return _run(built, run, previous, start, out_dir)
     finally:
         release_run_folder(out_dir)
 

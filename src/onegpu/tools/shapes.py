@@ -14,7 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from onegpu.cache import cache_root
+from onegpu.cache import cache_root, writing
 from onegpu.config import Config
 
 
@@ -84,10 +84,11 @@ def with_shape(cfg: Config, shape: Shape) -> Config:
     blob = json.dumps(values, sort_keys=True, default=str)
     folder = cache_root() / "shapes" / hashlib.sha256(blob.encode()).hexdigest()[:16]
     if not (folder / "config.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "config.json.tmp"
-        tmp.write_text(blob)
-        tmp.replace(folder / "config.json")
+        with writing():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / "config.json.tmp"
+            tmp.write_text(blob)
+            tmp.replace(folder / "config.json")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf=str(folder)))
 
 

@@ -24,7 +24,7 @@ from onegpu.distributed import DistContext, init_distributed
 from onegpu.distributed.context import shutdown
 from onegpu.memory.measure import reset_peak
 from onegpu.perf import allocator
-from onegpu.runs.folder import RunFolder, resolve_out_dir
+from onegpu.runs.folder import RunFolder, resolve_out_dir, writes_of
 from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter
 from onegpu.runs.signals import GracefulStop
@@ -65,7 +65,8 @@ def _train(cfg: Config, ctx: DistContext) -> dict[str, Any]:
         release_run_folder(out_dir, unused=True)
         raise
     try:
-        return _run(cfg, ctx, built, run, previous, start, out_dir)
+        with writes_of(out_dir):  # a failed write of the folder: a resume continues the run
+            return _run(cfg, ctx, built, run, previous, start, out_dir)
     finally:
         release_run_folder(out_dir)
 
