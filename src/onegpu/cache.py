@@ -3,14 +3,15 @@ measured figures (matmul peaks, kernel choices).
 
 Measurements are keyed by what they depend on (CPU model, threads, torch version, shapes), so a
 cached figure is reused only where it still holds. This module sits at the bottom of the package
-(next to config): any layer may use it, it imports none.
+(next to config): any layer may use it, it imports none (but config's error, when a write fails).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,20 @@ def cache_root(cache_dir: str = "") -> Path:
     """`cache_dir` if given, else $ONEGPU_CACHE, else ~/.cache/onegpu: one place for every cache."""
     root = cache_dir or os.environ.get("ONEGPU_CACHE") or Path.home() / ".cache" / "onegpu"
     return Path(root).expanduser()
+
+
+@contextlib.contextmanager
+def writing() -> Iterator[None]:
+    """Around a write under cache_root(): a folder that cannot be made or written (ONEGPU_CACHE
+    under a file, read-only, a full disk) is the user's setting to fix, one line naming it, not
+    a traceback or a run's failure."""
+    try:
+        yield
+    except OSError as e:
+        from onegpu.config import ConfigError
+
+        raise ConfigError("ONEGPU_CACHE", f"cannot write onegpu's cache in {cache_root()} "
+                          f"({e.strerror or e}); set ONEGPU_CACHE to a writable folder") from None  # fmt: skip
 
 
 def entries(name: str) -> dict[str, Any]:
@@ -68,8 +83,9 @@ def cached(
     stale = key in cache and valid is not None and not valid(cache[key])
     if refresh or key not in cache or stale:
         cache[key] = measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)  # atomic: concurrent runs never read half a file
+        with writing():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)  # atomic: concurrent runs never read half a file
     return cache[key]

@@ -134,3 +134,24 @@ def test_data_dependent_experts_are_refused_by_plan_and_skipped_by_the_start_che
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [r["router_aux_loss"] for r in rows if "loss" in r]
     assert len(logged) == 2 and all(0 < a < 1 for a in logged)
+
+
+@pytest.mark.parametrize("checkpointing", ["block", "selective"])
+def test_checkpointed_experts_recompute_as_the_forward_ran_them(tmp_path, checkpointing):
+    """A checkpointed block recomputes its experts in backward, outside the model's forward
+    call: transformers' own function ran them there in fp32 (its cast to the weights' dtype),
+    which torch refuses against the forward's bf16 tensors in a real step, and which the fake
+    tensors' shape rule refuses in a plan of fp32 weights (DeepSeek-V2 with selective
+    checkpointing, Qwen3-MoE's fix list)."""
+    from onegpu.backends.torch.build import build
+
+    folder = _folder(tmp_path, "qwen3_moe")
+    over = {"memory.checkpointing": checkpointing, "train.compile": "none"}
+    cfg = load_config(overrides={**_overrides(folder, "bf16"), **over})
+    built = build(cfg, torch.device("cpu"), with_data=False)
+    x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(0))
+    out = built.step(x[:, :-1], x[:, 1:], 8 * 64, 0)
+    assert torch.isfinite(out.loss) and not out.skipped
+    for precision in ("fp32", "bf16"):
+        cfg = load_config(overrides={**_overrides(folder, precision), **over})
+        assert plan_memory(cfg).memory["peak"] > 0

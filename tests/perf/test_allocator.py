@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from onegpu.config import ConfigError
 from onegpu.perf import allocator
 
 
@@ -65,3 +66,18 @@ def test_mimalloc_is_preloaded_keeping_freed_pages(monkeypatch, given, want):
     allocator.maybe_reexec_with_fast_allocator(["train"])
     assert seen["LD_PRELOAD"].startswith(allocator.find_mimalloc())
     assert seen[allocator.MIMALLOC_PURGE] == want
+
+
+def test_an_unknown_allocator_is_one_line_naming_the_variable_and_its_values(monkeypatch):
+    """A misspelt ONEGPU_ALLOCATOR is refused (exit 2), not silently run as auto."""
+    env = {**os.environ, allocator.ENV: "nosuch"}
+    env.pop("LD_PRELOAD", None)
+    cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--train.max_steps", "1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert err[0].startswith(f"onegpu: error: {allocator.ENV}: unknown allocator 'nosuch'")
+    assert all(choice in err[0] for choice in allocator.CHOICES)
+    monkeypatch.setenv(allocator.ENV, "nosuch")  # library users calling onegpu.train too
+    with pytest.raises(ConfigError, match=allocator.ENV):
+        allocator.apply()

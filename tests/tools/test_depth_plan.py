@@ -49,8 +49,8 @@ def test_a_plan_extrapolated_in_depth_equals_the_full_plan(over, target):
 
 def test_shallow_depths_are_whole_periods_of_the_checkpointing_policy():
     cfg = load_config("tiny", overrides={"memory.checkpointing": "every:3"})
-    assert shallow_depths(cfg.memory) == (6, 9)
-    assert shallow_depths(load_config("tiny").memory) == (2, 3)
+    assert shallow_depths(cfg) == (6, 9)
+    assert shallow_depths(load_config("tiny")) == (2, 3)
 
 
 def test_a_reshaped_hf_folder_has_the_shape_asked_for(hf_folder):
@@ -78,3 +78,51 @@ def test_a_family_grows_in_width_and_depth_keeping_heads_and_kv_groups():
     assert scaled(llama_8b, 2.0).d_model == 8192
     gpt2 = Shape(n_layer=12, d_model=768, n_head=12, n_kv_head=12, d_ff=3072)
     assert all(s.d_ff == 4 * s.d_model for s in ladder(gpt2, 2, 2))
+
+
+def _hf_cfg(tmp_path, config) -> object:
+    config.save_pretrained(tmp_path / "model")
+    return load_config(overrides={"model.hf": str(tmp_path / "model"), "model.seq_len": "32",
+                                  "train.device": "cpu", "train.precision": "fp32",
+                                  "train.batch_size": "2", "train.micro_batch_size": "2"})  # fmt: skip
+
+
+def test_a_copy_in_depth_keeps_its_per_layer_lists_valid(tmp_path):
+    """transformers checks `layer_types` against the depth (a copy of 2 blocks keeping 26
+    entries was refused): per-layer lists are cut to the copy's depth (repeated where it is
+    deeper), lists of layer numbers keep the copy's layers; the head size is the config's."""
+    import transformers
+
+    from onegpu.plan.shapes import _hf_config
+
+    types = ["full_attention", "sliding_attention", "sliding_attention"] * 2
+    cfg = _hf_cfg(tmp_path, transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[0, 4],
+        layer_types=types, use_sliding_window=True, sliding_window=16, head_dim=32,
+    ))  # fmt: skip
+    two, nine = _hf_config(with_depth(cfg, 2).model), _hf_config(with_depth(cfg, 9).model)
+    assert (two.num_hidden_layers, two.layer_types, two.mlp_only_layers) == (2, types[:2], [0])
+    assert nine.layer_types == types + types[:3] and nine.mlp_only_layers == [0, 4]
+    assert two.head_dim == 32  # not hidden / heads (16)
+    assert plan_memory(with_depth(cfg, 2)).memory["peak"] > 0
+
+
+def test_the_shallow_copies_start_past_the_leading_dense_blocks(tmp_path):
+    """DeepSeek-V3 builds its first three blocks dense: copies of two and three blocks hold no
+    experts, and the extrapolated model had 37B of V3's 671B parameters. The copies now start
+    past them, and the fast plan equals the full one."""
+    import transformers
+
+    cfg = _hf_cfg(tmp_path, transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=9,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, n_group=1, topk_group=1, first_k_dense_replace=3,
+        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16,
+    ))  # fmt: skip
+    assert shallow_depths(cfg) == (5, 6)
+    full, fast = plan_memory(cfg), plan_extrapolated(cfg)
+    assert fast.n_params == full.n_params
+    assert fast.memory["peak"] == pytest.approx(full.memory["peak"], rel=1e-3)

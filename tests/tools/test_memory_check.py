@@ -1,11 +1,16 @@
 """`onegpu train` plans before it allocates: a run that cannot fit is refused at once (exit 2,
-the planner's figure and fixes, nothing written); the plan is cached per configuration."""
+the planner's figure and fixes, nothing written); the plan is cached per configuration; a
+configuration the planner cannot follow is one line and the run starts, while the user's own
+configuration errors are still refused in one line."""
 
 import pytest
+import torch
 
 from onegpu.cli import main
-from onegpu.config import load_config
+from onegpu.config import ConfigError, load_config
 from onegpu.plan import startup as memory_check
+
+CPU = torch.device("cpu")
 
 
 @pytest.mark.slow  # the fix list runs, then a real tiny run
@@ -35,3 +40,52 @@ def test_the_start_plan_is_cached_by_what_changes_memory(monkeypatch):
     assert memory_check.planned_need(other_run, "cpu") == first
     with pytest.raises(AssertionError, match="planned again"):
         memory_check.planned_need(load_config("tiny", overrides={"model.n_layer": "4"}), "cpu")
+
+
+def test_a_configuration_the_planner_cannot_follow_is_one_line_and_the_run_starts(tmp_path, capsys):
+    """Randomized linear layers read a value in their step, which fake tensors lack: the check
+    says so in one line and the run trains (it used to end with a traceback)."""
+    args = ["train", "--preset", "tiny", "--train.device", "cpu", "--train.max_steps", "1",
+            "--optim.warmup_steps", "0", "--out.progress", "false",
+            "--memory.randomized_linear", "0.25", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert main(args) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "onegpu: memory check skipped: could not plan this configuration "
+        "(DataDependentOutputException: "
+    ), err
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_any_planner_failure_skips_the_check_but_configuration_errors_are_raised(
+    monkeypatch, capsys
+):
+    cfg = load_config("tiny", overrides={"train.device": "cpu", "model.init_std": "0.0123"})
+    failures = [RuntimeError("no shape rule for aten.thing\nlong details"), ConfigError("x", "y")]
+
+    def planner_fails(*args, **kwargs):
+        raise failures.pop(0)
+
+    monkeypatch.setattr("onegpu.plan.fixes.planned", planner_fails)
+    assert memory_check.check_memory(cfg, CPU) == {
+        "skipped": "could not plan this configuration (RuntimeError: no shape rule for aten.thing)"
+    }
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "onegpu: memory check skipped: could not plan this configuration "
+        "(RuntimeError: no shape rule for aten.thing)"
+    ]
+    with pytest.raises(ConfigError, match="^x: y$"):
+        memory_check.check_memory(cfg, CPU)
+
+
+def test_a_kernel_this_device_lacks_is_the_builds_one_line_before_any_plan(monkeypatch):
+    """The fake plan runs the CPU's shape rules, so the build's refusal of an SDPA kernel the
+    device lacks is checked first: the user's error, not a planner failure."""
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned")
+
+    monkeypatch.setattr("onegpu.plan.fixes.planned", no_planning)
+    cfg = load_config("tiny", overrides={"train.device": "cpu", "model.attention": "efficient"})
+    with pytest.raises(ConfigError, match="^model.attention: the SDPA 'efficient' kernel"):
+        memory_check.check_memory(cfg, CPU)

@@ -260,9 +260,11 @@ def test_a_run_resumes_with_the_optimizer_moved_to_or_from_the_host(tmp_path, mo
 def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys):
     """Ctrl-C twice while a checkpoint is written: exit 130, one line, no traceback; the
     checkpoints written before load, the cut one left no file under a checkpoint's name, and
-    `--train.resume auto` finishes the run."""
+    `--train.resume auto` finishes the run. The handlers are compared with the ones in force
+    when the test started: a shell that starts pytest in the background ignores SIGINT."""
     from onegpu.cli import main
 
+    before = signal.getsignal(signal.SIGINT)
     real = checkpoints.write_atomic
     saves = {"n": 0}
 
@@ -282,7 +284,7 @@ def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("onegpu: stopped at once by a second SIGINT")
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in err)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
+    assert signal.getsignal(signal.SIGINT) is before  # handlers put back
     kept = checkpoints.complete_checkpoints(out / "checkpoints")
     assert [s for s, _ in kept] == [1]
     monkeypatch.setattr(checkpoints, "write_atomic", real)

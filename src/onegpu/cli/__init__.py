@@ -121,9 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # the machine, not the input: a full disk, a folder made read-only
         if e.filename is None:
             raise
-        return _fail(f"onegpu: error: {e.filename}: {e.strerror or e}; what was saved before "
-                     "is intact (an interrupted save leaves no partial file that a resume would "
-                     "load); fix this and continue with --train.resume auto", 1, True)  # fmt: skip
+        from onegpu.runs.folder import RunFolderWriteError
+
+        resume = ("; what was saved before is intact (an interrupted save leaves no partial "
+                  "file that a resume would load); fix this and continue with --train.resume "
+                  "auto") if isinstance(e, RunFolderWriteError) else ""  # fmt: skip
+        return _fail(f"onegpu: error: {e.filename}: {e.strerror or e}{resume}", 1, True)
 
 
 def _fail(line: str, code: int, speak: bool) -> int:
@@ -148,8 +151,11 @@ def entry() -> None:
     from onegpu.perf import allocator
 
     if len(sys.argv) > 1 and sys.argv[1] in ("train", "bench", "profile", "tune"):
-        allocator.maybe_reexec_with_fast_allocator(sys.argv[1:])
-        allocator.apply()  # where nothing was preloaded: glibc tuned in this process
+        try:
+            allocator.maybe_reexec_with_fast_allocator(sys.argv[1:])
+            allocator.apply()  # where nothing was preloaded: glibc tuned in this process
+        except ConfigError as e:  # ONEGPU_ALLOCATOR misspelt: before main(), same one line
+            sys.exit(_fail(f"onegpu: error: {e}", 2, os.environ.get("RANK", "0") == "0"))
     try:
         code = main()
         sys.stdout.flush()

@@ -133,7 +133,7 @@ def _tune(ns, env: Env) -> int:
     overrides = env.load(overrides_only=True)
     cfg = env.load()
     out = Path(ns.out or "tune")
-    if predicted_only(ns.gpu, ns.world_size):
+    if predicted_only(ns.gpu, ns.world_size, ns.memory):
         from onegpu.tools.tune_plan import tune_predicted
 
         tune_predicted(cfg, ns.gpu, ns.host_memory, out, log=lambda s: print(s, flush=True))

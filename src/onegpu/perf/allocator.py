@@ -26,7 +26,8 @@ working, the first of:
 
 Only on Linux machines without an NVIDIA device (the host allocator matters most when the host
 computes). `ONEGPU_ALLOCATOR` = auto (default) | tcmalloc | mimalloc | glibc-tuned | system
-forces one; `summary.json["allocator"]` records what ran.
+forces one (any other value is refused in one line, exit 2); `summary.json["allocator"]`
+records what ran.
 """
 
 from __future__ import annotations
@@ -84,8 +85,13 @@ def active_allocator() -> str:
 
 
 def _choice() -> str:
-    choice = os.environ.get(ENV, "auto")
-    return choice if choice in CHOICES else "auto"
+    """ONEGPU_ALLOCATOR, checked: a misspelt name refused rather than silently run as auto."""
+    choice = os.environ.get(ENV, "") or "auto"
+    if choice not in CHOICES:
+        from onegpu.config import ConfigError
+
+        raise ConfigError(ENV, f"unknown allocator {choice!r}; use one of {', '.join(CHOICES)}")
+    return choice
 
 
 def _applies() -> bool:
@@ -98,7 +104,7 @@ def apply() -> str:
     """Tune glibc malloc for training in this process, where it applies; returns
     `active_allocator()`. Safe to call more than once, and a no-op under tcmalloc or musl."""
     global _tuned
-    if _tuned or not _applies() or active_allocator() in ("tcmalloc", "mimalloc"):
+    if not _applies() or _tuned or active_allocator() in ("tcmalloc", "mimalloc"):
         return active_allocator()
     try:
         libc = ctypes.CDLL(None)

@@ -13,20 +13,25 @@ full model; tests/tools/test_depth_plan.py holds the two to each other.
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from onegpu.config import Config, MemoryConfig, parse_checkpointing
+from onegpu.config import Config, parse_checkpointing
 from onegpu.distributed.shares import ParamShape
 from onegpu.plan.memory import MemoryPlan, plan_memory
-from onegpu.plan.shapes import shape_of, with_depth
+from onegpu.plan.shapes import block_pattern, shape_of, with_depth
 from onegpu.techniques.precision import DeviceCaps
 
 
-def shallow_depths(memory: MemoryConfig) -> tuple[int, int]:
+def shallow_depths(cfg: Config) -> tuple[int, int]:
     """Depths to plan at: whole periods of the checkpointing policy (`every:K` checkpoints
-    blocks 0, K, 2K, ...), at least two blocks (the first and last block differ from the rest
-    in some models: the embedding's output, the final norm's input)."""
-    period = parse_checkpointing(memory.checkpointing).every
+    blocks 0, K, 2K, ...) and of the model's blocks (experts in every other block), at least
+    two blocks (the first and last block differ from the rest in some models: the embedding's
+    output, the final norm's input), past the leading blocks built unlike the rest (DeepSeek-V3's
+    three dense layers: copies of two and three blocks would have no experts at all)."""
+    lead, pattern = block_pattern(cfg)
+    period = math.lcm(parse_checkpointing(cfg.memory.checkpointing).every, pattern)
     a = max(2, period) if period == 1 else 2 * period
+    a += -(-lead // period) * period  # whole periods, so the checkpointed blocks stay aligned
     return a, a + period
 
 
@@ -35,7 +40,7 @@ def plan_extrapolated(
 ) -> MemoryPlan:
     """`plan_memory(cfg, ...)`, from two shallow plans where the model is deep enough."""
     depth = shape_of(cfg).n_layer
-    a, b = shallow_depths(cfg.memory)
+    a, b = shallow_depths(cfg)
     if depth <= b + (b - a):
         return plan_memory(cfg, target, caps)
     pa = plan_memory(with_depth(cfg, a), target, caps, by_segment=True)

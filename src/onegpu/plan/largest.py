@@ -19,7 +19,7 @@ from onegpu.perf.devices import GPUS
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import fixes_for, planned
 from onegpu.plan.shapes import Shape, ladder, shape_of, with_shape
-from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, gpu_caps
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, gpu_caps, one_budget
 
 
 def find_largest(
@@ -33,6 +33,7 @@ def find_largest(
     rung planned on the way."""
     if gpu is None and memory_bytes is None:
         raise ConfigError("--largest", "needs a device to fit: --gpu NAME or --memory BYTES")
+    one_budget(gpu, memory_bytes)
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)

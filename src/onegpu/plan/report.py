@@ -20,6 +20,7 @@ from onegpu.plan.targets import (
     CUDA_OVERHEAD_BYTES,
     GPU_COUNTS,
     gpu_caps,
+    one_budget,
     predicted_speed,
     process_share,
     rank_memory,
@@ -44,6 +45,7 @@ def plan_report(
     """The plan of one process (of `world_size`) on `gpu` (None: this CPU, with an optional
     budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes. What it keeps in
     host memory must fit `host_memory` (default: this machine's RAM) too."""
+    one_budget(gpu, memory_bytes)
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
     if memory_bytes is not None and memory_bytes <= 0:

@@ -4,7 +4,7 @@ in depth) and `onegpu plan --largest` (a ladder of sizes of one family) are buil
 A shape is the handful of numbers that set a decoder's size. For onegpu's GPT they are
 [model] fields; for a model.hf folder they are its config.json's, so a reshaped folder is
 written (config.json only: an architecture, no weights) under the cache and planned like any
-other. Everything else of the configuration is kept.
+other. Everything else of the configuration is kept (its per-layer lists at the new depth).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from onegpu.cache import cache_root
+from onegpu.cache import cache_root, writing
 from onegpu.config import Config, ModelConfig
 
 
@@ -57,10 +57,27 @@ def shape_of(cfg: Config) -> Shape:
     return Shape(int(c.num_hidden_layers), d, heads, kv, int(d_ff))
 
 
+def block_pattern(cfg: Config) -> tuple[int, int]:
+    """How the blocks repeat: the leading blocks built unlike the rest (DeepSeek's first
+    `first_k_dense_replace` layers and Qwen-MoE's leading `mlp_only_layers` have a dense MLP
+    instead of experts) and the period of the rest (Qwen-MoE's experts in every
+    `decoder_sparse_step`-th block). onegpu's GPT: (0, 1)."""
+    if not cfg.model.hf:
+        return 0, 1
+    c = _hf_config(cfg.model)
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    lead = int(getattr(c, "first_k_dense_replace", 0) or 0)
+    dense = set(getattr(c, "mlp_only_layers", None) or ())
+    while lead in dense:
+        lead += 1
+    return lead, max(1, int(getattr(c, "decoder_sparse_step", 1) or 1))
+
+
 def with_shape(cfg: Config, shape: Shape) -> Config:
     """`cfg` training a model of `shape` (a model.hf folder: a reshaped copy of its config.json
     under the cache, keyed by its content)."""
-    if shape == shape_of(cfg):
+    old = shape_of(cfg)
+    if shape == old:
         return cfg
     if not cfg.model.hf:
         if shape.d_ff % shape.d_model or shape.n_kv_head != shape.n_head:
@@ -76,19 +93,43 @@ def with_shape(cfg: Config, shape: Shape) -> Config:
     config = _hf_config(cfg.model)
     values = config.to_dict()
     text = values.get("text_config") if isinstance(values.get("text_config"), dict) else values
-    explicit_head_dim = text.get("head_dim")
     for key, value in _hf_keys(config, shape).items():
         text[key] = value
-    if explicit_head_dim:
+    _fit_layer_lists(text, old.n_layer, shape.n_layer)
+    if text.get("head_dim") and shape.head_dim != old.head_dim:
+        # only a new head size: a config's own head_dim need not be width / heads (Gemma-2's
+        # 256 at 2304 / 8; DeepSeek's is its rotary part), and a copy in depth keeps it
         text["head_dim"] = shape.head_dim
     blob = json.dumps(values, sort_keys=True, default=str)
     folder = cache_root() / "shapes" / hashlib.sha256(blob.encode()).hexdigest()[:16]
     if not (folder / "config.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "config.json.tmp"
-        tmp.write_text(blob)
-        tmp.replace(folder / "config.json")
+        with writing():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / "config.json.tmp"
+            tmp.write_text(blob)
+            tmp.replace(folder / "config.json")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf=str(folder)))
+
+
+LAYER_NUMBER_LISTS = ("mlp_only_layers",)
+"""config.json lists of layer numbers (Qwen-MoE's dense layers), not one entry per layer."""
+
+
+def _fit_layer_lists(text: dict, depth: int, n_layer: int) -> None:
+    """config.json's per-layer lists at the copy's depth: transformers checks them against
+    num_hidden_layers (`layer_types` of Gemma-2, Qwen2-MoE, ...; a copy keeping 26 entries for 2
+    blocks is refused), and the model builds each block from its entry. A list of one entry per
+    layer is cut to the copy's first `n_layer` (repeated from the start where the copy is
+    deeper: the pattern goes on); a list of layer numbers keeps those the copy has."""
+    if depth == n_layer:
+        return
+    for key, value in text.items():
+        if not isinstance(value, list) or key == "architectures":
+            continue
+        if key in LAYER_NUMBER_LISTS:
+            text[key] = [i for i in value if not isinstance(i, int) or i < n_layer]
+        elif depth > 1 and len(value) == depth:
+            text[key] = [value[i % depth] for i in range(n_layer)]
 
 
 def _hf_keys(config, shape: Shape) -> dict[str, int]:

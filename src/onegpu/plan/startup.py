@@ -50,17 +50,28 @@ def planned_need(cfg: Config, target: str) -> dict[str, int]:
 
 def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
     """ConfigError (exit 2) where the plan does not fit this machine; None when the check is
-    off; else what was compared."""
+    off; else what was compared ({'skipped': why} where no plan could be made).
+
+    The check guards a run, so it never ends one the user could have run: the configuration's
+    own errors (ConfigError, from the build's checks for this device or the plan's) are raised
+    as the run would raise them, and anything else that stops the planner (a technique whose
+    step reads values, which fake tensors lack) is one line on stderr, and the run starts
+    unchecked. Callable wherever a run knows its config and device."""
     if cfg.train.skip_memory_check:
         return None
     from onegpu.plan.memory import Unplannable
 
     target = "cuda" if device.type == "cuda" else "cpu"
     try:
+        _device_refusals(cfg, device)
         need = planned_need(cfg, target)
     except Unplannable as e:  # the run itself is fine: say so and train unchecked
-        print(f"onegpu: memory check skipped: {e}", file=sys.stderr)
-        return {"skipped": str(e)}
+        return _skipped(str(e))
+    except ConfigError:
+        raise  # the user's configuration: refused now as the build would refuse it
+    except Exception as e:  # the planner's limit, not the run's
+        first = next(iter(str(e).strip().splitlines()), "")
+        return _skipped(f"could not plan this configuration ({type(e).__name__}: {first})")
     host_free = available_host_bytes()
     if target == "cuda":
         from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
@@ -78,13 +89,33 @@ def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
     return {"need": need, "device_free": device_free, "host_free": host_free}
 
 
+def _skipped(why: str) -> dict[str, Any]:
+    print(f"onegpu: memory check skipped: {why}", file=sys.stderr)
+    return {"skipped": why}
+
+
+def _device_refusals(cfg: Config, device: torch.device) -> None:
+    """What the build refuses on this device only with real tensors (the plan's fake ones run
+    the CPU's shape rules): an SDPA kernel the device lacks. Checked before planning, so the
+    answer is the build's one line, not a planner failure."""
+    from onegpu.backends.torch.build import resolve
+    from onegpu.techniques.attention import check_attention_backend
+
+    resolved = resolve(cfg, device, timed=False)
+    check_attention_backend(resolved.attention, device, resolved.precision.param_dtype)
+
+
 def _refusal(
     cfg: Config, need: dict[str, int], device_free: int, host_free: int, target: str
 ) -> str:
     from onegpu.plan.fixes import fixes_for
 
     budget = device_free if target == "cuda" else host_free - need["host"]
-    found = fixes_for(cfg, max(budget, 0), target, base_peak=need["peak"], host_budget=host_free)
+    try:
+        found = fixes_for(cfg, max(budget, 0), target, base_peak=need["peak"],
+                          host_budget=host_free)  # fmt: skip
+    except Exception:  # a change the search cannot plan: the refusal, without the fixes
+        found = []
     best = next((f for f in found if "best_overrides" in f), None)
     where = "this GPU has" if target == "cuda" else "this machine has"
     fix = ("fits with " + " ".join(f"--{k} {v}" for k, v in best["best_overrides"].items())

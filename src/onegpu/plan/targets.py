@@ -8,11 +8,7 @@ from typing import Any
 
 import torch
 
-from onegpu.config import (
-    Config,
-    DistConfig,
-    check_batch_split,
-)
+from onegpu.config import Config, ConfigError, DistConfig, check_batch_split
 from onegpu.distributed.shares import per_rank_memory
 from onegpu.offload.pricing import offload_costs
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
@@ -91,3 +87,12 @@ def predicted_speed(
             "predicted_compute_s": compute_s, "efficiency_assumed": EFFICIENCY,
             "recompute_factor": recompute,
             **({"offload": offload} if offload else {})}  # fmt: skip
+
+
+def one_budget(gpu: str | None, memory_bytes: int | None) -> None:
+    """--gpu and --memory each set the budget (a GPU of the table, or bytes on this machine's
+    device): given both, one would be dropped without a word."""
+    if gpu is not None and memory_bytes is not None:
+        raise ConfigError("--memory", f"--gpu {gpu} and --memory {memory_bytes} are alternatives; "
+                          f"keep --gpu {gpu} to plan for that GPU's memory, or --memory "
+                          f"{memory_bytes} for a budget in bytes on this machine")  # fmt: skip

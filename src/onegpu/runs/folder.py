@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,32 @@ MODEL_FOLDER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
 )
+
+
+class RunFolderWriteError(OSError):
+    """An OSError on a file of the run folder while the run trains (a checkpoint, the metrics,
+    the summary: a full disk, a folder made read-only). Every save is all-or-nothing, so what
+    was saved before is intact and `--train.resume auto` continues once the cause is fixed;
+    other OSErrors (the data, the cache, another command's files) are not this."""
+
+
+@contextlib.contextmanager
+def writes_of(out_dir: Path) -> Iterator[None]:
+    """Inside: an OSError naming a file under `out_dir` is raised as RunFolderWriteError."""
+    try:
+        yield
+    except RunFolderWriteError:
+        raise
+    except OSError as e:
+        if not any(_inside(name, out_dir) for name in (e.filename, e.filename2)):
+            raise
+        raise RunFolderWriteError(e.errno, e.strerror or str(e), e.filename) from e
+
+
+def _inside(name: Any, folder: Path) -> bool:
+    if not isinstance(name, (str, os.PathLike)):
+        return False
+    return Path(os.path.abspath(name)).is_relative_to(os.path.abspath(folder))
 
 
 def resolve_out_dir(out: OutConfig, *, resuming: bool = False) -> Path:

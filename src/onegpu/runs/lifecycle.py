@@ -21,7 +21,7 @@ from onegpu.config import Config
 from onegpu.runs import checkpoints
 from onegpu.runs.backend import Backend, Processes
 from onegpu.runs.checkpoints import Checkpoint
-from onegpu.runs.folder import RunFolder, resolve_out_dir
+from onegpu.runs.folder import RunFolder, resolve_out_dir, writes_of
 from onegpu.runs.lock import release_run_folder
 from onegpu.runs.meter import Meter
 from onegpu.runs.outcome import run_outcome
@@ -49,7 +49,8 @@ def run(cfg: Config, backend: Backend) -> dict[str, Any]:
             release_run_folder(out_dir, unused=True)
             raise
         try:
-            return _run(built_cfg, backend, group, folder, previous)
+            with writes_of(out_dir):  # a failed write of the folder: a resume continues the run
+                return _run(built_cfg, backend, group, folder, previous)
         finally:
             release_run_folder(out_dir)
 

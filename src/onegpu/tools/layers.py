@@ -24,7 +24,8 @@ from collections import defaultdict, deque
 from pathlib import Path
 
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "cache", "quiet"),  # pure data: options, where caches live; library notes off
+    ("config", "quiet"),  # pure data: options and their checks; library notes off
+    ("cache",),  # where caches live (a write that fails is config's one-line error)
     ("perf", "memory", "runs", "data"),  # FLOPs, peaks, allocator; saved/live bytes; the run
     # lifecycle (folder, loop, checkpoints: no framework); corpus, tokens, windows, loaders
     ("models",),  # architecture

@@ -39,7 +39,7 @@ from onegpu.config import (
 from onegpu.offload.weights import with_offload_params
 from onegpu.perf.flops import RECOMPUTE
 from onegpu.plan.memory import plan_memory
-from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, process_share, rank_memory
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, one_budget, process_share, rank_memory
 from onegpu.runs.atomic import write_together
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
 
@@ -135,13 +135,14 @@ def precisions(caps: DeviceCaps) -> list[str]:
     return [auto, "bf16-pure"] if auto == "bf16" else [auto]
 
 
-def predicted_only(gpu: str | None, world_size: int) -> bool:
+def predicted_only(gpu: str | None, world_size: int, memory: int | None = None) -> bool:
     """Whether a search cannot measure: a GPU of the table was named and none is here (the
     search is then by prediction alone: tools/tune_plan.py)."""
     import torch
 
     from onegpu.perf.devices import GPUS
 
+    one_budget(gpu, memory)
     if gpu is None or torch.cuda.is_available():
         return False
     if gpu not in GPUS:
@@ -160,6 +161,7 @@ def budget(gpu: str | None, memory: int | None) -> tuple[int, str]:
     from onegpu.backends.torch.build import resolve_device
     from onegpu.perf.devices import GPUS
 
+    one_budget(gpu, memory)
     target = "cuda" if resolve_device("auto").type == "cuda" else "cpu"
     if gpu is not None:
         if gpu not in GPUS:

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.hf.folder import HFFolder, open_hf_folder, require_transformers
-from onegpu.models.hf.patches import around_forward
+from onegpu.models.hf.patches import around_forward, experts_in_compute_dtype_always
 from onegpu.models.hf.translate import attn_implementation, config_logit_transform
 from onegpu.models.hf.weights import load_safetensors_into
 
@@ -68,6 +68,7 @@ class HFModel(nn.Module):
         self.padded_vocab = self.vocab_size
         # not registered as submodules: they are parts of self.hf (no duplicate state keys)
         object.__setattr__(self, "_blocks", find_blocks(hf))
+        experts_in_compute_dtype_always(hf)  # a checkpoint's recompute included
         self._balancing = router_balancing(hf)
         self._aux: torch.Tensor | None = None
         self.last_auxiliary: torch.Tensor | None = None

@@ -18,6 +18,10 @@ at all. `experts_in_compute_dtype` does what autocast does for a linear layer: u
 tokens and weights are cast to the autocast dtype (the weight cast is differentiable: gradients
 reach the fp32 masters); and on fake tensors in another dtype, transformers' own fallback
 operator (which has a shape rule for every dtype, and the same saved tensors) stands in.
+`experts_in_compute_dtype_always` puts the same patch around every call of a model's experts
+modules too: a checkpointed block recomputes its experts in backward, outside the forward call,
+where transformers' own function would recompute them in fp32 (torch refuses the mismatch with
+the forward's bf16 tensors; on fake tensors the shape rule refuses fp32).
 
 tests/models/test_hf_patches.py fails when transformers renames or moves either function,
 stops calling it, or answers differently from the patch for what onegpu feeds it.
@@ -26,10 +30,12 @@ stops calling it, or answers differently from the patch for what onegpu feeds it
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 
 PATCHED = "transformers.masking_utils.find_packed_sequence_indices"
 PATCHED_EXPERTS = "transformers.integrations.moe._grouped_mm"
@@ -60,6 +66,36 @@ def experts_in_compute_dtype() -> contextlib.AbstractContextManager:
     return _swapped("transformers.integrations.moe", "_grouped_mm", _in_compute_dtype)
 
 
+def experts_in_compute_dtype_always(model: nn.Module) -> None:
+    """Every experts module of `model` (a class transformers' `use_experts_implementation`
+    made: its forward dispatches to the grouped matmuls) runs inside experts_in_compute_dtype
+    wherever it is called: in the forward and in a checkpoint's recompute in backward. Under
+    torch.compile the traced forward already holds the casts: nothing is swapped there."""
+    for module in model.modules():
+        if _dispatches_experts(type(module)):
+            module.forward = _with_experts_patch(module.forward)
+
+
+def _with_experts_patch(inner: Callable) -> Callable:
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return inner(*args, **kwargs)
+        with experts_in_compute_dtype():
+            return inner(*args, **kwargs)
+
+    return forward
+
+
+def _dispatches_experts(cls: type) -> bool:
+    try:
+        moe = importlib.import_module("transformers.integrations.moe")
+    except ImportError:  # pragma: no cover - transformers 4.x has no grouped experts
+        return False
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    return code is not None and code.co_filename == moe.__file__
+
+
 def _in_compute_dtype(original: Callable) -> Callable:
     def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor):
         device = input.device.type
@@ -71,6 +107,7 @@ def _in_compute_dtype(original: Callable) -> Callable:
             return torch.ops.transformers.grouped_mm_fallback(input, weight, offs=offs)
         return original(input, weight, offs)
 
+    grouped_mm.patched = True  # type: ignore[attr-defined]
     return grouped_mm
 
 
@@ -83,7 +120,7 @@ def _swapped(module: str, name: str, replacement: Callable[[Callable], Callable]
     except ImportError:  # pragma: no cover - transformers 4.x has no grouped experts
         found = None
     original = getattr(found, name, None)
-    if original is None:  # pragma: no cover
+    if original is None or getattr(original, "patched", False):  # none, or swapped already
         yield
         return
     setattr(found, name, replacement(original))
