@@ -83,7 +83,7 @@ def test_the_resume_advice_comes_only_for_a_write_of_the_run_folder(
 ):
     """A full disk while training writes its run folder: resuming continues the run. The same
     error on any other file (the data, a cache, another command's output) is no such case."""
-    from onegpu.train import trainer
+    from onegpu.runs import lifecycle
 
     run = tmp_path / "run"
     name = str(run / "metrics.jsonl") if in_run_folder else str(tmp_path / "elsewhere.bin")
@@ -91,7 +91,7 @@ def test_the_resume_advice_comes_only_for_a_write_of_the_run_folder(
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", name)
 
-    monkeypatch.setattr(trainer, "_loop", full_disk)
+    monkeypatch.setattr(lifecycle, "_loop", full_disk)
     code = main([*TINY, "--train.skip_memory_check", "true", "--out", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1, err

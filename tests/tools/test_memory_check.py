@@ -89,3 +89,17 @@ def test_a_kernel_this_device_lacks_is_the_builds_one_line_before_any_plan(monke
     cfg = load_config("tiny", overrides={"train.device": "cpu", "model.attention": "efficient"})
     with pytest.raises(ConfigError, match="^model.attention: the SDPA 'efficient' kernel"):
         memory_check.check_memory(cfg, CPU)
+
+
+def test_each_torchrun_process_checks_its_own_share(monkeypatch):
+    """Under torchrun a process plans its share of the batch and its FSDP shards, and checks it
+    against its part of the memory the processes on this machine share."""
+    cfg = load_config("tiny", overrides={"train.device": "cpu", "model.n_layer": "4"})
+    alone = memory_check.planned_need(cfg, "cpu")
+    share = memory_check.planned_need(cfg, "cpu", world_size=2)
+    assert 0 < share["peak"] < alone["peak"]
+    room = share["peak"] * 3
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: room)
+    assert memory_check.check_memory(cfg, CPU, world_size=2, per_machine=2)["need"] == share
+    with pytest.raises(ConfigError, match="train.skip_memory_check: the planner predicts"):
+        memory_check.check_memory(cfg, CPU, world_size=2, per_machine=4)

@@ -19,6 +19,11 @@ def local_rank_from_env() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size_from_env() -> int:
+    """Processes of the job on this machine (1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def launched_by_torchrun() -> bool:
     """torchrun gave this process a rendezvous address."""
     return "MASTER_ADDR" in os.environ

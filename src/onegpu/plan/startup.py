@@ -29,26 +29,39 @@ _IRRELEVANT_TRAIN = ("max_steps", "log_every", "eval_every", "eval_batches", "re
                      "resume_new_data", "skip_memory_check", "seed", "max_consecutive_skips")  # fmt: skip
 
 
-def planned_need(cfg: Config, target: str) -> dict[str, int]:
-    """{'peak', 'host', 'disk'} of `cfg` on `target`, planned once per configuration."""
-    from onegpu.plan.fixes import planned
-
+def planned_need(cfg: Config, target: str, world_size: int = 1) -> dict[str, int]:
+    """{'peak', 'host'} of `cfg` on `target` (of one of `world_size` processes: its share),
+    planned once per configuration."""
     key_cfg = to_dict(cfg)
-    for section in _IRRELEVANT_SECTIONS:
+    for section in _IRRELEVANT_SECTIONS if world_size == 1 else ("out", "checkpoint"):
         key_cfg.pop(section, None)
     for name in _IRRELEVANT_TRAIN:
         key_cfg["train"].pop(name, None)
-    blob = json.dumps([key_cfg, target, torch.__version__], sort_keys=True, default=str)
+    blob = json.dumps([key_cfg, target, world_size, torch.__version__], sort_keys=True, default=str)
     key = hashlib.sha256(blob.encode()).hexdigest()[:24]
+    return cached("start-plans.json", key, lambda: _plan(cfg, target, world_size),
+                  valid=has("peak", "host"))  # fmt: skip
 
-    def plan() -> dict[str, int]:
+
+def _plan(cfg: Config, target: str, world_size: int) -> dict[str, int]:
+    from onegpu.plan.fixes import planned
+
+    if world_size == 1:
         p = planned(cfg, target, None, None, fast=True, speed=False)
         return {"peak": p.peak, "host": p.host}
+    from onegpu.config import resolve_strategy
+    from onegpu.plan.depth import plan_extrapolated
+    from onegpu.plan.targets import process_share, rank_memory
 
-    return cached("start-plans.json", key, plan, valid=has("peak", "host"))
+    share = plan_extrapolated(process_share(cfg, world_size), target)
+    strategy = resolve_strategy(cfg.dist, world_size)
+    mem = rank_memory(cfg.dist, share, world_size, strategy)
+    return {"peak": mem["peak"], "host": mem.get("host", 0)}
 
 
-def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
+def check_memory(
+    cfg: Config, device: torch.device, world_size: int = 1, per_machine: int = 1
+) -> dict[str, Any] | None:
     """ConfigError (exit 2) where the plan does not fit this machine; None when the check is
     off; else what was compared ({'skipped': why} where no plan could be made).
 
@@ -56,7 +69,9 @@ def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
     own errors (ConfigError, from the build's checks for this device or the plan's) are raised
     as the run would raise them, and anything else that stops the planner (a technique whose
     step reads values, which fake tensors lack) is one line on stderr, and the run starts
-    unchecked. Callable wherever a run knows its config and device."""
+    unchecked. Callable wherever a run knows its config and device. Under torchrun each
+    process checks its own share (of `world_size`) against its device, and against its part
+    of the host memory the `per_machine` processes on this machine share."""
     if cfg.train.skip_memory_check:
         return None
     from onegpu.plan.memory import Unplannable
@@ -64,7 +79,7 @@ def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
     target = "cuda" if device.type == "cuda" else "cpu"
     try:
         _device_refusals(cfg, device)
-        need = planned_need(cfg, target)
+        need = planned_need(cfg, target, world_size)
     except Unplannable as e:  # the run itself is fine: say so and train unchecked
         return _skipped(str(e))
     except ConfigError:
@@ -72,7 +87,7 @@ def check_memory(cfg: Config, device: torch.device) -> dict[str, Any] | None:
     except Exception as e:  # the planner's limit, not the run's
         first = next(iter(str(e).strip().splitlines()), "")
         return _skipped(f"could not plan this configuration ({type(e).__name__}: {first})")
-    host_free = available_host_bytes()
+    host_free = available_host_bytes() // max(per_machine, 1)
     if target == "cuda":
         from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
 

@@ -22,6 +22,7 @@ from onegpu.backends.torch.oom import out_of_memory_report
 from onegpu.backends.torch.step_memory import measure_step, measured_step
 from onegpu.backends.torch.totals import meter_for
 from onegpu.config import Config
+from onegpu.config.environment import local_world_size_from_env
 from onegpu.distributed import DistContext, init_distributed
 from onegpu.distributed.context import shutdown
 from onegpu.memory.measure import reset_peak
@@ -32,9 +33,9 @@ from onegpu.runs.checkpoints import Checkpoint
 from onegpu.runs.folder import RunFolder
 from onegpu.runs.meter import Meter
 
-MemoryCheck = Callable[[Config, torch.device], None]
-"""Plans a configuration before it allocates (plan/startup.py; the planner sits above the
-backends, so the caller hands it in)."""
+MemoryCheck = Callable[[Config, torch.device, int, int], object]
+"""Plans a configuration before it allocates: (config, device, world size, processes on this
+machine) (plan/startup.py; the planner sits above the backends, so the caller hands it in)."""
 
 
 class TorchBackend:
@@ -66,9 +67,13 @@ class TorchBackend:
         return "" if self.ctx is not None and self.ctx.enabled else ckpt.SUFFIX
 
     def check_memory(self, cfg: Config) -> None:
-        # one process plans its run; torchrun's ranks are planned by `onegpu plan --world-size`
-        if self._memory_check is not None and not self.ctx.enabled:
-            self._memory_check(cfg, resolve_device(cfg.train.device))
+        # each process its own share, rank 0 first (the others read its cached plan)
+        if self._memory_check is None:
+            return
+        ctx = self.ctx
+        device = resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
+        per_machine = local_world_size_from_env()
+        ctx.main_first(lambda: self._memory_check(cfg, device, ctx.world_size, per_machine))
 
     def build(self, cfg: Config) -> Config:
         self.built = build(cfg, dist_ctx=self.ctx)
