@@ -34,8 +34,9 @@ def cost(preset: str, repeats: int) -> dict:
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.train_seq_len + 1))
     built.step(x[:, :-1], x[:, 1:], x.shape[1] - 1, 0)
     meter = meter_for(built, None)
-    common = checkpoints.common_state(built.cfg, backend="torch", step=1,
-                                      meter=meter.state_dict(), data=None)
+    common = checkpoints.common_state(
+        built.cfg, backend="torch", step=1, meter=meter.state_dict(), data=None
+    )
     state = ckpt.state_of(built, common)
     saves, loads = [], []
     with tempfile.TemporaryDirectory(dir=".") as tmp:

@@ -28,8 +28,14 @@ from onegpu.perf.devices import GPUS, GiB
 from onegpu.plan.report import plan_report
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, EFFICIENCY
 
-BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "max_position_embeddings": 8192, "hidden_act": "silu"}
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "hidden_act": "silu",
+}
 SHAPES = {
     "Llama-3.2-1B": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,

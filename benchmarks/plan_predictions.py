@@ -22,10 +22,28 @@ from plan_accuracy import GRID
 GPU_TARGETS: list[list[str]] = [
     ["--preset", "gpt2-xl", "--gpu", "RTX4090"],
     ["--preset", "gpt2-xl", "--gpu", "A100-40"],
-    ["--model.hf", "llama-3-8b", "--gpu", "H100-80", "--model.seq_len", "2048",
-     "--train.micro_batch_size", "1"],
-    ["--model.hf", "llama-3-8b", "--gpu", "RTX4090", "--model.seq_len", "2048",
-     "--train.batch_size", "8", "--train.micro_batch_size", "1"],
+    [
+        "--model.hf",
+        "llama-3-8b",
+        "--gpu",
+        "H100-80",
+        "--model.seq_len",
+        "2048",
+        "--train.micro_batch_size",
+        "1",
+    ],
+    [
+        "--model.hf",
+        "llama-3-8b",
+        "--gpu",
+        "RTX4090",
+        "--model.seq_len",
+        "2048",
+        "--train.batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "1",
+    ],
 ]
 
 

@@ -17,7 +17,9 @@ def test_every_package_has_a_layer():
         p.name for p in layers.ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()
     }
     backends = {
-        f"backends.{p.name}" for p in (layers.ROOT / "backends").iterdir() if p.is_dir()
+        f"backends.{p.name}"
+        for p in (layers.ROOT / "backends").iterdir()
+        if p.is_dir()
         if (p / "__init__.py").exists()
     }
     modules = {p.stem for p in layers.ROOT.glob("*.py") if p.stem != "__init__"}
@@ -121,20 +123,27 @@ def test_the_check_fails_naming_the_circle(tmp_path, capsys):
     assert "config (layer 0) imports tools (layer 10)" in out
 
 
+LONG_ALLOWED: dict[str, str] = {}
+"""'module' or 'module:function' -> the one-line reason it may exceed the limit (none today)."""
+
+
 def test_modules_and_functions_stay_small():
-    """No module in src/onegpu over 400 lines, no function over 60 (docs/architecture.md)."""
+    """No module in src/onegpu over 400 lines, no function over 60 (docs/architecture.md), as
+    ruff formats them (CI checks the format: no line is squeezed to pass this test); a longer
+    one is split by what it does, or named in LONG_ALLOWED with its reason."""
     import ast
 
     too_long = []
     for path in sorted(layers.ROOT.rglob("*.py")):
         text = path.read_text()
         rel = path.relative_to(layers.ROOT)
-        if text.count("\n") > 400:
+        assert "fmt: skip" not in text, f"{rel}: a line kept from the formatter"
+        if text.count("\n") > 400 and str(rel) not in LONG_ALLOWED:
             too_long.append(f"{rel}: {text.count(chr(10))} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
-                if n > 60:
+                if n > 60 and f"{rel}:{node.name}" not in LONG_ALLOWED:
                     too_long.append(f"{rel}:{node.name}: {n} lines")
     assert too_long == []
 

@@ -32,8 +32,11 @@ def writing() -> Iterator[None]:
     except OSError as e:
         from onegpu.config import ConfigError
 
-        raise ConfigError("ONEGPU_CACHE", f"cannot write onegpu's cache in {cache_root()} "
-                          f"({e.strerror or e}); set ONEGPU_CACHE to a writable folder") from None  # fmt: skip
+        raise ConfigError(
+            "ONEGPU_CACHE",
+            f"cannot write onegpu's cache in {cache_root()} "
+            f"({e.strerror or e}); set ONEGPU_CACHE to a writable folder",
+        ) from None
 
 
 def entries(name: str) -> dict[str, Any]:

@@ -52,8 +52,11 @@ def native_notes_dropped() -> Iterator[None]:
             os.dup2(saved, fd)
             os.close(saved)
             captured.seek(0)
-            kept = [ln for ln in captured.read().decode(errors="replace").splitlines(True)
-                    if not NATIVE_NOTES.match(ln)]  # fmt: skip
+            kept = [
+                ln
+                for ln in captured.read().decode(errors="replace").splitlines(True)
+                if not NATIVE_NOTES.match(ln)
+            ]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()

@@ -244,7 +244,9 @@ def test_a_kill_during_sharded_saves_leaves_the_previous_checkpoint_usable(tmp_p
     for _, path in saved:  # every folder under a checkpoint's name is whole
         assert (path / ".metadata").is_file() and (path / ckpt.TRAIN_STATE).is_file()
     launch(out, 2, **over, **{"train.resume": "auto"})
-    assert not list(folder.glob(f"{checkpoints.TMP_PREFIX}*"))  # the killed save's leftovers are gone
+    assert not list(
+        folder.glob(f"{checkpoints.TMP_PREFIX}*")
+    )  # the killed save's leftovers are gone
     launch(tmp_path / "whole", 2, **over)
     assert_same_losses(losses(out), losses(tmp_path / "whole"))
 

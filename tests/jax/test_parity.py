@@ -54,7 +54,9 @@ def test_both_backends_log_the_same_losses_from_the_same_weights(tmp_path, start
                                                "model.init_from": str(start)}))  # fmt: skip
         start = tmp_path / "jstart" / "model.safetensors"
     t = train(_cfg(tmp_path / "t", **{"model.init_from": str(start)}, **over))
-    j = train(_cfg(tmp_path / "j", **{"train.backend": "jax"}, **{"model.init_from": str(start)}, **over))
+    j = train(
+        _cfg(tmp_path / "j", **{"train.backend": "jax"}, **{"model.init_from": str(start)}, **over)
+    )
     (lt, vt), (lj, vj) = _losses(tmp_path / "t"), _losses(tmp_path / "j")
     assert lt.keys() == lj.keys() == set(range(1, STEPS + 1))
     for step in lt:

@@ -48,6 +48,7 @@ def test_train_runs_the_option(name, tmp_path):
     assert train(_cfg(tmp_path, name))["offload"] == _expected(name)
 
 
+@pytest.mark.slow  # a profiled run per option (train and plan stay in the fast suite)
 @pytest.mark.parametrize("name", OPTIONS)
 def test_profile_runs_the_option(name, tmp_path):
     from onegpu.tools.profile import profile
@@ -70,7 +71,9 @@ def test_plan_and_tune_plan_the_option(name, tmp_path):
     assert plan_report(plain, "RTX4090", None)["memory"].get(home, 0) == 0
     # what tune's search by prediction, the fix list and the start-up check plan with
     caps = gpu_caps("RTX4090")
-    ours, theirs = (planned(c, "cuda", caps, "RTX4090", fast=True, speed=False) for c in (cfg, plain))
+    ours, theirs = (
+        planned(c, "cuda", caps, "RTX4090", fast=True, speed=False) for c in (cfg, plain)
+    )
     assert ours.peak < theirs.peak and ours.host > 0
 
 

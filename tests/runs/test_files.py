@@ -54,7 +54,9 @@ def test_a_full_disk_during_a_save_is_one_line_exit_1_and_leaves_no_partial_file
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "No space left on device" in err[0], err
     assert "--train.resume auto" in err[0]
-    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(checkpoints.TMP_PREFIX)]
+    assert not [
+        p for p in (run / "checkpoints").iterdir() if p.name.startswith(checkpoints.TMP_PREFIX)
+    ]
     assert os.listdir(run / "checkpoints") == []
 
 

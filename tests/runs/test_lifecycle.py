@@ -132,6 +132,7 @@ def test_a_resume_on_changed_data_or_trajectory_is_refused(backend, tmp_path):
     assert s["steps"] == 8
 
 
+@pytest.mark.slow  # a run per backend (tests/train keeps torch's in the fast suite)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_leftovers_of_a_killed_save_are_removed_and_never_loaded(backend, tmp_path):
     out = tmp_path / "run"
@@ -144,6 +145,7 @@ def test_leftovers_of_a_killed_save_are_removed_and_never_loaded(backend, tmp_pa
     assert [p.name.startswith(".") for p in folder.iterdir()] == [False] * 3
 
 
+@pytest.mark.slow  # a run per backend (tests/train keeps torch's in the fast suite)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keep_last_and_keep_every_prune_the_same_way(backend, tmp_path):
     out = tmp_path / "run"

@@ -109,6 +109,7 @@ def test_a_copy_in_depth_keeps_its_per_layer_lists_valid(tmp_path):
     assert plan_memory(with_depth(cfg, 2)).memory["peak"] > 0
 
 
+@pytest.mark.slow  # plans real-width MoE copies
 def test_the_shallow_copies_start_past_the_leading_dense_blocks(tmp_path):
     """DeepSeek-V3 builds its first three blocks dense: copies of two and three blocks hold no
     experts, and the extrapolated model had 37B of V3's 671B parameters. The copies now start

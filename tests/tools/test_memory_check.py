@@ -91,6 +91,7 @@ def test_a_kernel_this_device_lacks_is_the_builds_one_line_before_any_plan(monke
         memory_check.check_memory(cfg, CPU)
 
 
+@pytest.mark.slow  # plans a share of two processes
 def test_each_torchrun_process_checks_its_own_share(monkeypatch):
     """Under torchrun a process plans its share of the batch and its FSDP shards, and checks it
     against its part of the memory the processes on this machine share."""

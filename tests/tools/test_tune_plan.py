@@ -37,6 +37,7 @@ def test_the_arithmetic_bounds_are_lower_bounds_of_the_plan():
         assert b.step_s <= p.step_s * (1 + 1e-9), change
 
 
+@pytest.mark.slow  # plans every candidate
 def test_the_search_returns_the_fastest_planned_candidate_that_fits():
     cfg, caps = _cfg(), gpu_caps(GPU)
     plain = planned(cfg, "cuda", caps, GPU, fast=False)

@@ -177,6 +177,7 @@ def test_overwrite_replaces_the_whole_old_run(tmp_path):
     assert max(json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow  # the fix list plans a dozen variants
 def test_out_of_memory_is_answered_with_the_planners_cheapest_fixes(tmp_path, monkeypatch, capsys):
     """Injected on CPU: the allocator's error at step 3, after a checkpoint at step 2."""
     from onegpu.cli import main

@@ -45,6 +45,7 @@ def test_offloaded_weights_train_like_the_plain_run(tmp_path):
     assert (tmp_path / "off" / "checkpoints" / f"step-{STEPS:08d}").is_dir()  # DCP folders
 
 
+@pytest.mark.slow  # three runs through FSDP2's CPU offload
 def test_offloaded_weights_resume_bit_exactly(tmp_path, monkeypatch):
     from onegpu.backends.torch.step import TrainStep
 

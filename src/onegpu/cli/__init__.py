@@ -55,8 +55,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for c in COMMANDS:
-        extra = {"epilog": EPILOG + c.epilog,
-                 "formatter_class": argparse.RawDescriptionHelpFormatter} if c.config else {}  # fmt: skip
+        extra = (
+            {"epilog": EPILOG + c.epilog, "formatter_class": argparse.RawDescriptionHelpFormatter}
+            if c.config
+            else {}
+        )
         p = sub.add_parser(c.name, help=c.help, allow_abbrev=not c.config, **extra)
         for flags, kwargs in c.args:
             p.add_argument(*flags, **kwargs)
@@ -114,18 +117,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(f"onegpu: error: {e}", 2, rank0)  # under torchrun: rank 0 speaks
     except StopNow as e:  # a second Ctrl-C / SIGTERM: what was saved before is intact
-        return _fail(f"onegpu: stopped at once by a second {signal.Signals(e.signum).name}; "
-                     "every checkpoint saved before it is intact (a save cut short leaves only "
-                     "a .tmp- folder, removed at the next start); continue with --train.resume "
-                     "auto", 128 + e.signum, rank0)  # fmt: skip
+        return _fail(
+            f"onegpu: stopped at once by a second {signal.Signals(e.signum).name}; "
+            "every checkpoint saved before it is intact (a save cut short leaves only "
+            "a .tmp- folder, removed at the next start); continue with --train.resume "
+            "auto",
+            128 + e.signum,
+            rank0,
+        )
     except OSError as e:  # the machine, not the input: a full disk, a folder made read-only
         if e.filename is None:
             raise
         from onegpu.runs.folder import RunFolderWriteError
 
-        resume = ("; what was saved before is intact (an interrupted save leaves no partial "
-                  "file that a resume would load); fix this and continue with --train.resume "
-                  "auto") if isinstance(e, RunFolderWriteError) else ""  # fmt: skip
+        resume = (
+            (
+                "; what was saved before is intact (an interrupted save leaves no partial "
+                "file that a resume would load); fix this and continue with --train.resume "
+                "auto"
+            )
+            if isinstance(e, RunFolderWriteError)
+            else ""
+        )
         return _fail(f"onegpu: error: {e.filename}: {e.strerror or e}{resume}", 1, True)
 
 
@@ -139,8 +152,10 @@ def _fail(line: str, code: int, speak: bool) -> int:
         import json
         import time
 
-        record = {"message": line, "extraInfo": {"py_callstack": line,
-                                                 "timestamp": str(int(time.time()))}}  # fmt: skip
+        record = {
+            "message": line,
+            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+        }
         with contextlib.suppress(OSError):
             Path(error_path).write_text(json.dumps({"message": record}))
     return code

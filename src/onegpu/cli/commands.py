@@ -54,20 +54,37 @@ def _train(ns, env: Env) -> int:
 def _report(cfg: Config, env: Env, summary: dict[str, Any]) -> int:
     """The run's end: its summary on stdout, or why it stopped early (and the exit code)."""
     if summary["interrupted"]:  # stopped by a signal: checkpoint and summary are written
-        print(f"onegpu: stopped by {summary['signal']} after step {summary['steps']}; "
-              "continue with --train.resume auto", file=sys.stderr)  # fmt: skip
+        print(
+            f"onegpu: stopped by {summary['signal']} after step {summary['steps']}; "
+            "continue with --train.resume auto",
+            file=sys.stderr,
+        )
         return 128 + signal.Signals[summary["signal"]].value
     if summary["diverged"]:
         good = summary.get("last_good_checkpoint")
-        kept = (f"the last checkpoint from before them is kept: {good}" if good
-                else "no checkpoint was written before them")  # fmt: skip
-        print(f"onegpu: stopped at step {summary['steps']}: "
-              f"{cfg.train.max_consecutive_skips} updates in a row had a non-finite loss or "
-              f"gradient (skipped); {kept}; lower optim.lr, or raise optim.warmup_steps or "
-              "optim.grad_clip", file=sys.stderr)  # fmt: skip
+        kept = (
+            f"the last checkpoint from before them is kept: {good}"
+            if good
+            else "no checkpoint was written before them"
+        )
+        print(
+            f"onegpu: stopped at step {summary['steps']}: "
+            f"{cfg.train.max_consecutive_skips} updates in a row had a non-finite loss or "
+            f"gradient (skipped); {kept}; lower optim.lr, or raise optim.warmup_steps or "
+            "optim.grad_clip",
+            file=sys.stderr,
+        )
         return 1
-    keys = ("params", "tokens", "tokens_per_s", "mfu", "peak_mem_bytes", "loss", "val_loss",
-            "train_time_s")  # fmt: skip
+    keys = (
+        "params",
+        "tokens",
+        "tokens_per_s",
+        "mfu",
+        "peak_mem_bytes",
+        "loss",
+        "val_loss",
+        "train_time_s",
+    )
     if env.rank0:  # strict JSON: a run of no steps has no loss (null, not NaN)
         print(json.dumps(strict({k: summary[k] for k in keys}), indent=1, allow_nan=False))
     return 0
@@ -97,9 +114,16 @@ def _bench(ns, env: Env) -> int:
     names = grid_names(ns.grid)
     check_rounds(ns.steps, ns.repeats)
     out = Path(ns.out or "bench")
-    bench(grids=names, grid_rows=load_grid_file(ns.grid_file) if ns.grid_file else None,
-          preset=ns.preset, config_file=ns.config, base_overrides=env.load(overrides_only=True),
-          steps=ns.steps, out_dir=out, repeats=ns.repeats)  # fmt: skip
+    bench(
+        grids=names,
+        grid_rows=load_grid_file(ns.grid_file) if ns.grid_file else None,
+        preset=ns.preset,
+        config_file=ns.config,
+        base_overrides=env.load(overrides_only=True),
+        steps=ns.steps,
+        out_dir=out,
+        repeats=ns.repeats,
+    )
     print(f"wrote {out}/bench.md, {out}/bench.json, {out}/bench.png")
     return 0
 
@@ -114,8 +138,9 @@ def _plan(ns, env: Env) -> int:
     if ns.largest:
         from onegpu.plan.largest import find_largest, format_largest
 
-        found = find_largest(env.load(), ns.gpu, ns.memory, ns.host_memory,
-                             log=lambda line: print(line, flush=True))  # fmt: skip
+        found = find_largest(
+            env.load(), ns.gpu, ns.memory, ns.host_memory, log=lambda line: print(line, flush=True)
+        )
         print(json.dumps(found, indent=1) if ns.json else format_largest(found))
         return 0
     report = plan_report(env.load(), ns.gpu, ns.memory, ns.world_size, ns.host_memory)
@@ -138,17 +163,30 @@ def _tune(ns, env: Env) -> int:
 
         tune_predicted(cfg, ns.gpu, ns.host_memory, out, log=lambda s: print(s, flush=True))
         print((out / "tune.md").read_text())
-        print(f"wrote {out}/tune.md, {out}/tune.json, {out}/best.toml "
-              f"(onegpu train --config {out}/best.toml on a {ns.gpu})")  # fmt: skip
+        print(
+            f"wrote {out}/tune.md, {out}/tune.json, {out}/best.toml "
+            f"(onegpu train --config {out}/best.toml on a {ns.gpu})"
+        )
         return 0
     budget_bytes, target = budget(ns.gpu, ns.memory)
-    result = tune(cfg, budget_bytes=budget_bytes, target=target, time_budget_s=ns.time_budget,
-                  steps=ns.steps, out_dir=out, preset=ns.preset, config_file=ns.config,
-                  base_overrides=overrides, with_compile=ns.with_compile,
-                  world_size=ns.world_size)  # fmt: skip
+    result = tune(
+        cfg,
+        budget_bytes=budget_bytes,
+        target=target,
+        time_budget_s=ns.time_budget,
+        steps=ns.steps,
+        out_dir=out,
+        preset=ns.preset,
+        config_file=ns.config,
+        base_overrides=overrides,
+        with_compile=ns.with_compile,
+        world_size=ns.world_size,
+    )
     print((out / "tune.md").read_text())
-    print(f"wrote {out}/tune.md, {out}/tune.json, {out}/tune.png, {out}/best.toml "
-          f"({launch_line(ns.world_size)} --config {out}/best.toml)")  # fmt: skip
+    print(
+        f"wrote {out}/tune.md, {out}/tune.json, {out}/tune.png, {out}/best.toml "
+        f"({launch_line(ns.world_size)} --config {out}/best.toml)"
+    )
     return 0 if result["best"] else 2
 
 
@@ -162,8 +200,14 @@ def _export(ns, env: Env) -> int:
 def _generate(ns, env: Env) -> int:
     from onegpu.tools.generate import generate
 
-    text = generate(ns.source, ns.prompt, max_new_tokens=ns.max_new_tokens,
-                    temperature=ns.temperature, top_k=ns.top_k, seed=ns.seed)  # fmt: skip
+    text = generate(
+        ns.source,
+        ns.prompt,
+        max_new_tokens=ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        seed=ns.seed,
+    )
     print(ns.prompt + text)
     return 0
 
@@ -187,82 +231,167 @@ def _a(*flags: str, **kwargs: Any) -> Arg:
     return flags, kwargs
 
 
-WORLD_SIZE = _a("--world-size", type=int, default=1, metavar="N",
-                help="plan one of N processes under torchrun (--dist.strategy fsdp|ddp; auto: fsdp)")  # fmt: skip
-GRID_HELP = ("all, or a comma-separated list of: hf-guide (HF's single-GPU guide on the GPT), "
-             "hf-guide-bert (the guide's rows on a scaled-down BERT classifier, as the guide "
-             "measured), lippe (Lippe's profiling tutorial), training-loop (Optimising the "
-             "Training Loop); former names hf, hf-bert, seed000, seed003 still work")  # fmt: skip
+WORLD_SIZE = _a(
+    "--world-size",
+    type=int,
+    default=1,
+    metavar="N",
+    help="plan one of N processes under torchrun (--dist.strategy fsdp|ddp; auto: fsdp)",
+)
+GRID_HELP = (
+    "all, or a comma-separated list of: hf-guide (HF's single-GPU guide on the GPT), "
+    "hf-guide-bert (the guide's rows on a scaled-down BERT classifier, as the guide "
+    "measured), lippe (Lippe's profiling tutorial), training-loop (Optimising the "
+    "Training Loop); former names hf, hf-bert, seed000, seed003 still work"
+)
 
 COMMANDS: tuple[Command, ...] = (
-    Command("train", "train a model (defaults: a small GPT on the Python standard library)",
-            _train, config=True),
-    Command("profile",
-            "profile a few training steps: trace, memory timeline, summary of where time goes",
-            _profile, config=True, args=(
-                _a("--steps", type=int, default=3, help="profiled steps (default: 3)"),
-                _a("--warmup", type=int, default=2, help="steps run first, not recorded (default: 2)"),
-            )),
-    Command("plan", "predict a step's memory (any model, any GPU) before anything runs", _plan,
-            config=True, args=(
-                _a("--gpu", help="a GPU of the table (e.g. A100-40, RTX4090), or 'list'"),
-                _a("--memory", type=int, help="a memory budget in bytes (e.g. this machine's RAM)"),
-                _a("--json", action="store_true", help="print one JSON object"),
-                _a("--host-memory", type=int, metavar="BYTES",
-                   help="host memory for offloaded state (default: this machine's RAM)"),
-                _a("--largest", action="store_true",
-                   help="the largest model of the configured one's family (depth and width "
-                   "scaled together) that trains in full on --gpu / --memory, and how"),
-                _a("--best-toml", metavar="PATH",
-                   help="where the fix list finds a configuration that fits: write it here"),
-                WORLD_SIZE,
-            )),
-    Command("tune", "the fastest configuration that fits a memory budget (planned, then measured)",
-            _tune, config=True, own_out=True,
-            epilog=" Options set the starting configuration; the global batch is kept.", args=(
-                _a("--gpu", help="budget: a GPU of the table (onegpu plan --gpu list)"),
-                _a("--memory", type=int, help="budget in bytes (on a CPU: required)"),
-                _a("--time-budget", type=float, default=300,
-                   help="seconds of measured trials (default: 300)"),
-                _a("--steps", type=int, default=6, help="steps per trial (default: 6)"),
-                _a("--with-compile", action="store_true", help="also try regional compile"),
-                _a("--host-memory", type=int, metavar="BYTES",
-                   help="host memory for offloaded state (default: this machine's RAM)"),
-                _a("--world-size", type=int, default=1, metavar="N",
-                   help="tune one of N processes under torchrun: the strategy joins the search, "
-                   "the budget is per process, trials launch N processes"),
-            )),
-    Command("bench", "ablation grids of the source documents on this device: bench.md, .json, .png",
-            _bench, config=True, own_out=True, epilog=" Options set the base configuration of every row.", args=(
-                _a("--grid", default="all", help=GRID_HELP),
-                _a("--grid-file", metavar="FILE",
-                   help="TOML with [[row]] tables (name, [row.overrides]) instead of the built-in grids"),
-                _a("--steps", type=int, default=8, help="training steps per row (default: 8)"),
-                _a("--repeats", type=int, default=2,
-                   help="interleaved rounds; rows report medians (default: 2)"),
-            )),
-    Command("export", "a run's weights as a Hugging Face folder (from_pretrained loads it)",
-            _export, args=(
-                _a("run_dir", metavar="RUN_DIR", help="a run folder (its final or newest weights)"),
-                _a("--out", required=True, metavar="FOLDER", help="the Hugging Face folder"),
-                _a("--overwrite", action="store_true", help="write into a non-empty folder"),
-            )),
-    Command("generate", "sample text from a run or a Hugging Face folder", _generate, args=(
-        _a("source", metavar="RUN_DIR_OR_HF_FOLDER"),
-        _a("--prompt", default="", help="the text to continue (default: empty)"),
-        _a("--max-new-tokens", type=int, default=100, help="default: 100"),
-        _a("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)"),
-        _a("--top-k", type=int, default=50, help="0: no cut (default: 50)"),
-        _a("--seed", type=int, default=0, help="same seed, same text (default: 0)"),
-    )),
-    Command("plot", "loss against steps and tokens for one or more runs (PNG)", _plot, args=(
-        _a("run_dirs", nargs="+", metavar="RUN_DIR"),
-        _a("--out", default="loss.png", help="the PNG to write (default: loss.png)"),
-    )),
-    Command("info", "device, torch version, supported dtypes, measured matmul peaks", _info, args=(
-        _a("--json", action="store_true", help="print JSON"),
-        _a("--no-measure", action="store_true", help="skip the matmul peak measurement"),
-        _a("--refresh", action="store_true",
-           help="measure the CPU's matmul peaks again (MFU's denominator) instead of the cached ones"),
-    )),
-)  # fmt: skip
+    Command(
+        "train",
+        "train a model (defaults: a small GPT on the Python standard library)",
+        _train,
+        config=True,
+    ),
+    Command(
+        "profile",
+        "profile a few training steps: trace, memory timeline, summary of where time goes",
+        _profile,
+        config=True,
+        args=(
+            _a("--steps", type=int, default=3, help="profiled steps (default: 3)"),
+            _a("--warmup", type=int, default=2, help="steps run first, not recorded (default: 2)"),
+        ),
+    ),
+    Command(
+        "plan",
+        "predict a step's memory (any model, any GPU) before anything runs",
+        _plan,
+        config=True,
+        args=(
+            _a("--gpu", help="a GPU of the table (e.g. A100-40, RTX4090), or 'list'"),
+            _a("--memory", type=int, help="a memory budget in bytes (e.g. this machine's RAM)"),
+            _a("--json", action="store_true", help="print one JSON object"),
+            _a(
+                "--host-memory",
+                type=int,
+                metavar="BYTES",
+                help="host memory for offloaded state (default: this machine's RAM)",
+            ),
+            _a(
+                "--largest",
+                action="store_true",
+                help="the largest model of the configured one's family (depth and width "
+                "scaled together) that trains in full on --gpu / --memory, and how",
+            ),
+            _a(
+                "--best-toml",
+                metavar="PATH",
+                help="where the fix list finds a configuration that fits: write it here",
+            ),
+            WORLD_SIZE,
+        ),
+    ),
+    Command(
+        "tune",
+        "the fastest configuration that fits a memory budget (planned, then measured)",
+        _tune,
+        config=True,
+        own_out=True,
+        epilog=" Options set the starting configuration; the global batch is kept.",
+        args=(
+            _a("--gpu", help="budget: a GPU of the table (onegpu plan --gpu list)"),
+            _a("--memory", type=int, help="budget in bytes (on a CPU: required)"),
+            _a(
+                "--time-budget",
+                type=float,
+                default=300,
+                help="seconds of measured trials (default: 300)",
+            ),
+            _a("--steps", type=int, default=6, help="steps per trial (default: 6)"),
+            _a("--with-compile", action="store_true", help="also try regional compile"),
+            _a(
+                "--host-memory",
+                type=int,
+                metavar="BYTES",
+                help="host memory for offloaded state (default: this machine's RAM)",
+            ),
+            _a(
+                "--world-size",
+                type=int,
+                default=1,
+                metavar="N",
+                help="tune one of N processes under torchrun: the strategy joins the search, "
+                "the budget is per process, trials launch N processes",
+            ),
+        ),
+    ),
+    Command(
+        "bench",
+        "ablation grids of the source documents on this device: bench.md, .json, .png",
+        _bench,
+        config=True,
+        own_out=True,
+        epilog=" Options set the base configuration of every row.",
+        args=(
+            _a("--grid", default="all", help=GRID_HELP),
+            _a(
+                "--grid-file",
+                metavar="FILE",
+                help="TOML with [[row]] tables (name, [row.overrides]) instead of the built-in grids",
+            ),
+            _a("--steps", type=int, default=8, help="training steps per row (default: 8)"),
+            _a(
+                "--repeats",
+                type=int,
+                default=2,
+                help="interleaved rounds; rows report medians (default: 2)",
+            ),
+        ),
+    ),
+    Command(
+        "export",
+        "a run's weights as a Hugging Face folder (from_pretrained loads it)",
+        _export,
+        args=(
+            _a("run_dir", metavar="RUN_DIR", help="a run folder (its final or newest weights)"),
+            _a("--out", required=True, metavar="FOLDER", help="the Hugging Face folder"),
+            _a("--overwrite", action="store_true", help="write into a non-empty folder"),
+        ),
+    ),
+    Command(
+        "generate",
+        "sample text from a run or a Hugging Face folder",
+        _generate,
+        args=(
+            _a("source", metavar="RUN_DIR_OR_HF_FOLDER"),
+            _a("--prompt", default="", help="the text to continue (default: empty)"),
+            _a("--max-new-tokens", type=int, default=100, help="default: 100"),
+            _a("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)"),
+            _a("--top-k", type=int, default=50, help="0: no cut (default: 50)"),
+            _a("--seed", type=int, default=0, help="same seed, same text (default: 0)"),
+        ),
+    ),
+    Command(
+        "plot",
+        "loss against steps and tokens for one or more runs (PNG)",
+        _plot,
+        args=(
+            _a("run_dirs", nargs="+", metavar="RUN_DIR"),
+            _a("--out", default="loss.png", help="the PNG to write (default: loss.png)"),
+        ),
+    ),
+    Command(
+        "info",
+        "device, torch version, supported dtypes, measured matmul peaks",
+        _info,
+        args=(
+            _a("--json", action="store_true", help="print JSON"),
+            _a("--no-measure", action="store_true", help="skip the matmul peak measurement"),
+            _a(
+                "--refresh",
+                action="store_true",
+                help="measure the CPU's matmul peaks again (MFU's denominator) instead of the cached ones",
+            ),
+        ),
+    ),
+)

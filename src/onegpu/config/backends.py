@@ -18,36 +18,59 @@ def _refuse(cond: bool, key: str, message: str) -> None:
 
 
 def validate_backend(cfg: Config) -> None:
-    _refuse(bool(cfg.model.hf and cfg.model.init_from), "model.init_from",
-            "starts onegpu's GPT from a model.safetensors; a model.hf folder brings its own "
-            "weights (its model.safetensors): leave one of them empty")  # fmt: skip
+    _refuse(
+        bool(cfg.model.hf and cfg.model.init_from),
+        "model.init_from",
+        "starts onegpu's GPT from a model.safetensors; a model.hf folder brings its own "
+        "weights (its model.safetensors): leave one of them empty",
+    )
     if cfg.train.backend == "torch":
-        _refuse(cfg.model.scan_layers, "model.scan_layers",
-                "scans the blocks on the JAX backend only; on torch, --train.compile regional "
-                "compiles one block for every layer (scan's effect on compile time), or use "
-                "--train.backend jax")  # fmt: skip
+        _refuse(
+            cfg.model.scan_layers,
+            "model.scan_layers",
+            "scans the blocks on the JAX backend only; on torch, --train.compile regional "
+            "compiles one block for every layer (scan's effect on compile time), or use "
+            "--train.backend jax",
+        )
         return
     m, t, mem, o = cfg.model, cfg.train, cfg.memory, cfg.optim
     none_yet = "has no JAX counterpart yet: turn it off or use --train.backend torch"
     _refuse(bool(m.hf), "model.hf", f"(a Hugging Face model) {none_yet}")
-    _refuse(m.attention not in JAX_ATTENTION, "model.attention",
-            f"'{m.attention}' is an SDPA kernel of torch; on JAX use auto or plain")  # fmt: skip
-    _refuse(t.precision in ("fp16", "tf32"), "train.precision",
-            f"{t.precision} {none_yet} (bf16, bf16-pure and fp32 run on JAX)")  # fmt: skip
-    _refuse(t.compile not in ("auto", "none"), "train.compile",
-            "XLA compiles every JAX step already; use auto, and --model.scan_layers true for "
-            "what regional compile does on torch")  # fmt: skip
+    _refuse(
+        m.attention not in JAX_ATTENTION,
+        "model.attention",
+        f"'{m.attention}' is an SDPA kernel of torch; on JAX use auto or plain",
+    )
+    _refuse(
+        t.precision in ("fp16", "tf32"),
+        "train.precision",
+        f"{t.precision} {none_yet} (bf16, bf16-pure and fp32 run on JAX)",
+    )
+    _refuse(
+        t.compile not in ("auto", "none"),
+        "train.compile",
+        "XLA compiles every JAX step already; use auto, and --model.scan_layers true for "
+        "what regional compile does on torch",
+    )
     _refuse(mem.offload_activations, "memory.offload_activations", none_yet)
     _refuse(mem.offload_params, "memory.offload_params", none_yet)
     _refuse(mem.offload_optimizer, "memory.offload_optimizer", none_yet)
     _refuse(mem.gelu_bits != 0, "memory.gelu_bits", f"(few-bit GELU) {none_yet}")
     _refuse(mem.randomized_linear != 0, "memory.randomized_linear", none_yet)
-    _refuse(o.name == "adamw8bit", "optim.name", f"adamw8bit (torchao) {none_yet}; "
-            "adamw, adafactor and sgd come from optax")  # fmt: skip
+    _refuse(
+        o.name == "adamw8bit",
+        "optim.name",
+        f"adamw8bit (torchao) {none_yet}; adamw, adafactor and sgd come from optax",
+    )
     _refuse(o.in_backward, "optim.in_backward", none_yet)
-    _refuse(m.scan_layers and mem.checkpointing.startswith("every:"), "memory.checkpointing",
-            "every:K rematerialises some blocks, but scanned blocks are all one: use block, "
-            "attn+mlp or selective with model.scan_layers, or unroll the layers")  # fmt: skip
-    _refuse(cfg.dist.strategy in ("fsdp", "ddp") or world_size_from_env() > 1,
-            "dist.strategy", f"(several processes) {none_yet}; the JAX backend trains on "
-            "one process")  # fmt: skip
+    _refuse(
+        m.scan_layers and mem.checkpointing.startswith("every:"),
+        "memory.checkpointing",
+        "every:K rematerialises some blocks, but scanned blocks are all one: use block, "
+        "attn+mlp or selective with model.scan_layers, or unroll the layers",
+    )
+    _refuse(
+        cfg.dist.strategy in ("fsdp", "ddp") or world_size_from_env() > 1,
+        "dist.strategy",
+        f"(several processes) {none_yet}; the JAX backend trains on one process",
+    )

@@ -167,10 +167,15 @@ def flatten_toml(doc: dict[str, Any], origin: str) -> dict[str, Any]:
         if not isinstance(table, dict) and section in SECTIONS:
             raise ConfigError(section, f"expected a [{section}] table in {origin}")
         if not isinstance(table, dict):
-            owner = next((sec for sec, cls in SECTIONS.items()
-                          if section in {f.name for f in fields(cls)}), None)  # fmt: skip
-            fix = (f"put `{section} = ...` under [{owner}]" if owner
-                   else f"sections are {', '.join(SECTIONS)}")  # fmt: skip
+            owner = next(
+                (sec for sec, cls in SECTIONS.items() if section in {f.name for f in fields(cls)}),
+                None,
+            )
+            fix = (
+                f"put `{section} = ...` under [{owner}]"
+                if owner
+                else f"sections are {', '.join(SECTIONS)}"
+            )
             raise ConfigError(section, f"a top-level setting in {origin}: {fix}")
         for name, value in table.items():
             flat[f"{section}.{name}"] = value
@@ -231,8 +236,11 @@ def load_config(
     cfg = Config()
     doc = load_toml(Path(file)) if file else {}
     if "preset" in doc and not isinstance(doc["preset"], str):
-        raise ConfigError("preset", f"must be a preset's name in quotes (e.g. preset = \"small\") "
-                          f"in {file}, got {doc['preset']!r}")  # fmt: skip
+        raise ConfigError(
+            "preset",
+            f'must be a preset\'s name in quotes (e.g. preset = "small") '
+            f"in {file}, got {doc['preset']!r}",
+        )
     preset = preset or doc.get("preset") or DEFAULT_PRESET
     if preset:
         apply_values(cfg, preset_values(preset), f"preset {preset}")

@@ -311,9 +311,7 @@ HF_FIXED_FIELDS = (
 )
 """[model] fields that a model.hf folder's config.json fixes: refused when given beside it."""
 
-CHECKPOINTING_MODES = (
-    "none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective", "dots"
-)  # fmt: skip
+CHECKPOINTING_MODES = ("none", "attn", "mlp", "attn+mlp", "block", "every:K", "selective", "dots")
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,8 +55,11 @@ class ByteTokenizer:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for each byte (the ByteLevel alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in chars:

@@ -132,8 +132,10 @@ def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokeni
         try:
             return BPETokenizer.load(path, vocab)
         except Exception as e:  # a corrupt cache file: the cache is ours to rebuild
-            print(f"onegpu: the cached tokenizer {path} is unreadable ({type(e).__name__}); "
-                  "training it again")  # fmt: skip
+            print(
+                f"onegpu: the cached tokenizer {path} is unreadable ({type(e).__name__}); "
+                "training it again"
+            )
             path.unlink(missing_ok=True)
     print(f"onegpu: training a {vocab}-token byte-level BPE on {corpus.path} (cached at {path})")
     return BPETokenizer.train(corpus.documents("train"), vocab, path)

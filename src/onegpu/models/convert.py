@@ -125,9 +125,13 @@ def hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         h = f"transformer.h.{i}"
         F_ = model.cfg.mlp_ratio * D
         for key, size in (
-            (f"{h}.ln_1.bias", D), (f"{h}.ln_2.bias", D), (f"{h}.attn.c_attn.bias", 3 * D),
-            (f"{h}.attn.c_proj.bias", D), (f"{h}.mlp.c_fc.bias", F_), (f"{h}.mlp.c_proj.bias", D),
-        ):  # fmt: skip
+            (f"{h}.ln_1.bias", D),
+            (f"{h}.ln_2.bias", D),
+            (f"{h}.attn.c_attn.bias", 3 * D),
+            (f"{h}.attn.c_proj.bias", D),
+            (f"{h}.mlp.c_fc.bias", F_),
+            (f"{h}.mlp.c_proj.bias", D),
+        ):
             out.setdefault(key, torch.zeros(size))
     out.setdefault("transformer.ln_f.bias", torch.zeros(D))
     if model.cfg.tie_embeddings:

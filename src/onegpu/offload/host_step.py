@@ -24,8 +24,11 @@ def _measure(name: str, numel: int = 1 << 24) -> float:
     """Parameters per second of a CPU step of `name` over one fp32 tensor (best of 5)."""
     p = torch.zeros(numel, requires_grad=True)
     p.grad = torch.randn(numel)
-    opt = (torch.optim.AdamW([p], lr=1e-3, fused=True) if name == "adamw"
-           else torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=True))  # fmt: skip
+    opt = (
+        torch.optim.AdamW([p], lr=1e-3, fused=True)
+        if name == "adamw"
+        else torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=True)
+    )
     opt.step()  # states allocated
     best = float("inf")
     for _ in range(5):
@@ -43,8 +46,13 @@ def host_step_rate(optimizer: str, *, refresh: bool = False) -> tuple[float, str
         when = datetime.datetime.now().isoformat(timespec="seconds")
         return {"params_per_s": _measure(name), "measured": when}
 
-    entry = cached("host-step.json", f"{cpu_peak_key(torch.float32)}|{name}", measure,
-                   refresh=refresh, valid=has("params_per_s", text=("measured",)))  # fmt: skip
+    entry = cached(
+        "host-step.json",
+        f"{cpu_peak_key(torch.float32)}|{name}",
+        measure,
+        refresh=refresh,
+        valid=has("params_per_s", text=("measured",)),
+    )
     how = f"measured {name} step on this CPU ({entry['measured']})"
     if name != optimizer:
         how += f"; {optimizer} planned at AdamW's rate"

@@ -81,8 +81,9 @@ def build_optimizer(
         cpu = torch.device("cpu")
         make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731
         disk = DiskTier(offload_dir) if offload_dir and not fake else None
-        return HostOffloadOptimizer(groups, make, device, list(model.parameters()), disk=disk,
-                                    on_disk=bool(offload_dir))  # fmt: skip
+        return HostOffloadOptimizer(
+            groups, make, device, list(model.parameters()), disk=disk, on_disk=bool(offload_dir)
+        )
     if cfg.in_backward:
         return OptimizerInBackward(groups, lambda gs: _make(gs, cfg, device, param_dtype))
     return _make(groups, cfg, device, param_dtype)

@@ -150,8 +150,11 @@ def release_free_memory() -> str:
         libc = ctypes.CDLL(None)
     except OSError:
         return ""
-    for name, args in (("mi_collect", (True,)), ("MallocExtension_ReleaseFreeMemory", ()),
-                       ("malloc_trim", (0,))):  # fmt: skip
+    for name, args in (
+        ("mi_collect", (True,)),
+        ("MallocExtension_ReleaseFreeMemory", ()),
+        ("malloc_trim", (0,)),
+    ):
         fn = getattr(libc, name, None)
         if fn is not None:
             fn(*args)

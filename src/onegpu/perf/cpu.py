@@ -7,8 +7,21 @@ import platform
 from pathlib import Path
 
 # CPU flags that change which matmul kernel runs (vector width, 16-bit dot products, AMX tiles)
-RATE_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16",
-              "amx_tile", "asimd", "sve", "sve2", "bf16", "i8mm")  # fmt: skip
+RATE_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "amx_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
 
 
 def read_cpuinfo() -> dict[str, str]:

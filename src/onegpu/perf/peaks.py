@@ -28,9 +28,11 @@ def cached_cpu_peak(precision: str, threads: int | None = None) -> Peak | None:
     found = [
         (value["measured"], key, value)
         for key, value in entries("cpu-peaks.json").items()
-        if key.startswith(prefix) and key.endswith(f"|{dtype}") and f"|threads={threads}|" in key
+        if key.startswith(prefix)
+        and key.endswith(f"|{dtype}")
+        and f"|threads={threads}|" in key
         and has("flops", text=("measured",))(value)
-    ]  # fmt: skip
+    ]
     if not found:
         return None
     measured, key, value = max(found)

@@ -70,7 +70,7 @@ def plan_extrapolated(
         saved_by_block={
             **{k: v for k, v in pb.saved_by_block.items() if not k.startswith("blocks.")},
             **{f"blocks.{i}": pb.saved_by_block.get(f"blocks.{b - 1}", 0) for i in range(depth)},
-        },  # fmt: skip
+        },
         saved_per_micro_batch=line(pa.saved_per_micro_batch, pb.saved_per_micro_batch),
         n_params=line(pa.n_params, pb.n_params),
         flops_per_token=line(pa.flops_per_token, pb.flops_per_token),

@@ -183,8 +183,9 @@ class _Search:
                     continue  # nothing more saved on top of the ones above (or it undoes one)
                 together = self.confirmed(candidate, together)
                 fits = self.fits(together)
-                applied.update({k: v for k, v in resolved(current, change).items()
-                                if _differs(current, k, v)})  # fmt: skip
+                applied.update(
+                    {k: v for k, v in resolved(current, change).items() if _differs(current, k, v)}
+                )
                 current, current_peak = candidate, together.peak
                 found.append(self.entry(name, change, p, together, fits, found))
                 if fits:
@@ -213,19 +214,34 @@ class _Search:
                     f.pop("best_toml", None)
                     f.pop("best_overrides", None)
                 found.append(self.entry(name, change, p, confirmed, True, []))
-                found[-1].update(instead=True, best_toml=to_toml(candidate),
-                                 best_overrides={k: v for k, v in resolved(cfg, change).items()
-                                                 if _differs(cfg, k, v)})  # fmt: skip
+                found[-1].update(
+                    instead=True,
+                    best_toml=to_toml(candidate),
+                    best_overrides={
+                        k: v for k, v in resolved(cfg, change).items() if _differs(cfg, k, v)
+                    },
+                )
                 break
         return found
 
-    def entry(self, name, change, alone: Planned, together: Planned, fits: bool,
-              previous: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    def entry(
+        self,
+        name,
+        change,
+        alone: Planned,
+        together: Planned,
+        fits: bool,
+        previous: list[dict[str, Any]],
+    ) -> dict[str, Any]:
         return {
-            "change": name, "overrides": change,
-            "peak_alone": alone.peak, "fits_alone": self.fits(alone),
+            "change": name,
+            "overrides": change,
+            "peak_alone": alone.peak,
+            "fits_alone": self.fits(alone),
             "step_s_alone": alone.step_s,
-            "peak_with_previous": together.peak, "host_with_previous": together.host,
-            "step_s_with_previous": together.step_s, "fits_with_previous": fits,
+            "peak_with_previous": together.peak,
+            "host_with_previous": together.host,
+            "step_s_with_previous": together.step_s,
+            "fits_with_previous": fits,
             "cumulative": [f["change"] for f in previous] + [name],
-        }  # fmt: skip
+        }

@@ -43,9 +43,12 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
     if "dist" in r:
         d = r["dist"]
         lines[0] += f"; per process of {d['world_size']} under {d['strategy']}"
-        lines.insert(2, f"  rank 0's share (the largest); reshard_after_forward "
-                     f"{str(d['reshard_after_forward']).lower()}, cpu_offload "
-                     f"{str(d['cpu_offload']).lower()}")  # fmt: skip
+        lines.insert(
+            2,
+            f"  rank 0's share (the largest); reshard_after_forward "
+            f"{str(d['reshard_after_forward']).lower()}, cpu_offload "
+            f"{str(d['cpu_offload']).lower()}",
+        )
     groups = [*GROUPS, "gathered"] if "gathered" in mem else GROUPS
     for g in groups:
         per = f"{mem[g] / n:8.2f}" if g in ("params", "grads", "optimizer") else ""
@@ -93,11 +96,18 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         )
     if "offload" in r:
         o = r["offload"]
-        link = (f"{o['link_bytes'] / GiB:,.2f} GiB over the host link ({o['link_s'] * 1e3:,.0f} ms "
-                f"at {o['link_rate'] / 1e9:,.1f} GB/s, beside compute)" if "link_s" in o
-                else "no link here (one memory)")  # fmt: skip
-        host_step = (f", then the CPU's optimizer step {o['host_step_s'] * 1e3:,.0f} ms "
-                     f"({o['host_step_source']})" if "host_step_source" in o else "")  # fmt: skip
+        link = (
+            f"{o['link_bytes'] / GiB:,.2f} GiB over the host link ({o['link_s'] * 1e3:,.0f} ms "
+            f"at {o['link_rate'] / 1e9:,.1f} GB/s, beside compute)"
+            if "link_s" in o
+            else "no link here (one memory)"
+        )
+        host_step = (
+            f", then the CPU's optimizer step {o['host_step_s'] * 1e3:,.0f} ms "
+            f"({o['host_step_source']})"
+            if "host_step_source" in o
+            else ""
+        )
         lines.append(
             f"  offloaded: compute {r['predicted_compute_s'] * 1e3:,.0f} ms, {link}{host_step}"
         )
@@ -118,12 +128,15 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
     ]
     if r["memory"].get("host"):
         host, cap = r["memory"]["host"], r["host_memory_bytes"]
-        lines.append(f"  host memory: {host / GiB:,.1f} GiB of {cap / GiB:,.1f} GiB -> "
-                     + ("fits" if host <= cap else "DOES NOT FIT: raise --host-memory or "
-                        "offload less"))  # fmt: skip
+        lines.append(
+            f"  host memory: {host / GiB:,.1f} GiB of {cap / GiB:,.1f} GiB -> "
+            + ("fits" if host <= cap else "DOES NOT FIT: raise --host-memory or offload less")
+        )
     if r.get("fixes"):
-        lines.append("  fixes, fastest first (planned alone, then with the ones above; device "
-                     "GiB, host GiB, predicted ms/step):")  # fmt: skip
+        lines.append(
+            "  fixes, fastest first (planned alone, then with the ones above; device "
+            "GiB, host GiB, predicted ms/step):"
+        )
     for f in r.get("fixes", []):
         if f.get("instead"):
             lines.append("  or instead, alone (predicted faster than the list above):")
@@ -138,20 +151,13 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         flags = " ".join(f"--{k} {v}" for k, v in best["best_overrides"].items())
         lines.append(f"  -> fits with: {flags} (--best-toml PATH writes the whole configuration)")
     if "gpus_needed" in r:
-        g = r["gpus_needed"]
-        table = ", ".join(
-            f"{row['world_size']}: {row['peak'] / GiB:,.1f} GiB{' fits' if row['fits'] else ''}"
-            for row in g["rows"]
-        )
-        lines.append(f"  FSDP over N x {gpu}, rank 0's planned peak: {table}")
-        lines.append(
-            f"  -> needs {g['fewest']} x {gpu}"
-            if g["fewest"]
-            else f"  -> does not fit on the GPU counts the global batch splits into "
-            f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more"
-        )
-    short = [f for f in r.get("fixes", []) if f["peak_with_previous"] + (CUDA_OVERHEAD_BYTES if gpu else 0)
-             <= r["capacity_bytes"] and f["host_with_previous"] > r["host_memory_bytes"]]  # fmt: skip
+        lines += _gpus_needed_lines(r["gpus_needed"], gpu)
+    short = [
+        f
+        for f in r.get("fixes", [])
+        if f["peak_with_previous"] + (CUDA_OVERHEAD_BYTES if gpu else 0) <= r["capacity_bytes"]
+        and f["host_with_previous"] > r["host_memory_bytes"]
+    ]
     if short and not any(f["fits_with_previous"] for f in r["fixes"]):
         lines.append(
             f"  the device fits with {short[0]['host_with_previous'] / GiB:,.1f} GiB in host memory "
@@ -159,6 +165,23 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             "GiB planned for: --host-memory BYTES plans for a larger host"
         )
     elif r.get("fixes") and not any(f["fits_with_previous"] for f in r["fixes"]):
-        lines.append("  nothing in the list makes it fit: a smaller model, shorter sequences "
-                     "or a larger GPU (or FSDP across several) are left")  # fmt: skip
+        lines.append(
+            "  nothing in the list makes it fit: a smaller model, shorter sequences "
+            "or a larger GPU (or FSDP across several) are left"
+        )
     return lines
+
+
+def _gpus_needed_lines(g: dict[str, Any], gpu: str | None) -> list[str]:
+    """How many GPUs of this kind FSDP needs, as the plan's last lines."""
+    table = ", ".join(
+        f"{row['world_size']}: {row['peak'] / GiB:,.1f} GiB{' fits' if row['fits'] else ''}"
+        for row in g["rows"]
+    )
+    return [
+        f"  FSDP over N x {gpu}, rank 0's planned peak: {table}",
+        f"  -> needs {g['fewest']} x {gpu}"
+        if g["fewest"]
+        else f"  -> does not fit on the GPU counts the global batch splits into "
+        f"(up to {g['rows'][-1]['world_size']}); a larger global batch allows more",
+    ]

@@ -47,8 +47,11 @@ def find_largest(
         if i not in tried:
             tried[i] = _rung(cfg, sizes[i], target, caps, gpu, budget, host, tokens)
             r = tried[i]
-            how = (f"fits with {_flags(r['overrides']) or 'the configuration as it is'}"
-                   if r["fits"] else "does not fit")  # fmt: skip
+            how = (
+                f"fits with {_flags(r['overrides']) or 'the configuration as it is'}"
+                if r["fits"]
+                else "does not fit"
+            )
             log(f"  {r['params'] / 1e9:6.2f}B ({sizes[i].label()}): {how}")
         return tried[i]["fits"]
 
@@ -71,24 +74,43 @@ def _rung(cfg, shape: Shape, target, caps, gpu, budget: int, host: int, tokens: 
     """One size: as configured, else with the fix list; what it needs and how fast it runs."""
     sized = with_shape(cfg, shape)
     p = planned(sized, target, caps, gpu, fast=True)
-    out = {"shape": shape.__dict__, "label": shape.label(), "params": p.n_params,
-           "model_flags": _model_flags(sized.model),
-           "overrides": {}, "peak": p.peak, "host": p.host, "step_s": p.step_s, "fits": False}  # fmt: skip
+    out = {
+        "shape": shape.__dict__,
+        "label": shape.label(),
+        "params": p.n_params,
+        "model_flags": _model_flags(sized.model),
+        "overrides": {},
+        "peak": p.peak,
+        "host": p.host,
+        "step_s": p.step_s,
+        "fits": False,
+    }
     if p.peak <= budget and p.host <= host:
         full = planned(sized, target, caps, gpu, fast=False)
         if full.peak <= budget and full.host <= host:
-            return out | {"fits": True, "peak": full.peak, "host": full.host, "step_s": full.step_s,
-                          "tokens_per_s": tokens / full.step_s if full.step_s else None}  # fmt: skip
+            return out | {
+                "fits": True,
+                "peak": full.peak,
+                "host": full.host,
+                "step_s": full.step_s,
+                "tokens_per_s": tokens / full.step_s if full.step_s else None,
+            }
     found = fixes_for(sized, budget, target, caps, base_peak=p.peak, gpu=gpu, host_budget=host)
     best = next((f for f in found if "best_overrides" in f), None)
     if best is None:  # how close the fix list came: its last step
         last = found[-1] if found else {"peak_with_previous": p.peak, "host_with_previous": p.host}
-        return out | {"closest": {"peak": last["peak_with_previous"],
-                                  "host": last["host_with_previous"]}}  # fmt: skip
+        return out | {
+            "closest": {"peak": last["peak_with_previous"], "host": last["host_with_previous"]}
+        }
     step_s = best["step_s_with_previous"]
-    return out | {"fits": True, "overrides": best["best_overrides"],
-                  "peak": best["peak_with_previous"], "host": best["host_with_previous"],
-                  "step_s": step_s, "tokens_per_s": tokens / step_s if step_s else None}  # fmt: skip
+    return out | {
+        "fits": True,
+        "overrides": best["best_overrides"],
+        "peak": best["peak_with_previous"],
+        "host": best["host_with_previous"],
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s if step_s else None,
+    }
 
 
 def _model_flags(m: ModelConfig) -> dict[str, str]:
@@ -96,8 +118,12 @@ def _model_flags(m: ModelConfig) -> dict[str, str]:
     under the cache) for model.hf, the fields of onegpu's GPT otherwise."""
     if m.hf:
         return {"model.hf": m.hf}
-    return {"model.n_layer": str(m.n_layer), "model.d_model": str(m.d_model),
-            "model.n_head": str(m.n_head), "model.mlp_ratio": str(m.mlp_ratio)}  # fmt: skip
+    return {
+        "model.n_layer": str(m.n_layer),
+        "model.d_model": str(m.d_model),
+        "model.n_head": str(m.n_head),
+        "model.mlp_ratio": str(m.mlp_ratio),
+    }
 
 
 def _flags(overrides: dict[str, str]) -> str:
@@ -107,9 +133,11 @@ def _flags(overrides: dict[str, str]) -> str:
 def format_largest(r: dict[str, Any]) -> str:
     GiB = 2**30
     where = r["gpu"] or f"a budget of {r['budget_bytes'] / GiB:,.1f} GiB"
-    lines = [f"onegpu plan --largest: the largest of this model's family that trains in full on "
-             f"{where}, with {r['host_memory_bytes'] / GiB:,.1f} GiB of host memory (a "
-             "prediction: fake tensors, the CUDA context kept aside)"]  # fmt: skip
+    lines = [
+        f"onegpu plan --largest: the largest of this model's family that trains in full on "
+        f"{where}, with {r['host_memory_bytes'] / GiB:,.1f} GiB of host memory (a "
+        "prediction: fake tensors, the CUDA context kept aside)"
+    ]
     best = r["largest"]
     if best is None:
         lines.append("  none: even the smallest size planned does not fit")
@@ -124,8 +152,12 @@ def format_largest(r: dict[str, Any]) -> str:
     nxt = r["next"]
     if nxt is not None:
         close = nxt.get("closest")
-        why = (f": the fix list reaches {close['peak'] / GiB:,.1f} GiB on the device and "
-               f"{close['host'] / GiB:,.1f} GiB on the host" if close else "")  # fmt: skip
+        why = (
+            f": the fix list reaches {close['peak'] / GiB:,.1f} GiB on the device and "
+            f"{close['host'] / GiB:,.1f} GiB on the host"
+            if close
+            else ""
+        )
         lines.append(
             f"  next size up, {nxt['params'] / 1e9:.2f}B ({nxt['label']}): does not fit{why}"
         )

@@ -199,10 +199,12 @@ def plan_memory(
 
 def _unplannable(built: Built, e: Exception) -> str:
     name = type(getattr(built.model, "hf", built.model)).__name__
-    return (f"{name} chooses its shapes from the data ({e.args[0] if e.args else e}, the eager "
-            "loop over experts), which the planner's fake tensors cannot follow: set "
-            '"experts_implementation": "grouped_mm" in its config.json where transformers '
-            "offers it, or measure a step with onegpu profile")  # fmt: skip
+    return (
+        f"{name} chooses its shapes from the data ({e.args[0] if e.args else e}, the eager "
+        "loop over experts), which the planner's fake tensors cannot follow: set "
+        '"experts_implementation": "grouped_mm" in its config.json where transformers '
+        "offers it, or measure a step with onegpu profile"
+    )
 
 
 def _block_prefixes(model: nn.Module) -> dict[str, str]:
@@ -238,8 +240,13 @@ def _breakdown(
         at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
         if in_saved and serial in tracker.weight_copies:
             weight_copies += nbytes
-    memory = {"params": param_bytes, "grads": at_peak["grads"], "optimizer": state_bytes,
-              "activations": at_peak["activations"], "other": at_peak["other"]}  # fmt: skip
+    memory = {
+        "params": param_bytes,
+        "grads": at_peak["grads"],
+        "optimizer": state_bytes,
+        "activations": at_peak["activations"],
+        "other": at_peak["other"],
+    }
     memory["peak"] = sum(memory.values())
     opt = built.optimizer
     if isinstance(opt, HostOffloadOptimizer):  # states, copies, buffers: host (or disk)

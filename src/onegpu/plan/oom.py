@@ -24,8 +24,10 @@ def explain(cfg: Config, err: TrainingOutOfMemory) -> str:
         capacity = torch.cuda.get_device_properties(err.device).total_memory - CUDA_OVERHEAD_BYTES
         budget = min(capacity, budget) if peak <= capacity else capacity
     found = fixes_for(cfg, budget, target, base_peak=peak)
-    steps = [f"{f['change']} ({' '.join(f'--{k} {v}' for k, v in f['overrides'].items())})"
-             for f in found]  # fmt: skip
+    steps = [
+        f"{f['change']} ({' '.join(f'--{k} {v}' for k, v in f['overrides'].items())})"
+        for f in found
+    ]
     advice = (
         "the planner's cheapest changes, in order: " + "; then ".join(steps)
         if steps

@@ -15,6 +15,7 @@ from onegpu.config import (
 from onegpu.offload.weights import with_offload_params
 from onegpu.perf.devices import GPUS
 from onegpu.perf.host_memory import machine_ram
+from onegpu.plan.fixes import fixes_for
 from onegpu.plan.memory import MemoryPlan, plan_memory
 from onegpu.plan.targets import (
     CUDA_OVERHEAD_BYTES,
@@ -35,6 +36,16 @@ def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
     return int(s * micro_batch * h * (34 + 5 * a * s / h))
 
 
+def _check_budgets(gpu: str | None, memory_bytes: int | None, host_memory: int | None) -> None:
+    one_budget(gpu, memory_bytes)
+    if gpu is not None and gpu not in GPUS:
+        raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
+    if memory_bytes is not None and memory_bytes <= 0:
+        raise ConfigError("--memory", f"must be a positive number of bytes, got {memory_bytes}")
+    if host_memory is not None and host_memory <= 0:
+        raise ConfigError("--host-memory", f"must be a positive number of bytes, got {host_memory}")
+
+
 def plan_report(
     cfg: Config,
     gpu: str | None,
@@ -45,13 +56,7 @@ def plan_report(
     """The plan of one process (of `world_size`) on `gpu` (None: this CPU, with an optional
     budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes. What it keeps in
     host memory must fit `host_memory` (default: this machine's RAM) too."""
-    one_budget(gpu, memory_bytes)
-    if gpu is not None and gpu not in GPUS:
-        raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
-    if memory_bytes is not None and memory_bytes <= 0:
-        raise ConfigError("--memory", f"must be a positive number of bytes, got {memory_bytes}")
-    if host_memory is not None and host_memory <= 0:
-        raise ConfigError("--host-memory", f"must be a positive number of bytes, got {host_memory}")
+    _check_budgets(gpu, memory_bytes, host_memory)
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
@@ -85,10 +90,15 @@ def plan_report(
             host_memory_bytes=host,
         )
         if not report["fits"] and not distributed:
-            from onegpu.plan.fixes import fixes_for
-
-            report["fixes"] = fixes_for(cfg, capacity - overhead, target, caps,
-                                        base_peak=mem["peak"], gpu=gpu, host_budget=host)  # fmt: skip
+            report["fixes"] = fixes_for(
+                cfg,
+                capacity - overhead,
+                target,
+                caps,
+                base_peak=mem["peak"],
+                gpu=gpu,
+                host_budget=host,
+            )
     return report
 
 

@@ -25,8 +25,17 @@ from onegpu.perf.host_memory import available_host_bytes
 
 # What does not change a step's memory (left out of the cache key).
 _IRRELEVANT_SECTIONS = ("out", "checkpoint", "dist")
-_IRRELEVANT_TRAIN = ("max_steps", "log_every", "eval_every", "eval_batches", "resume",
-                     "resume_new_data", "skip_memory_check", "seed", "max_consecutive_skips")  # fmt: skip
+_IRRELEVANT_TRAIN = (
+    "max_steps",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "resume",
+    "resume_new_data",
+    "skip_memory_check",
+    "seed",
+    "max_consecutive_skips",
+)
 
 
 def planned_need(cfg: Config, target: str, world_size: int = 1) -> dict[str, int]:
@@ -39,8 +48,9 @@ def planned_need(cfg: Config, target: str, world_size: int = 1) -> dict[str, int
         key_cfg["train"].pop(name, None)
     blob = json.dumps([key_cfg, target, world_size, torch.__version__], sort_keys=True, default=str)
     key = hashlib.sha256(blob.encode()).hexdigest()[:24]
-    return cached("start-plans.json", key, lambda: _plan(cfg, target, world_size),
-                  valid=has("peak", "host"))  # fmt: skip
+    return cached(
+        "start-plans.json", key, lambda: _plan(cfg, target, world_size), valid=has("peak", "host")
+    )
 
 
 def _plan(cfg: Config, target: str, world_size: int) -> dict[str, int]:
@@ -127,16 +137,22 @@ def _refusal(
 
     budget = device_free if target == "cuda" else host_free - need["host"]
     try:
-        found = fixes_for(cfg, max(budget, 0), target, base_peak=need["peak"],
-                          host_budget=host_free)  # fmt: skip
+        found = fixes_for(
+            cfg, max(budget, 0), target, base_peak=need["peak"], host_budget=host_free
+        )
     except Exception:  # a change the search cannot plan: the refusal, without the fixes
         found = []
     best = next((f for f in found if "best_overrides" in f), None)
     where = "this GPU has" if target == "cuda" else "this machine has"
-    fix = ("fits with " + " ".join(f"--{k} {v}" for k, v in best["best_overrides"].items())
-           if best else "nothing in the planner's list makes it fit: a smaller model, shorter "
-           "sequences or a smaller batch")  # fmt: skip
+    fix = (
+        "fits with " + " ".join(f"--{k} {v}" for k, v in best["best_overrides"].items())
+        if best
+        else "nothing in the planner's list makes it fit: a smaller model, shorter "
+        "sequences or a smaller batch"
+    )
     host = f" (+{need['host'] / GiB:.1f} GiB on the host)" if need["host"] else ""
-    return (f"the planner predicts a peak of {need['peak'] / GiB:.1f} GiB{host}; {where} "
-            f"{device_free / GiB:.1f} GiB available; it {fix}; or start anyway with "
-            "--train.skip_memory_check true")  # fmt: skip
+    return (
+        f"the planner predicts a peak of {need['peak'] / GiB:.1f} GiB{host}; {where} "
+        f"{device_free / GiB:.1f} GiB available; it {fix}; or start anyway with "
+        "--train.skip_memory_check true"
+    )

@@ -46,7 +46,9 @@ def process_share(cfg: Config, world_size: int) -> Config:
     )
 
 
-def rank_memory(dist: DistConfig, plan: MemoryPlan, world_size: int, strategy: str) -> dict[str, int]:
+def rank_memory(
+    dist: DistConfig, plan: MemoryPlan, world_size: int, strategy: str
+) -> dict[str, int]:
     """Rank 0's planned bytes (distributed/shares.py) from the plan of one process's share."""
     gathered_16bit = plan.param_dtype == torch.float32 and plan.compute_dtype != torch.float32
     single = dict(plan.memory)
@@ -83,16 +85,23 @@ def predicted_speed(
     compute_s = plan.flops_per_token * recompute * tokens / (peak_flops * EFFICIENCY * world_size)
     offload = offload_costs(cfg, plan, gpu, world_size)
     step_s = max(compute_s, offload.get("link_s", 0.0)) + offload.get("host_step_s", 0.0)
-    return {"predicted_step_time_s": step_s, "predicted_tokens_per_s": tokens / step_s,
-            "predicted_compute_s": compute_s, "efficiency_assumed": EFFICIENCY,
-            "recompute_factor": recompute,
-            **({"offload": offload} if offload else {})}  # fmt: skip
+    return {
+        "predicted_step_time_s": step_s,
+        "predicted_tokens_per_s": tokens / step_s,
+        "predicted_compute_s": compute_s,
+        "efficiency_assumed": EFFICIENCY,
+        "recompute_factor": recompute,
+        **({"offload": offload} if offload else {}),
+    }
 
 
 def one_budget(gpu: str | None, memory_bytes: int | None) -> None:
     """--gpu and --memory each set the budget (a GPU of the table, or bytes on this machine's
     device): given both, one would be dropped without a word."""
     if gpu is not None and memory_bytes is not None:
-        raise ConfigError("--memory", f"--gpu {gpu} and --memory {memory_bytes} are alternatives; "
-                          f"keep --gpu {gpu} to plan for that GPU's memory, or --memory "
-                          f"{memory_bytes} for a budget in bytes on this machine")  # fmt: skip
+        raise ConfigError(
+            "--memory",
+            f"--gpu {gpu} and --memory {memory_bytes} are alternatives; "
+            f"keep --gpu {gpu} to plan for that GPU's memory, or --memory "
+            f"{memory_bytes} for a budget in bytes on this machine",
+        )

@@ -43,8 +43,9 @@ def run(cfg: Config, backend: Backend) -> dict[str, Any]:
             if previous is not None:
                 _restore(built_cfg, backend, previous)
             start = previous.step if previous else 0
-            folder = RunFolder(out_dir, built_cfg, resume_step=start if previous else None,
-                               main=group.is_main)  # fmt: skip
+            folder = RunFolder(
+                out_dir, built_cfg, resume_step=start if previous else None, main=group.is_main
+            )
         except BaseException:
             release_run_folder(out_dir, unused=True)
             raise
@@ -95,8 +96,10 @@ def _run(
     if previous is not None and start >= cfg.train.max_steps:  # resumed a finished run
         done = folder.read_summary()
         if done is not None:
-            group.say(f"onegpu: {folder.path} finished at step {start} already; raise "
-                      "--train.max_steps to train on")  # fmt: skip
+            group.say(
+                f"onegpu: {folder.path} finished at step {start} already; raise "
+                "--train.max_steps to train on"
+            )
             folder.close()
             return done
     folder.write_model_files(cfg.model, backend.tokenizer)
@@ -140,8 +143,13 @@ def _loop(
     validation loss (None if none)."""
     t = cfg.train
     val_loss = None
-    bar = tqdm(total=t.max_steps, initial=start, dynamic_ncols=True, unit="step",
-               disable=not cfg.out.progress or not group.is_main)  # fmt: skip
+    bar = tqdm(
+        total=t.max_steps,
+        initial=start,
+        dynamic_ncols=True,
+        unit="step",
+        disable=not cfg.out.progress or not group.is_main,
+    )
     for step in range(start, t.max_steps):
         stepped = backend.step(step)
         if stepped.measured_s is not None:

@@ -63,8 +63,9 @@ class TensorBoardSink:
             for key, tag in self.TAGS.items()
             if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])
         ]
-        event = self._event(wall_time=time.time(), step=int(row["step"]),
-                            summary=self._summary(value=values))  # fmt: skip
+        event = self._event(
+            wall_time=time.time(), step=int(row["step"]), summary=self._summary(value=values)
+        )
         self._writer.add_event(event)
         self._writer.flush()  # one flush per logged row: a killed run loses nothing logged
 

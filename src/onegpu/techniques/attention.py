@@ -37,7 +37,9 @@ def _time_fwd_bwd(fn, q, k, v, repeats: int = 5) -> float:
 def measure_cpu_attention(shape: tuple[int, int, int, int], dtype: torch.dtype) -> str:
     """'sdpa' or 'plain', whichever runs forward+backward of causal attention faster."""
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
-    sdpa = _time_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v)  # fmt: skip
+    sdpa = _time_fwd_bwd(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v
+    )
     plain = _time_fwd_bwd(plain_attention, q, k, v)
     return "plain" if plain < 0.9 * sdpa else "sdpa"  # near-ties go to the fused kernel
 
@@ -54,8 +56,12 @@ def resolve_attention(
     key = (
         f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}|{shape}"
     )
-    choice = cached("attention.json", key, lambda: measure_cpu_attention(shape, dtype),
-                    valid=lambda v: v in ("sdpa", "plain"))  # fmt: skip
+    choice = cached(
+        "attention.json",
+        key,
+        lambda: measure_cpu_attention(shape, dtype),
+        valid=lambda v: v in ("sdpa", "plain"),
+    )
     return choice
 
 

@@ -74,8 +74,12 @@ class CompileTrial:
         return (self.eager_s - self.compiled_s) * micro_steps > self.compile_s
 
     def as_dict(self) -> dict[str, Any]:
-        d = {"eager_step_s": self.eager_s, "compiled_step_s": self.compiled_s,
-             "compile_s": self.compile_s, "cached": self.cached}  # fmt: skip
+        d = {
+            "eager_step_s": self.eager_s,
+            "compiled_step_s": self.compiled_s,
+            "compile_s": self.compile_s,
+            "cached": self.cached,
+        }
         return d | ({"skipped": self.skipped} if self.skipped else {})
 
 
@@ -152,12 +156,19 @@ def repay_bound(device: torch.device, eager_s: float, micro_steps: int) -> tuple
     machine's own trials (its best speedup if above the assumed one, its quickest compile)
     where it has any, else BEST_SPEEDUP and LEAST_COMPILE_S."""
     here = device_key(device) + "|"
-    trials = [t for k, t in entries("compile.json").items()
-              if k.startswith(here) and has("eager_step_s", "compiled_step_s", "compile_s")(t)]  # fmt: skip
-    speedup = max([BEST_SPEEDUP.get(device.type, 1.5)]
-                  + [t["eager_step_s"] / t["compiled_step_s"] for t in trials if t["compiled_step_s"] > 0])  # fmt: skip
-    least = min([t["compile_s"] for t in trials if t["compile_s"] > 0],
-                default=LEAST_COMPILE_S.get(device.type, 20.0))  # fmt: skip
+    trials = [
+        t
+        for k, t in entries("compile.json").items()
+        if k.startswith(here) and has("eager_step_s", "compiled_step_s", "compile_s")(t)
+    ]
+    speedup = max(
+        [BEST_SPEEDUP.get(device.type, 1.5)]
+        + [t["eager_step_s"] / t["compiled_step_s"] for t in trials if t["compiled_step_s"] > 0]
+    )
+    least = min(
+        [t["compile_s"] for t in trials if t["compile_s"] > 0],
+        default=LEAST_COMPILE_S.get(device.type, 20.0),
+    )
     return eager_s * (1 - 1 / speedup) * micro_steps, least
 
 
@@ -188,8 +199,10 @@ def decide(
         eager_s = _eager_s(model, eager, batch, autocast, device)
         saves, costs = repay_bound(device, eager_s, micro_steps)
         if saves <= costs:
-            why = (f"{micro_steps} micro-batches of {eager_s * 1e3:,.0f} ms could save at most "
-                   f"{saves:,.0f} s against at least {costs:,.0f} s of compiling")  # fmt: skip
+            why = (
+                f"{micro_steps} micro-batches of {eager_s * 1e3:,.0f} ms could save at most "
+                f"{saves:,.0f} s against at least {costs:,.0f} s of compiling"
+            )
             return "none", CompileTrial(eager_s, float("nan"), float("nan"), skipped=why)
     return choose_compile(
         key,
@@ -201,8 +214,12 @@ def decide(
 def step_fingerprint(cfg: Config) -> str:
     """What a micro-batch's forward and backward depend on, as a short stable key."""
     d = to_dict(cfg)
-    what = {"model": d["model"], "memory": d["memory"],
-            "precision": cfg.train.precision, "batch": [cfg.train.micro_batch_size, cfg.train_seq_len]}  # fmt: skip
+    what = {
+        "model": d["model"],
+        "memory": d["memory"],
+        "precision": cfg.train.precision,
+        "batch": [cfg.train.micro_batch_size, cfg.train_seq_len],
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 

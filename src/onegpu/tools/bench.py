@@ -110,8 +110,11 @@ def run_row(
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
     if proc.returncode != 0:  # a rank's own cause sits above torchrun's report: keep it
         lines = proc.stderr.strip().splitlines()
-        causes = [x for x in lines[:-15] if "terminate called" in x or "what():" in x
-                  or "Error" in x or "error:" in x][-5:]  # fmt: skip
+        causes = [
+            x
+            for x in lines[:-15]
+            if "terminate called" in x or "what():" in x or "Error" in x or "error:" in x
+        ][-5:]
         tail = "\n".join(causes + lines[-15:])
         raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {proc.returncode}:\n{tail}")
     row = measured_row(out)
@@ -242,9 +245,14 @@ def bench(
         for grid, name, c in entries
     ]
     command = "onegpu " + " ".join(sys.argv[1:]) if sys.argv and "onegpu" in sys.argv[0] else ""
-    write_together(out_dir, {"bench.json": json.dumps(rows, indent=1) + "\n",
-                             "bench.md": markdown(rows, base_cfg, steps, repeats, command),
-                             "bench.png": lambda path: plot(rows, path)})  # fmt: skip
+    write_together(
+        out_dir,
+        {
+            "bench.json": json.dumps(rows, indent=1) + "\n",
+            "bench.md": markdown(rows, base_cfg, steps, repeats, command),
+            "bench.png": lambda path: plot(rows, path),
+        },
+    )
     return rows
 
 

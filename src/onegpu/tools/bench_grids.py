@@ -78,6 +78,10 @@ GRIDS: dict[str, list[Row]] = {
 }
 
 
-GRID_ALIASES = {"hf-bert": "hf-guide-bert", "hf": "hf-guide", "seed000": "lippe",
-                "seed003": "training-loop"}  # fmt: skip
+GRID_ALIASES = {
+    "hf-bert": "hf-guide-bert",
+    "hf": "hf-guide",
+    "seed000": "lippe",
+    "seed003": "training-loop",
+}
 """The grids' former names, still accepted."""

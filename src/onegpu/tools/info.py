@@ -18,8 +18,11 @@ from onegpu.perf.devices import (
 from onegpu.techniques.precision import bf16_native, tf32_capable
 
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-AUTO_CACHES = {"attention": "attention.json", "loss chunk": "loss_chunk.json",
-               "compile": "compile.json"}  # fmt: skip
+AUTO_CACHES = {
+    "attention": "attention.json",
+    "loss chunk": "loss_chunk.json",
+    "compile": "compile.json",
+}
 
 
 def cached_choices() -> dict[str, int]:

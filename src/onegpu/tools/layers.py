@@ -291,8 +291,11 @@ def _torch_marks(pkg: str, free: set[str], root: Path = ROOT) -> tuple[str, str]
 
 def diagram(edges: dict[str, dict[str, set[str]]], root: Path = ROOT) -> str:
     free = torch_free_modules(root)
-    lines = ["onegpu layers, top to bottom; each imports only from the layers below it.",
-             "* torch-free: importing it loads no torch (what the JAX backend runs on):", ""]  # fmt: skip
+    lines = [
+        "onegpu layers, top to bottom; each imports only from the layers below it.",
+        "* torch-free: importing it loads no torch (what the JAX backend runs on):",
+        "",
+    ]
     for i in reversed(range(len(LAYERS))):
         for pkg in LAYERS[i]:
             deps = ", ".join(sorted(edges.get(pkg, {}), key=lambda d: (-LAYER_OF.get(d, -1), d)))

@@ -33,15 +33,14 @@ from onegpu.config import (
     ModelConfig,
     check_distributed,
     resolve_strategy,
-    to_toml,
     with_overrides,
 )
 from onegpu.offload.weights import with_offload_params
 from onegpu.perf.flops import RECOMPUTE
 from onegpu.plan.memory import plan_memory
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, one_budget, process_share, rank_memory
-from onegpu.runs.atomic import write_together
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
+from onegpu.tools.tune_report import pareto, size_text, trial_label, write_results
 
 
 def candidates(
@@ -148,8 +147,11 @@ def predicted_only(gpu: str | None, world_size: int, memory: int | None = None) 
     if gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
     if world_size > 1:
-        raise ConfigError("--world-size", f"no {gpu} here to launch processes on; the "
-                          "predicted search (--gpu without a GPU) is for one process")  # fmt: skip
+        raise ConfigError(
+            "--world-size",
+            f"no {gpu} here to launch processes on; the "
+            "predicted search (--gpu without a GPU) is for one process",
+        )
     return True
 
 
@@ -217,8 +219,10 @@ def tune(
             f"{world_size} process(es); use a multiple of {world_size}",
         )
     planned, fitting = plan_candidates(cfg, cands, budget_bytes, target, world_size)
-    log(f"tune: {len(cands)} candidates, {len(planned)} planned in "
-        f"{time.perf_counter() - t0:.0f} s, {len(fitting)} to measure under {_size(budget_bytes)}")  # fmt: skip
+    log(
+        f"tune: {len(cands)} candidates, {len(planned)} planned in "
+        f"{time.perf_counter() - t0:.0f} s, {len(fitting)} to measure under {size_text(budget_bytes)}"
+    )
     if not fitting:
         least = min(planned, key=lambda cp: cp[1])
         raise ConfigError(
@@ -286,95 +290,18 @@ def measure(
         for change, peak in fitting:
             if trials and time.perf_counter() - t0 > time_budget_s:
                 break
-            res = run_row(run["preset"], run["config_file"], {**base, **change}, run["steps"],
-                          Path(workdir), nproc=run["nproc"])  # fmt: skip
+            res = run_row(
+                run["preset"],
+                run["config_file"],
+                {**base, **change},
+                run["steps"],
+                Path(workdir),
+                nproc=run["nproc"],
+            )
             res.update(change=change, planned_peak_bytes=peak)
             trials.append(res)
-            log(f"  {_label(change)}: {res['tokens_per_s']:,.0f} tokens/s, planned "
-                f"{peak / 2**20:,.0f} MiB, measured {res['peak_mem_bytes'] / 2**20:,.0f} MiB")  # fmt: skip
+            log(
+                f"  {trial_label(change)}: {res['tokens_per_s']:,.0f} tokens/s, planned "
+                f"{peak / 2**20:,.0f} MiB, measured {res['peak_mem_bytes'] / 2**20:,.0f} MiB"
+            )
     return trials
-
-
-def write_results(result: dict[str, Any], best_cfg: Config, out_dir: Path) -> None:
-    """best.toml, tune.json, tune.md and tune.png in `out_dir`."""
-    trials, frontier, budget = result["trials"], result["frontier"], result["budget_bytes"]
-    write_together(out_dir, {"best.toml": to_toml(best_cfg),
-                             "tune.json": json.dumps(result, indent=1) + "\n",
-                             "tune.md": frontier_table(result),
-                             "tune.png": lambda path: plot(trials, frontier, budget, path)})  # fmt: skip
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
-
-
-def _label(change: dict[str, str]) -> str:
-    short = {"train.micro_batch_size": "micro", "memory.checkpointing": "remat",
-             "train.precision": "", "optim.name": "", "memory.loss_chunk": "chunk",
-             "memory.offload_activations": "activations on host",
-             "memory.offload_optimizer": "optimizer on host",
-             "memory.offload_params": "weights on host", "train.compile": "compile",
-             "dist.strategy": "", "dist.cpu_offload": "shards on host"}  # fmt: skip
-    parts = []
-    for k, v in change.items():
-        if v in ("0", "false", "none") and k != "memory.checkpointing":
-            continue
-        parts.append(short[k] if v == "true" else f"{short[k]} {v}".strip())
-    return ", ".join(parts)
-
-
-def pareto(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Trials no other trial beats on both memory (lower) and tokens/s (higher)."""
-    front = []
-    for t in sorted(trials, key=lambda r: (r["peak_mem_bytes"], -r["tokens_per_s"])):
-        if not front or t["tokens_per_s"] > front[-1]["tokens_per_s"]:
-            front.append(t)
-    return front
-
-
-def frontier_table(result: dict[str, Any]) -> str:
-    n = result.get("world_size", 1)
-    per = f" per process of {n} (torchrun)" if n > 1 else ""
-    lines = [
-        f"# onegpu tune: budget {_size(result['budget_bytes'])}{per}",
-        "",
-        f"{result['candidates']} candidates; {result['planned']} planned (largest micro-batch "
-        f"first); {result['fitting']} fit with their largest micro-batch; "
-        f"{len(result['trials'])} measured, cheapest-looking first. Pareto frontier (memory vs speed):",
-        "",
-        "| configuration | tokens/s | measured peak | planned peak |",
-        "|---|---|---|---|",
-    ]
-    for t in result["frontier"]:
-        lines.append(
-            f"| {_label(t['change'])} | {t['tokens_per_s']:,.0f} | "
-            f"{t['peak_mem_bytes'] / 2**20:,.0f} MiB | {t['planned_peak_bytes'] / 2**20:,.0f} MiB |"
-        )
-    kind = result["best"].get("peak_mem_kind")
-    lines += [
-        "",
-        f"Measured peak: {kind}." if kind else "",
-        f"Fastest that fits: {_label(result['best']['change'])} (best.toml).",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def plot(trials, frontier, budget: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    ax.scatter([t["peak_mem_bytes"] / 2**20 for t in trials], [t["tokens_per_s"] for t in trials],
-               color="tab:gray", label="measured trials")  # fmt: skip
-    ax.plot([t["peak_mem_bytes"] / 2**20 for t in frontier], [t["tokens_per_s"] for t in frontier],
-            "o-", color="tab:blue", label="Pareto frontier")  # fmt: skip
-    ax.axvline(budget / 2**20, color="tab:red", ls="--", label="budget")
-    ax.set_xlabel("peak memory of a step, MiB")
-    ax.set_ylabel("tokens/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)

@@ -84,15 +84,43 @@ def activation_floors(cfg: Config, gpu: str, cands: list[dict[str, str]]) -> dic
 
     floors = {}
     for key in {(c["memory.checkpointing"], c["train.precision"]) for c in cands}:
-        one = with_overrides(cfg, {"memory.checkpointing": key[0], "train.precision": key[1],
-                                   "train.micro_batch_size": "1", "train.batch_size": "1",
-                                   "memory.offload_activations": "false"})  # fmt: skip
+        one = with_overrides(
+            cfg,
+            {
+                "memory.checkpointing": key[0],
+                "train.precision": key[1],
+                "train.micro_batch_size": "1",
+                "train.batch_size": "1",
+                "memory.offload_activations": "false",
+            },
+        )
         plan = plan_extrapolated(one, "cuda", gpu_caps(gpu))
         # per sequence: not autocast's copies of the weights (one per forward, whatever the
         # micro-batch) nor the logits (the chunked loss changes them)
         per_forward = ("16-bit copies (autocast)", "logits / loss")
         floors[key] = sum(v for k, v in plan.saved_by_kind.items() if k not in per_forward)
     return floors
+
+
+def _by_bound(
+    cfg: Config,
+    cands: list[dict[str, str]],
+    base: Planned,
+    floors: dict[tuple[str, str], int],
+    gpu: str,
+    budget: int,
+    host_budget: int,
+) -> list[tuple[float, int, dict[str, str], Config]]:
+    """The candidates whose arithmetic lower bound fits, fastest bound first (then the
+    largest micro-batch)."""
+    scored = []
+    for change in cands:
+        c = with_overrides(cfg, change)
+        saved = floors[(change["memory.checkpointing"], change["train.precision"])]
+        b = bound(c, base.n_params, base.flops_per_token, gpu, saved)
+        if b.device <= budget and b.host <= host_budget:
+            scored.append((b.step_s, -c.train.micro_batch_size, change, c))
+    return sorted(scored, key=lambda s: (s[0], s[1]))
 
 
 def search(
@@ -109,26 +137,21 @@ def search(
     base = planned(cfg, target, caps, gpu, fast=True)
     floors = activation_floors(cfg, gpu, cands)
     log(f"  {len(floors)} activation floors planned in {time.perf_counter() - t0:.0f} s")
-    scored = []
-    pruned = 0
-    for change in cands:
-        c = with_overrides(cfg, change)
-        saved = floors[(change["memory.checkpointing"], change["train.precision"])]
-        b = bound(c, base.n_params, base.flops_per_token, gpu, saved)
-        if b.device > budget or b.host > host_budget:
-            pruned += 1
-            continue
-        scored.append((b.step_s, -c.train.micro_batch_size, change, c))
-    scored.sort(key=lambda s: (s[0], s[1]))
-    log(f"tune (predicted for {gpu}): {len(cands)} candidates, {pruned} pruned by arithmetic "
+    scored = _by_bound(cfg, cands, base, floors, gpu, budget, host_budget)
+    pruned = len(cands) - len(scored)
+    log(
+        f"tune (predicted for {gpu}): {len(cands)} candidates, {pruned} pruned by arithmetic "
         f"(what they must keep exceeds {budget / 2**30:.1f} GiB on the device "
-        f"or {host_budget / 2**30:.1f} GiB on the host), {len(scored)} to plan, fastest bound first")  # fmt: skip
+        f"or {host_budget / 2**30:.1f} GiB on the host), {len(scored)} to plan, fastest bound first"
+    )
     rows: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     for i, (lower, _, change, c) in enumerate(scored):
         if best is not None and lower >= best["step_s"]:
-            log(f"  stopped after {i} planned: no candidate left can beat "
-                f"{best['step_s'] * 1e3:,.0f} ms/step")  # fmt: skip
+            log(
+                f"  stopped after {i} planned: no candidate left can beat "
+                f"{best['step_s'] * 1e3:,.0f} ms/step"
+            )
             break
         try:
             p = planned(c, target, caps, gpu, fast=True)
@@ -145,16 +168,28 @@ def search(
         if (i + 1) % 10 == 0:
             so_far = f", best so far {best['step_s'] * 1e3:,.0f} ms/step" if best else ""
             log(f"  {i + 1}/{len(scored)} planned in {time.perf_counter() - t0:.0f} s{so_far}")
-    return {"gpu": gpu, "candidates": len(cands), "pruned_by_arithmetic": pruned,
-            "host_budget": host_budget,
-            "planned": len(rows), "rows": rows, "best": best,
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "gpu": gpu,
+        "candidates": len(cands),
+        "pruned_by_arithmetic": pruned,
+        "host_budget": host_budget,
+        "planned": len(rows),
+        "rows": rows,
+        "best": best,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _row(change: dict[str, str], p: Planned, fits: bool, c: Config) -> dict[str, Any]:
     tokens = c.train.batch_size * c.train_seq_len
-    return {"change": change, "peak_bytes": p.peak, "host_bytes": p.host, "step_s": p.step_s,
-            "tokens_per_s": tokens / p.step_s if p.step_s else None, "fits": fits}  # fmt: skip
+    return {
+        "change": change,
+        "peak_bytes": p.peak,
+        "host_bytes": p.host,
+        "step_s": p.step_s,
+        "tokens_per_s": tokens / p.step_s if p.step_s else None,
+        "fits": fits,
+    }
 
 
 def tune_predicted(
@@ -167,8 +202,10 @@ def tune_predicted(
     cands = candidates(cfg, "cuda", with_compile=False)
     budget = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES
     result = search(cfg, cands, gpu, budget, host_memory or machine_ram(), log)
-    files = {"tune.json": json.dumps(result, indent=1) + "\n",
-             "tune.md": predicted_table(result, budget)}  # fmt: skip
+    files = {
+        "tune.json": json.dumps(result, indent=1) + "\n",
+        "tune.md": predicted_table(result, budget),
+    }
     if result["best"] is not None:
         files["best.toml"] = to_toml(with_overrides(cfg, result["best"]["change"]))
     write_together(out_dir, files)
@@ -184,7 +221,7 @@ def tune_predicted(
 
 
 def predicted_table(result: dict[str, Any], budget: int) -> str:
-    from onegpu.tools.tune import _label
+    from onegpu.tools.tune_report import trial_label
 
     rows = sorted((r for r in result["rows"] if r["fits"]), key=lambda r: r["step_s"])[:10]
     lines = [
@@ -199,9 +236,14 @@ def predicted_table(result: dict[str, Any], budget: int) -> str:
         "|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {_label(r['change'])} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['peak_bytes'] / 2**30:,.2f} GiB | {r['host_bytes'] / 2**30:,.1f} GiB |")  # fmt: skip
+        lines.append(
+            f"| {trial_label(r['change'])} | {r['tokens_per_s']:,.0f} | "
+            f"{r['peak_bytes'] / 2**30:,.2f} GiB | {r['host_bytes'] / 2**30:,.1f} GiB |"
+        )
     if result["best"]:
-        lines += ["", f"Fastest that fits: {_label(result['best']['change'])} (best.toml; "
-                  "confirmed by following the full model)."]  # fmt: skip
+        lines += [
+            "",
+            f"Fastest that fits: {trial_label(result['best']['change'])} (best.toml; "
+            "confirmed by following the full model).",
+        ]
     return "\n".join(lines) + "\n"

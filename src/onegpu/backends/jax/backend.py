@@ -71,32 +71,46 @@ class JaxBackend:
         b, t = self.built, self.built.cfg.train
         self._batches = batches(b, step)
         self._val = (
-            eval_windows(b.data.val, seq_len=b.cfg.train_seq_len, batch_size=t.micro_batch_size,
-                         n_batches=t.eval_batches) if t.eval_every else []
-        )  # fmt: skip
+            eval_windows(
+                b.data.val,
+                seq_len=b.cfg.train_seq_len,
+                batch_size=t.micro_batch_size,
+                n_batches=t.eval_batches,
+            )
+            if t.eval_every
+            else []
+        )
         self._key = jax.random.key(t.seed)
         self._first = next(self._batches, None)
         if self._first is not None and step < t.max_steps:  # compiled once, ahead: its memory
             # analysis is read from this very executable (the check now, the summary later)
-            b.step = b.step.lower(b.params, b.opt_state, *self._first, jnp.float32(0.0),
-                                  jax.random.key(0)).compile()  # fmt: skip
+            b.step = b.step.lower(
+                b.params, b.opt_state, *self._first, jnp.float32(0.0), jax.random.key(0)
+            ).compile()
             check_fits(b)
 
     def meter(self) -> Meter:
         b = self.built
         peak = cached_cpu_peak(b.precision.name) if jax.default_backend() == "cpu" else None
         # JAX dispatches asynchronously: the meter's clock waits for the step's results
-        return Meter(HostTotals(), b.flops_per_token, peak, peak_memory=peak_rss_bytes,
-                     sync=lambda: jax.block_until_ready(b.params))  # fmt: skip
+        return Meter(
+            HostTotals(),
+            b.flops_per_token,
+            peak,
+            peak_memory=peak_rss_bytes,
+            sync=lambda: jax.block_until_ready(b.params),
+        )
 
     def describe(self, out_dir: Path, start: int) -> str:
         b, cfg = self.built, self.built.cfg
         resumed = f" | resumed at step {start}" if start else ""
         scan = " | layers scanned" if cfg.model.scan_layers else ""
-        return (f"onegpu: {b.n_params:,} parameters | jax {jax.__version__} on "
-                f"{jax.devices()[0].platform} | {b.precision.name}{scan} | batch "
-                f"{cfg.train.batch_size}x{cfg.train_seq_len} tokens in {b.n_micro} "
-                f"micro-batch(es) | data {b.data.description} | run folder {out_dir}{resumed}")  # fmt: skip
+        return (
+            f"onegpu: {b.n_params:,} parameters | jax {jax.__version__} on "
+            f"{jax.devices()[0].platform} | {b.precision.name}{scan} | batch "
+            f"{cfg.train.batch_size}x{cfg.train_seq_len} tokens in {b.n_micro} "
+            f"micro-batch(es) | data {b.data.description} | run folder {out_dir}{resumed}"
+        )
 
     def seed(self, checkpoint: Checkpoint | None) -> None:
         pass  # dropout's key is folded from (seed, step): nothing to restore
@@ -109,8 +123,15 @@ class JaxBackend:
         x, y, n_tokens = self._first if self._first is not None else next(self._batches)
         self._first = None
         lr = lr_at(step, b.cfg.optim, b.cfg.train.max_steps)
-        b.params, b.opt_state, out = b.step(b.params, b.opt_state, x, y, n_tokens,
-                                            jnp.float32(lr), jax.random.fold_in(self._key, step))  # fmt: skip
+        b.params, b.opt_state, out = b.step(
+            b.params,
+            b.opt_state,
+            x,
+            y,
+            n_tokens,
+            jnp.float32(lr),
+            jax.random.fold_in(self._key, step),
+        )
         return Stepped(Out(out.loss, out.grad_norm, out.skipped, lr), x.size)
 
     def evaluate(self) -> float:
@@ -127,8 +148,11 @@ class JaxBackend:
     def write_checkpoint(
         self, path: Path, common: dict[str, Any], *, wait: bool
     ) -> Callable[[], None] | None:
-        state = {**common, "params": jax.device_get(self.built.params),
-                 "opt_state": jax.device_get(self.built.opt_state)}  # fmt: skip
+        state = {
+            **common,
+            "params": jax.device_get(self.built.params),
+            "opt_state": jax.device_get(self.built.opt_state),
+        }
         checkpoints.write_atomic(path, lambda f: ckpt.write(f, state))
         return None
 
@@ -151,13 +175,18 @@ class JaxBackend:
             "memory": {
                 "peak": xla_total(xla),
                 "kind": "XLA memory analysis (arguments + outputs + temporaries - aliased)",
-            } if xla else None,  # fmt: skip
+            }
+            if xla
+            else None,
             "precision": b.precision.name,
             "device": jax.default_backend(),
             "device_name": str(jax.devices()[0].device_kind),
             "config": to_dict(b.cfg),
-            "environment": environment(jax=jax.__version__, jax_platform=jax.default_backend(),
-                                       allocator=active_allocator()),  # fmt: skip
+            "environment": environment(
+                jax=jax.__version__,
+                jax_platform=jax.default_backend(),
+                allocator=active_allocator(),
+            ),
         }
 
     def finished(self, summary: dict[str, Any]) -> None:
@@ -169,8 +198,13 @@ def batches(built: JaxBuilt, start: int) -> Iterator[tuple[np.ndarray, np.ndarra
     the torch backend's windows in the torch backend's order."""
     cfg, t = built.cfg, built.cfg.train
     T, n = cfg.train_seq_len, built.n_micro
-    for x, y in train_windows(built.data.train, seq_len=T, batch_size=t.batch_size,
-                              seed=t.seed, start=start * t.batch_size):  # fmt: skip
+    for x, y in train_windows(
+        built.data.train,
+        seq_len=T,
+        batch_size=t.batch_size,
+        seed=t.seed,
+        start=start * t.batch_size,
+    ):
         n_tokens = int(np.count_nonzero(y != -100))
         yield x.reshape(n, -1, T), y.reshape(n, -1, T), n_tokens
 
@@ -207,12 +241,17 @@ def xla_memory(built: JaxBuilt) -> dict[str, int] | None:
         if not hasattr(compiled, "memory_analysis"):
             shape = (built.n_micro, t.micro_batch_size, cfg.train_seq_len)
             x = jax.ShapeDtypeStruct(shape, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
-            compiled = built.step.lower(built.params, built.opt_state, x, x, 1, jnp.float32(0.0),
-                                        jax.random.key(0)).compile()  # fmt: skip
+            compiled = built.step.lower(
+                built.params, built.opt_state, x, x, 1, jnp.float32(0.0), jax.random.key(0)
+            ).compile()
         m = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - an analysis the backend lacks is no failure of the run
         return None
     if m is None:
         return None
-    return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-            "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes}  # fmt: skip
+    return {
+        "argument_bytes": m.argument_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
+    }

@@ -29,8 +29,11 @@ def read(path: Path) -> dict[str, Any]:
     try:
         state = serialization.msgpack_restore(path.read_bytes())
     except (OSError, ValueError, TypeError) as e:  # msgpack errors are ValueErrors
-        raise ConfigError("train.resume", f"{path} does not load ({e}); give another "
-                          "checkpoint or start afresh with --train.resume ''") from None  # fmt: skip
+        raise ConfigError(
+            "train.resume",
+            f"{path} does not load ({e}); give another "
+            "checkpoint or start afresh with --train.resume ''",
+        ) from None
     if isinstance(state, dict) and isinstance(state.get("config"), str):
         state["config"] = json.loads(state["config"])
     return state

@@ -61,8 +61,11 @@ def _forward(chunk: int, compute: Any, n_valid: int, h_ND, w_VD, b_V, t_N):
         gw = gw + (g.T @ h_cD).astype(jnp.float32)
         return (loss, gw, gb), gh
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(w_VD.shape, jnp.float32),
-            jnp.zeros(b_V.shape, jnp.float32))  # fmt: skip
+    init = (
+        jnp.zeros((), jnp.float32),
+        jnp.zeros(w_VD.shape, jnp.float32),
+        jnp.zeros(b_V.shape, jnp.float32),
+    )
     (loss, gw, gb), gh = jax.lax.scan(body, init, (h, t))
     gh = gh.reshape(-1, D)[:N].astype(h_ND.dtype)
     return loss, (gh, gw, gb)
@@ -84,8 +87,12 @@ def _fwd(chunk, compute, n_valid, h_ND, w_VD, b_V, t_N):
 def _bwd(chunk, compute, n_valid, res, g):
     (gh, gw, gb), w_like, b_like, t_N = res
     no_grad = np.zeros(t_N.shape, jax.dtypes.float0)  # integer targets: a float0 cotangent
-    return ((gh * g.astype(gh.dtype)), (gw * g).astype(w_like.dtype), (gb * g).astype(b_like.dtype),
-            no_grad)  # fmt: skip
+    return (
+        (gh * g.astype(gh.dtype)),
+        (gw * g).astype(w_like.dtype),
+        (gb * g).astype(b_like.dtype),
+        no_grad,
+    )
 
 
 chunked_loss_sum.defvjp(_fwd, _bwd)
@@ -97,8 +104,9 @@ def make_loss(model: Any, cfg: Config, chunk: int) -> Callable:
     m = cfg.model
 
     def plain(params, x, y, key, deterministic):
-        logits = model.apply({"params": params}, x, deterministic=deterministic,
-                             rngs={"dropout": key})  # fmt: skip
+        logits = model.apply(
+            {"params": params}, x, deterministic=deterministic, rngs={"dropout": key}
+        )
         return token_loss_sum(logits, y)
 
     if not chunk:
@@ -106,12 +114,18 @@ def make_loss(model: Any, cfg: Config, chunk: int) -> Callable:
     hidden = model.clone(logits=False)
 
     def chunked(params, x, y, key, deterministic):
-        h = hidden.apply({"params": params}, x, deterministic=deterministic,
-                         rngs={"dropout": key})  # fmt: skip
+        h = hidden.apply({"params": params}, x, deterministic=deterministic, rngs={"dropout": key})
         head = params.get("lm_head", {})
         w = params["wte"] if m.tie_embeddings else head["weight"]
         b = head["bias"] if "bias" in head else jnp.zeros(w.shape[:1], jnp.float32)
-        return chunked_loss_sum(chunk, model.p.compute_dtype, m.vocab_size,
-                                h.reshape(-1, h.shape[-1]), w, b, y.reshape(-1))  # fmt: skip
+        return chunked_loss_sum(
+            chunk,
+            model.p.compute_dtype,
+            m.vocab_size,
+            h.reshape(-1, h.shape[-1]),
+            w,
+            b,
+            y.reshape(-1),
+        )
 
     return chunked

@@ -33,11 +33,16 @@ def resolve_loss_chunk(value: int | str, m: ModelConfig, tokens: int, compute: A
         return 0
     vocab = padded_vocab(m)
     device = jax.devices()[0]
-    key = (f"jax|{device.platform}|{device.device_kind}|{jnp.dtype(compute).name}|"
-           f"tokens={tokens}|d={m.d_model}|vocab={vocab}")  # fmt: skip
-    found = cached("loss_chunk.json", key,
-                   lambda: measure_loss_chunk(tokens, m.d_model, vocab, compute),
-                   valid=valid_timings)  # fmt: skip
+    key = (
+        f"jax|{device.platform}|{device.device_kind}|{jnp.dtype(compute).name}|"
+        f"tokens={tokens}|d={m.d_model}|vocab={vocab}"
+    )
+    found = cached(
+        "loss_chunk.json",
+        key,
+        lambda: measure_loss_chunk(tokens, m.d_model, vocab, compute),
+        valid=valid_timings,
+    )
     return chosen_chunk(found, tokens)
 
 

@@ -37,8 +37,14 @@ def make_optimizer(o: OptimConfig, params: dict) -> optax.GradientTransformation
 
     def build(learning_rate):
         if o.name == "adamw":
-            return optax.adamw(learning_rate, b1=o.beta1, b2=o.beta2, eps=o.eps,
-                               weight_decay=o.weight_decay, mask=decay_mask)  # fmt: skip
+            return optax.adamw(
+                learning_rate,
+                b1=o.beta1,
+                b2=o.beta2,
+                eps=o.eps,
+                weight_decay=o.weight_decay,
+                mask=decay_mask,
+            )
         if o.name == "sgd":
             return optax.chain(
                 optax.add_decayed_weights(o.weight_decay, mask=decay_mask),

@@ -46,8 +46,13 @@ class HostTotals:
 
     def read(self) -> dict[str, float]:
         self._drain()
-        return {"loss_sum": self._loss, "skipped": self._skipped, "in_a_row": self._in_a_row,
-                "grad_norm": self._last[0], "lr": self._last[1]}  # fmt: skip
+        return {
+            "loss_sum": self._loss,
+            "skipped": self._skipped,
+            "in_a_row": self._in_a_row,
+            "grad_norm": self._last[0],
+            "lr": self._last[1],
+        }
 
     def in_a_row(self) -> int:
         self._drain()
@@ -59,8 +64,11 @@ class HostTotals:
 
     def state_dict(self) -> dict[str, Any]:
         self._drain()
-        return {"skipped": self._skipped, "in_a_row": self._in_a_row,
-                "interval_loss": np.float64(self._loss)}  # fmt: skip
+        return {
+            "skipped": self._skipped,
+            "in_a_row": self._in_a_row,
+            "interval_loss": np.float64(self._loss),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._skipped, self._in_a_row = int(state["skipped"]), int(state["in_a_row"])

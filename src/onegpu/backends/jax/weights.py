@@ -58,12 +58,17 @@ def from_torch_names(
 
     def take(key: str, like) -> np.ndarray:
         if key not in state:
-            raise ConfigError("model.init_from", f"{where} has no {key}: it is not a onegpu GPT "
-                              "of this [model] (n_layer, d_model, bias, tie_embeddings)")  # fmt: skip
+            raise ConfigError(
+                "model.init_from",
+                f"{where} has no {key}: it is not a onegpu GPT "
+                "of this [model] (n_layer, d_model, bias, tie_embeddings)",
+            )
         value = state[key]
         if tuple(value.shape) != tuple(like.shape):
-            raise ConfigError("model.init_from", f"{where}: {key} is {tuple(value.shape)}, this "
-                              f"[model] wants {tuple(like.shape)}")  # fmt: skip
+            raise ConfigError(
+                "model.init_from",
+                f"{where}: {key} is {tuple(value.shape)}, this [model] wants {tuple(like.shape)}",
+            )
         return value.astype(like.dtype)
 
     def fill(tree: dict, path: tuple[str, ...]) -> dict:

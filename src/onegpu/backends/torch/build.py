@@ -113,29 +113,29 @@ def build(
     cfg = resolved.config
     check_distributed(cfg, ctx.strategy, ctx.world_size)
     data = prepare_data(cfg, ctx) if with_data else None
+    fake_mode, device = _tensors(cfg, resolved, device, fake)
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode: contextlib.AbstractContextManager = FakeTensorMode(allow_non_fake_inputs=True)
-        cfg, device = plannable(cfg), torch.device("cpu")  # CPU shape rules, nothing allocated
-    else:
-        fake_mode = contextlib.nullcontext()
-        apply_precision(resolved.precision, device)
-        check_attention_backend(resolved.attention, device, resolved.precision.param_dtype)
+        cfg = plannable(cfg)
     with fake_mode:
         applied = _model_with_techniques(cfg, resolved, device, ctx, fake)
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=applied.compile))  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, compile=applied.compile)
+        )
         resolved = dataclasses.replace(resolved, config=cfg)
         model = applied.model
-        on_host = cfg.dist.cpu_offload and ctx.enabled  # FSDP's shards live on the host
-        optimizer = build_optimizer(model, cfg.optim, torch.device("cpu") if on_host else device,
-                                    param_dtype=resolved.precision.param_dtype,
-                                    offload=cfg.memory.offload_optimizer,
-                                    offload_dir=cfg.memory.offload_dir, fake=fake)  # fmt: skip
-    step = TrainStep(model=model, loss_fn=applied.loss_fn, optimizer=optimizer,
-                     policy=resolved.precision, device=device, optim=cfg.optim,
-                     max_steps=cfg.train.max_steps, n_micro=cfg.grad_accum_steps // ctx.world_size,
-                     dist=ctx, no_sync=applied.no_sync)  # fmt: skip
+        optimizer = _optimizer(model, cfg, resolved, device, ctx, fake)
+    step = TrainStep(
+        model=model,
+        loss_fn=applied.loss_fn,
+        optimizer=optimizer,
+        policy=resolved.precision,
+        device=device,
+        optim=cfg.optim,
+        max_steps=cfg.train.max_steps,
+        n_micro=cfg.grad_accum_steps // ctx.world_size,
+        dist=ctx,
+        no_sync=applied.no_sync,
+    )
     return Built(
         cfg=resolved.config,
         resolved=resolved,
@@ -154,9 +154,41 @@ def build(
     )
 
 
-def _processes(
-    cfg: Config, dist_ctx: DistContext | None, fake: bool
-) -> tuple[Config, DistContext]:
+def _optimizer(
+    model: LanguageModel,
+    cfg: Config,
+    resolved: Resolved,
+    device: torch.device,
+    ctx: DistContext,
+    fake: bool,
+) -> torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer:
+    on_host = cfg.dist.cpu_offload and ctx.enabled  # FSDP's shards live on the host
+    return build_optimizer(
+        model,
+        cfg.optim,
+        torch.device("cpu") if on_host else device,
+        param_dtype=resolved.precision.param_dtype,
+        offload=cfg.memory.offload_optimizer,
+        offload_dir=cfg.memory.offload_dir,
+        fake=fake,
+    )
+
+
+def _tensors(
+    cfg: Config, resolved: Resolved, device: torch.device, fake: bool
+) -> tuple[contextlib.AbstractContextManager, torch.device]:
+    """Where the build's tensors live: fake CPU tensors (CPU shape rules, nothing allocated)
+    for a plan, else `device`, with its precision settings and attention kernel checked."""
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu")
+    apply_precision(resolved.precision, device)
+    check_attention_backend(resolved.attention, device, resolved.precision.param_dtype)
+    return contextlib.nullcontext(), device
+
+
+def _processes(cfg: Config, dist_ctx: DistContext | None, fake: bool) -> tuple[Config, DistContext]:
     """The processes a real build runs on: the caller's, or, for weights offloaded to the host
     (FSDP2's CPU offload, offload/weights.py), a group of this one process. A fake build plans
     one process's share: the planner applies the same rewrite to its figures."""

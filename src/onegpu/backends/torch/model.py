@@ -80,8 +80,13 @@ def apply_techniques(
     if ctx.strategy == "fsdp":
         model = shard(model, cfg, resolved, device, ctx)
     else:
-        model = materialize(model, device, seed=cfg.train.seed, dtype=policy.param_dtype,
-                            init_from=cfg.model.init_from)  # fmt: skip
+        model = materialize(
+            model,
+            device,
+            seed=cfg.train.seed,
+            dtype=policy.param_dtype,
+            init_from=cfg.model.init_from,
+        )
     # 6. Offloading last, outermost: its hooks also see what checkpoints and the chunked loss save.
     if mem.offload_activations:
         eager, loss_fn = with_offload(eager, device), with_offload(loss_fn, device)
@@ -93,7 +98,9 @@ def apply_techniques(
     if cfg.train.compile == "auto" and mode != "none":
         autocast = lambda: policy.autocast(device)  # noqa: E731
         mode, trial = compile_.decide(cfg, model, eager, loss_fn, autocast, device)
-        return Applied(model, loss_fn if mode != "none" else eager, compile=mode, compile_trial=trial)  # fmt: skip
+        return Applied(
+            model, loss_fn if mode != "none" else eager, compile=mode, compile_trial=trial
+        )
     return Applied(model, loss_fn, compile=mode)
 
 
@@ -116,8 +123,13 @@ def shard(
 
     def reference() -> nn.Module:  # only rank 0 calls it
         cpu = torch.device("cpu")
-        return materialize(template, cpu, seed=cfg.train.seed, dtype=policy.param_dtype,
-                           init_from=cfg.model.init_from)  # fmt: skip
+        return materialize(
+            template,
+            cpu,
+            seed=cfg.train.seed,
+            dtype=policy.param_dtype,
+            init_from=cfg.model.init_from,
+        )
 
     shard_device = torch.device("cpu") if d.cpu_offload else device
     return materialize_sharded(model, shard_device, ctx, reference)
@@ -193,8 +205,11 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
         state[key] = state[(tied - {key}).pop()]
     wrong = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
     if wrong:
-        raise ConfigError("model.init_from", f"{file} does not hold this [model]'s {wrong[0]} "
-                          f"(with its shape {tuple(own[wrong[0]].shape)}): another architecture")  # fmt: skip
+        raise ConfigError(
+            "model.init_from",
+            f"{file} does not hold this [model]'s {wrong[0]} "
+            f"(with its shape {tuple(own[wrong[0]].shape)}): another architecture",
+        )
     with torch.no_grad():
         for key, value in own.items():
             value.copy_(state[key])

@@ -79,7 +79,9 @@ def torch_summary(built: Built, memory: dict[str, Any]) -> dict[str, Any]:
         "compiled": compiled,
         # compiled before the loop when `auto` timed it in this run
         "compile_before_s": (
-            trial.compile_s if trial and not trial.cached and not trial.skipped and compiled else 0.0
+            trial.compile_s
+            if trial and not trial.cached and not trial.skipped and compiled
+            else 0.0
         ),
         "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
         "peak_mem_bytes": peak_bytes(device),

@@ -154,9 +154,12 @@ def router_balancing(hf: nn.Module):
     experts = getattr(hf, "num_experts", None) or getattr(config, "num_local_experts", None)
     top_k = getattr(hf, "num_experts_per_tok", None) or getattr(config, "num_experts_per_tok", 2)
     if func is None or not experts:
-        raise ConfigError("model.hf", f"{type(hf).__name__} asks for its router loss "
-                          "(output_router_logits) but transformers offers no balancing loss for "
-                          "it here; set output_router_logits false in config.json")  # fmt: skip
+        raise ConfigError(
+            "model.hf",
+            f"{type(hf).__name__} asks for its router loss "
+            "(output_router_logits) but transformers offers no balancing loss for "
+            "it here; set output_router_logits false in config.json",
+        )
 
     def balancing(router_logits) -> torch.Tensor:
         return coef * func(router_logits, experts, top_k, None)

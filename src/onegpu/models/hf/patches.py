@@ -45,8 +45,9 @@ CHECKED_WITH = ("4.56", "5.23")
 
 def never_packed() -> contextlib.AbstractContextManager:
     """Answer transformers' packed-sequence check with "not packed" inside the context."""
-    return _swapped("transformers.masking_utils", "find_packed_sequence_indices",
-                    lambda original: not_packed)  # fmt: skip
+    return _swapped(
+        "transformers.masking_utils", "find_packed_sequence_indices", lambda original: not_packed
+    )
 
 
 def not_packed(position_ids: torch.Tensor) -> None:

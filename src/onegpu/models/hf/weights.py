@@ -33,8 +33,11 @@ def load_safetensors_into(model: nn.Module, files: tuple[Path, ...]) -> None:
             _copy_file(file, own, seen)
         except (OSError, SafetensorError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ConfigError("model.hf", f"{file} is not a readable safetensors file "
-                              f"({reason}): truncated or damaged; copy it again") from None  # fmt: skip
+            raise ConfigError(
+                "model.hf",
+                f"{file} is not a readable safetensors file "
+                f"({reason}): truncated or damaged; copy it again",
+            ) from None
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(k for k in params - seen if tied.get(k) not in seen)
     if missing:
@@ -69,18 +72,25 @@ def _copy_converted(model: nn.Module, folder: Path, own: dict, seen: set[str]) -
     """transformers' from_pretrained (with its conversion) on the CPU, then a copy into `model`."""
     dtype = next(iter(own.values())).dtype
     try:
-        loaded = type(model).from_pretrained(folder, config=model.config, dtype=dtype,
-                                             local_files_only=True)  # fmt: skip
+        loaded = type(model).from_pretrained(
+            folder, config=model.config, dtype=dtype, local_files_only=True
+        )
     except (OSError, ValueError, RuntimeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError("model.hf", f"transformers could not read the weights in {folder} "
-                          f"({reason}); check the folder against its config.json") from None  # fmt: skip
+        raise ConfigError(
+            "model.hf",
+            f"transformers could not read the weights in {folder} "
+            f"({reason}); check the folder against its config.json",
+        ) from None
     for key, value in loaded.state_dict().items():
         if key in own:
             target = own[key]
             if target.shape != value.shape:
-                raise ConfigError("model.hf", f"{folder}: {key} has shape {tuple(value.shape)}, "
-                                  f"the config says {tuple(target.shape)}")  # fmt: skip
+                raise ConfigError(
+                    "model.hf",
+                    f"{folder}: {key} has shape {tuple(value.shape)}, "
+                    f"the config says {tuple(target.shape)}",
+                )
             target.data.copy_(value)
             seen.add(key)
     del loaded
