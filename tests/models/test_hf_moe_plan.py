@@ -136,7 +136,9 @@ def test_data_dependent_experts_are_refused_by_plan_and_skipped_by_the_start_che
     assert len(logged) == 2 and all(0 < a < 1 for a in logged)
 
 
-@pytest.mark.parametrize("checkpointing", ["block", "selective"])
+@pytest.mark.parametrize(
+    "checkpointing", ["block", pytest.param("selective", marks=pytest.mark.slow)]
+)
 def test_checkpointed_experts_recompute_as_the_forward_ran_them(tmp_path, checkpointing):
     """A checkpointed block recomputes its experts in backward, outside the model's forward
     call: transformers' own function ran them there in fp32 (its cast to the weights' dtype),

@@ -25,6 +25,7 @@ OPTIONS = {
         "host",
     ),
 }
+FAST = ("optimizer on host", "activations on host")  # the rest run in the slow suite
 NONE = {"optimizer": "device", "weights": "device", "activations": "device"}
 
 
@@ -41,7 +42,10 @@ def _expected(name):
     return NONE | OPTIONS[name][1]
 
 
-@pytest.mark.parametrize("name", OPTIONS)
+@pytest.mark.parametrize(
+    "name",
+    [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in OPTIONS],
+)
 def test_train_runs_the_option(name, tmp_path):
     from onegpu.train import train
 
