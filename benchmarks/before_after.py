@@ -60,11 +60,23 @@ def main() -> None:
         "same_final_loss": results["before"][0]["loss"] == results["after"][0]["loss"],
         "device": results["after"][0]["device_name"],
         "platform": platform.platform(),
-        "torch": results["after"][0]["torch"],
+        "torch": results["after"][0].get("torch"),
+        "jax": results["after"][0].get("environment", {}).get("jax"),
+        "cpu_bf16": _cpu_bf16(),
     }
     print(json.dumps(report, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _cpu_bf16() -> str:
+    """Which bf16 matmul units this CPU has (results differ by kind: CPU-NOTES)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    return ", ".join(found) or "none (AVX2: bf16 emulated)"
 
 
 if __name__ == "__main__":

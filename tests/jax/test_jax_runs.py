@@ -124,3 +124,20 @@ def test_a_diverging_jax_run_skips_updates_and_keeps_the_last_good_checkpoint(tm
     leaves = jax.tree_util.tree_leaves(saved["params"])
     assert leaves and all(np.isfinite(np.asarray(v)).all() for v in leaves)
     assert not (out / "model.safetensors").exists()  # no non-finite weights exported
+
+
+def test_a_jax_step_that_cannot_fit_is_refused_from_xlas_own_analysis(tmp_path, monkeypatch):
+    """The JAX backend checks before its first step: XLA's memory analysis of the compiled
+    step against the memory available now; refused in one line, nothing trained."""
+    from onegpu.backends.jax import backend
+    from onegpu.train import train
+
+    monkeypatch.setattr(backend, "available_host_bytes", lambda: 1024)
+    out = tmp_path / "run"
+    over = {"train.backend": "jax", "out.dir": str(out), "out.progress": "false",
+            "train.max_steps": "2"}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^train.skip_memory_check: XLA plans .* GiB for one"):
+        train(load_config("tiny", overrides=over))
+    assert not out.exists()  # refused before the run folder was written
+    s = train(load_config("tiny", overrides={**over, "train.skip_memory_check": "true"}))
+    assert s["steps"] == 2

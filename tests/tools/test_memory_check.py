@@ -104,3 +104,46 @@ def test_each_torchrun_process_checks_its_own_share(monkeypatch):
     assert memory_check.check_memory(cfg, CPU, world_size=2, per_machine=2)["need"] == share
     with pytest.raises(ConfigError, match="train.skip_memory_check: the planner predicts"):
         memory_check.check_memory(cfg, CPU, world_size=2, per_machine=4)
+
+
+# Every technique the README's commands show, each through the start-up check on this CPU.
+README_TECHNIQUES = {
+    "fp32": {"train.precision": "fp32"},
+    "bf16-pure": {"train.precision": "bf16-pure"},
+    "fp16": {"train.precision": "fp16"},
+    "attn+mlp": {"memory.checkpointing": "attn+mlp"},
+    "every:2": {"memory.checkpointing": "every:2"},
+    "selective": {"memory.checkpointing": "selective"},
+    "dots": {"memory.checkpointing": "dots"},
+    "offload activations": {"memory.offload_activations": "true"},
+    "offload optimizer": {"memory.offload_optimizer": "true"},
+    "offload params": {"memory.offload_params": "true"},
+    "offload dir": {"memory.offload_optimizer": "true", "memory.offload_dir": "{tmp}"},
+    "loss chunk": {"memory.loss_chunk": "64"},
+    "gelu 2 bits": {"memory.gelu_bits": "2"},
+    "randomized linear": {"memory.randomized_linear": "0.25"},
+    "adamw8bit": {"optim.name": "adamw8bit"},
+    "adafactor": {"optim.name": "adafactor"},
+    "in backward": {
+        "optim.in_backward": "true",
+        "optim.grad_clip": "0",
+        "train.micro_batch_size": "8",
+    },
+    "compile regional": {"train.compile": "regional"},
+    "attention flash": {"model.attention": "flash"},
+}
+
+
+@pytest.mark.parametrize("name", README_TECHNIQUES)
+def test_every_readme_technique_goes_through_the_check(name, tmp_path, capsys):
+    """The check compares a plan, or says in one line that it cannot plan this configuration,
+    and the run starts; never a traceback for a run the user could have run."""
+    over = {k: v.replace("{tmp}", str(tmp_path)) for k, v in README_TECHNIQUES[name].items()}
+    cfg = load_config("tiny", overrides={"train.device": "cpu", **over})
+    result = memory_check.check_memory(cfg, CPU)
+    assert "need" in result or "skipped" in result
+    if "skipped" in result:
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"onegpu: memory check skipped: {result['skipped']}"]
+    else:
+        assert result["need"]["peak"] > 0

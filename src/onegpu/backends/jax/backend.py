@@ -38,7 +38,6 @@ class JaxBackend:
         self.built: JaxBuilt | None = None
         self.tokenizer: Any = None
         self._batches: Iterator | None = None
-        self._first: tuple | None = None
         self._val: list = []
         self._key: Any = None
 
@@ -52,6 +51,10 @@ class JaxBackend:
     def build(self, cfg: Config) -> Config:
         self.built = build(cfg)
         self.tokenizer = self.built.data.tokenizer
+        # compiled once, ahead, for a step's shapes: the memory check reads XLA's analysis of
+        # this very executable before anything is written, and so does the summary later
+        self.built.step = lower(self.built).compile()
+        check_fits(self.built)
         return cfg
 
     def data_fingerprint(self) -> str | None:
@@ -81,13 +84,6 @@ class JaxBackend:
             else []
         )
         self._key = jax.random.key(t.seed)
-        self._first = next(self._batches, None)
-        if self._first is not None and step < t.max_steps:  # compiled once, ahead: its memory
-            # analysis is read from this very executable (the check now, the summary later)
-            b.step = b.step.lower(
-                b.params, b.opt_state, *self._first, jnp.float32(0.0), jax.random.key(0)
-            ).compile()
-            check_fits(b)
 
     def meter(self) -> Meter:
         b = self.built
@@ -120,17 +116,11 @@ class JaxBackend:
 
     def step(self, step: int) -> Stepped:
         b = self.built
-        x, y, n_tokens = self._first if self._first is not None else next(self._batches)
-        self._first = None
+        x, y, n_tokens = next(self._batches)
         lr = lr_at(step, b.cfg.optim, b.cfg.train.max_steps)
+        key = jax.random.fold_in(self._key, step)
         b.params, b.opt_state, out = b.step(
-            b.params,
-            b.opt_state,
-            x,
-            y,
-            n_tokens,
-            jnp.float32(lr),
-            jax.random.fold_in(self._key, step),
+            b.params, b.opt_state, x, y, n_tokens, jnp.float32(lr), key
         )
         return Stepped(Out(out.loss, out.grad_norm, out.skipped, lr), x.size)
 
@@ -232,18 +222,23 @@ def xla_total(m: dict[str, int]) -> int:
     return m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"]
 
 
+def lower(built: JaxBuilt) -> Any:
+    """The step lowered for the shapes of one step's batch (what `start`'s batches are)."""
+    cfg, t = built.cfg, built.cfg.train
+    shape = (built.n_micro, t.micro_batch_size, cfg.train_seq_len)
+    x = jax.ShapeDtypeStruct(shape, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    return built.step.lower(
+        built.params, built.opt_state, x, x, 1, jnp.float32(0.0), jax.random.key(0)
+    )
+
+
 def xla_memory(built: JaxBuilt) -> dict[str, int] | None:
     """XLA's compiled memory analysis of the step: argument, output and temporary bytes (from
     the executable the run compiled, else compiled here for the shapes of a step)."""
-    cfg, t = built.cfg, built.cfg.train
     compiled = built.step
     try:
         if not hasattr(compiled, "memory_analysis"):
-            shape = (built.n_micro, t.micro_batch_size, cfg.train_seq_len)
-            x = jax.ShapeDtypeStruct(shape, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
-            compiled = built.step.lower(
-                built.params, built.opt_state, x, x, 1, jnp.float32(0.0), jax.random.key(0)
-            ).compile()
+            compiled = lower(built).compile()
         m = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - an analysis the backend lacks is no failure of the run
         return None
