@@ -216,5 +216,5 @@ def test_what_both_backends_share_is_torch_free():
         if layers.package_of(module) in shared:
             assert module in free, f"{module} loads torch when imported"
     assert {"onegpu.perf.logits", "onegpu.perf.cpu", "onegpu.perf.peaks"} <= free
-    assert "onegpu.models.gpt" not in free and "onegpu.backends.torch.trainer" not in free
+    assert "onegpu.models.gpt" not in free and "onegpu.backends.torch.backend" not in free
     assert "onegpu.techniques.chunked_loss" not in free  # via a torch-importing dependency too

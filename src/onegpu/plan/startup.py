@@ -60,9 +60,11 @@ def _plan(cfg: Config, target: str, world_size: int) -> dict[str, int]:
         p = planned(cfg, target, None, None, fast=True, speed=False)
         return {"peak": p.peak, "host": p.host}
     from onegpu.config import resolve_strategy
+    from onegpu.offload.weights import with_offload_params
     from onegpu.plan.depth import plan_extrapolated
     from onegpu.plan.targets import process_share, rank_memory
 
+    cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     share = plan_extrapolated(process_share(cfg, world_size), target)
     strategy = resolve_strategy(cfg.dist, world_size)
     mem = rank_memory(cfg.dist, share, world_size, strategy)

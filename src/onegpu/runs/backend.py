@@ -75,7 +75,7 @@ class Stepped:
 class Backend(Protocol):
     """A framework's part of a run. Called in this order: processes -> check_memory -> build
     -> (load_state) -> start -> meter -> describe -> seed -> guard(step, evaluate,
-    write_checkpoint...) -> final_weights -> summary -> finished."""
+    write_checkpoint...) -> summary -> finished -> final_weights."""
 
     name: str
     """'torch' or 'jax': written into every checkpoint; another backend's run is refused."""

@@ -6,6 +6,7 @@ No torch import."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from onegpu.backends.jax.build import JaxBuilt, build
 from onegpu.backends.jax.totals import HostTotals, Out, peak_rss_bytes
 from onegpu.config import Config, ConfigError, to_dict
 from onegpu.config.schedule import lr_at
-from onegpu.data.windows import eval_windows, train_windows
+from onegpu.data.windows import IGNORE_INDEX, eval_windows, train_windows
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.host_memory import available_host_bytes
 from onegpu.perf.peaks import cached_cpu_peak
@@ -36,6 +37,7 @@ class JaxBackend:
 
     def __init__(self) -> None:
         self.built: JaxBuilt | None = None
+        self._compile_s = 0.0
         self.tokenizer: Any = None
         self._batches: Iterator | None = None
         self._val: list = []
@@ -53,7 +55,9 @@ class JaxBackend:
         self.tokenizer = self.built.data.tokenizer
         # compiled once, ahead, for a step's shapes: the memory check reads XLA's analysis of
         # this very executable before anything is written, and so does the summary later
+        t0 = time.perf_counter()
         self.built.step = lower(self.built).compile()
+        self._compile_s = time.perf_counter() - t0  # before the meter's clock starts
         check_fits(self.built)
         return cfg
 
@@ -157,7 +161,7 @@ class JaxBackend:
         return {
             "params": b.n_params,
             "compiled": True,  # XLA compiles every step: the first step's excess is that
-            "compile_before_s": 0.0,
+            "compile_before_s": self._compile_s,
             "peak_mem_bytes": peak_rss_bytes(),
             "peak_mem_kind": "process peak RSS",
             "xla_memory": xla,
@@ -195,7 +199,7 @@ def batches(built: JaxBuilt, start: int) -> Iterator[tuple[np.ndarray, np.ndarra
         seed=t.seed,
         start=start * t.batch_size,
     ):
-        n_tokens = int(np.count_nonzero(y != -100))
+        n_tokens = int(np.count_nonzero(y != IGNORE_INDEX))
         yield x.reshape(n, -1, T), y.reshape(n, -1, T), n_tokens
 
 
@@ -208,7 +212,10 @@ def check_fits(built: JaxBuilt) -> None:
     if not xla:
         print("onegpu: memory check skipped: XLA gave no memory analysis of the step", flush=True)
         return
-    need, free = xla_total(xla), available_host_bytes()
+    # what the step allocates beyond its arguments (parameters, optimizer state and batch are
+    # in memory already, and so out of what is available)
+    need = xla["output_bytes"] + xla["temp_bytes"] - xla["alias_bytes"]
+    free = available_host_bytes()
     if need > free:
         raise ConfigError(
             "train.skip_memory_check",

@@ -29,11 +29,11 @@ def profile_jax(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, An
     out = resolve_out_dir(cfg.out)
     try:
         built = build(cfg)
-        steps = batches(built, 0)
+        stream = batches(built, 0)
         key = jax.random.key(cfg.train.seed)
 
         def one_step(step: int) -> None:
-            x, y, n = next(steps)
+            x, y, n = next(stream)
             lr = jnp.float32(lr_at(step, cfg.optim, cfg.train.max_steps))
             built.params, built.opt_state, got = built.step(
                 built.params, built.opt_state, x, y, n, lr, jax.random.fold_in(key, step)

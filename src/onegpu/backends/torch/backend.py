@@ -21,7 +21,7 @@ from onegpu.backends.torch.loader import DevicePrefetcher
 from onegpu.backends.torch.oom import out_of_memory_report
 from onegpu.backends.torch.step_memory import measure_step, measured_step
 from onegpu.backends.torch.totals import meter_for
-from onegpu.config import Config
+from onegpu.config import Config, ConfigError
 from onegpu.config.environment import local_world_size_from_env
 from onegpu.distributed import DistContext, init_distributed
 from onegpu.distributed.context import shutdown
@@ -73,7 +73,16 @@ class TorchBackend:
         ctx = self.ctx
         device = resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
         per_machine = local_world_size_from_env()
-        ctx.main_first(lambda: self._memory_check(cfg, device, ctx.world_size, per_machine))
+        refusal: ConfigError | None = None
+        try:
+            ctx.main_first(lambda: self._memory_check(cfg, device, ctx.world_size, per_machine))
+        except ConfigError as e:
+            refusal = e
+        if ctx.any_true(refusal is not None):  # every process stops when one cannot fit
+            raise refusal or ConfigError(
+                "train.skip_memory_check",
+                "another process of this job does not fit (its line above says why)",
+            )
 
     def build(self, cfg: Config) -> Config:
         self.built = build(cfg, dist_ctx=self.ctx)
