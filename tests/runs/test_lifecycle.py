@@ -270,3 +270,49 @@ def test_kill_9_during_saves_loses_nothing_that_was_saved(backend, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == last + 2 and summary["backend"] == backend
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.slow  # 60 steps per backend
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_divergence_keeps_the_last_good_checkpoint_whatever_keep_last_says(backend, tmp_path):
+    out = tmp_path / "run"
+    over = {"optim.lr": "1e6", "train.max_steps": "60", "checkpoint.keep_last": "1",
+            "train.max_consecutive_skips": "6", "train.eval_every": "0"}  # fmt: skip
+    s = train(_cfg(out, backend, **over))
+    assert s["diverged"] and s["skipped_steps"] >= 6
+    good = Path(s["last_good_checkpoint"])
+    assert good.exists() and checkpoints.written_by(good) == backend
+    assert int(good.name.split("-")[1].split(".")[0]) <= s["steps"] - 6
+    assert not (out / "model.safetensors").exists()  # never non-finite weights
+
+
+@pytest.mark.slow  # a run per backend
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_file(
+    backend, tmp_path, monkeypatch, capsys
+):
+    """The disk fills while a checkpoint is written: exit 1, one line with the disk's error and
+    the resume advice (a resume can fix it), no half file under any name."""
+    import errno
+
+    from onegpu.cli import main
+
+    real = checkpoints.write_atomic
+
+    def full(path, write):
+        def half(f):
+            f.write(b"the first bytes of a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        real(path, half)
+
+    monkeypatch.setattr(checkpoints, "write_atomic", full)
+    out = tmp_path / "run"
+    code = main(["train", "--preset", "tiny", "--train.backend", backend, "--train.precision",
+                 "fp32", "--train.max_steps", "2", "--checkpoint.every", "1", "--out.progress",
+                 "false", "--train.eval_every", "0", "--optim.warmup_steps", "1",
+                 "--out.dir", str(out)])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert "No space left on device" in err[0] and "--train.resume auto" in err[0]
+    assert os.listdir(out / "checkpoints") == []
