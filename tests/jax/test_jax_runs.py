@@ -126,6 +126,7 @@ def test_a_diverging_jax_run_skips_updates_and_keeps_the_last_good_checkpoint(tm
     assert not (out / "model.safetensors").exists()  # no non-finite weights exported
 
 
+@pytest.mark.slow  # two JAX runs, each compiling its step
 def test_a_jax_step_that_cannot_fit_is_refused_from_xlas_own_analysis(tmp_path, monkeypatch):
     """The JAX backend checks before its first step: XLA's memory analysis of the compiled
     step against the memory available now; refused in one line, nothing trained."""

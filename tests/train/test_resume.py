@@ -151,6 +151,7 @@ def test_resume_refuses_a_changed_trajectory_and_bad_checkpoints(tmp_path):
         train(_cfg(tmp_path / "other", **{"train.resume": str(bad)}))
 
 
+@pytest.mark.slow  # shared by both backends now: tests/runs/test_lifecycle.py
 def test_leftovers_of_a_killed_save_are_removed_and_never_loaded(tmp_path):
     out = tmp_path / "run"
     train(_cfg(out, **{"train.max_steps": "4"}))
@@ -162,6 +163,7 @@ def test_leftovers_of_a_killed_save_are_removed_and_never_loaded(tmp_path):
     assert [step for step, _ in checkpoints.complete_checkpoints(folder)] == [2, 4, 6][-3:]
 
 
+@pytest.mark.slow  # shared by both backends now: tests/runs/test_lifecycle.py
 def test_keep_last_and_keep_every(tmp_path):
     out = tmp_path / "run"
     train(_cfg(out, **{"train.max_steps": "12", "checkpoint.every": "1",
@@ -169,6 +171,7 @@ def test_keep_last_and_keep_every(tmp_path):
     assert [s for s, _ in checkpoints.complete_checkpoints(out / "checkpoints")] == [5, 10, 11, 12]
 
 
+@pytest.mark.slow  # shared by both backends now: tests/runs/test_lifecycle.py
 def test_overwrite_replaces_the_whole_old_run(tmp_path):
     out = tmp_path / "run"
     train(_cfg(out, **{"train.max_steps": "6"}))
