@@ -161,10 +161,8 @@ def _files(out: Path) -> dict[str, int]:
             if p.name != ".onegpu.lock"}  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [pytest.param("torch", marks=pytest.mark.slow), "jax"],  # each trains both
-)
+@pytest.mark.slow  # each case trains on both backends
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_run_never_touches_another_backends_run(backend, tmp_path):
     """A resume into a folder another backend wrote is refused in one line naming that backend
     and the way across; its checkpoints and weights are left as they were."""
