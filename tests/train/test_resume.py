@@ -26,6 +26,7 @@ def _cfg(out, **over):
         "train.log_every": "3",
         "train.eval_every": "4",
         "train.measure_memory": "false",
+        "train.skip_memory_check": "true",  # its plan steps a TrainStep, which _stop_after counts
         "checkpoint.every": "2",
         "out.progress": "false",
         "out.dir": str(out),
