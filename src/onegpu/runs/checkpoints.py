@@ -249,13 +249,13 @@ def find(
     warn: Callable[[str], None],
 ) -> Checkpoint | None:
     """The checkpoint `train.resume` names (None: start afresh): 'auto' the newest in the run
-    folder that loads (a damaged newer one skipped with a warning), or a path. Another
-    backend's run or checkpoint is refused."""
+    folder that loads (a damaged newer one skipped with a warning), or a path; only this
+    backend's checkpoints are looked at, and one of another backend given as a path is
+    refused."""
     how = cfg.train.resume
     if not how:
         return None
-    if how == "auto":
-        refuse_other_backend(out_dir, backend)
+    if how == "auto":  # another backend's run: refused before (lifecycle._prepare_resume)
         found = complete_checkpoints(out_dir / "checkpoints", backend)
         return newest_that_loads(found, lambda p: load(p, backend, read), warn)
     return load(Path(how).expanduser(), backend, read)
