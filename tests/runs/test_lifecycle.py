@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onegpu.config import ConfigError, load_config
+from onegpu.config import ConfigError, load_config, to_dict
 from onegpu.runs import checkpoints
 from onegpu.runs.meter import Meter
 from onegpu.train import train
@@ -201,6 +201,23 @@ def test_a_second_writer_is_refused_naming_the_holder(backend, tmp_path):
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def test_a_resumed_auto_keeps_what_the_checkpoints_run_decided(tmp_path):
+    """`train.compile auto` decides by the run's length: a resume with a shorter max_steps would
+    decide eager where the checkpoint compiled, and be refused as another run. An `auto` on
+    resume takes the checkpoint's decision; a value the user sets is checked as it is."""
+    saved = to_dict(_cfg(tmp_path, "torch", **{"train.compile": "default"}))
+    saved["train"]["precision"] = "bf16"
+    resumed = _cfg(tmp_path, "torch", **{"train.compile": "auto", "train.precision": "auto"})
+    kept = checkpoints.keep_decisions(saved, resumed)
+    assert (kept.train.compile, kept.train.precision) == ("default", "bf16")
+    assert (resumed.train.compile, resumed.train.precision) == ("auto", "auto")  # untouched
+    checkpoints.check_same_run(saved, kept)
+    eager = _cfg(tmp_path, "torch", **{"train.precision": "auto"})  # compile none, set
+    with pytest.raises(ConfigError, match="train.compile"):
+        checkpoints.check_same_run(saved, checkpoints.keep_decisions(saved, eager))
+    assert checkpoints.keep_decisions(None, resumed) is resumed
 
 
 def _cli(out, backend, *args):

@@ -18,6 +18,7 @@ wrote: `refuse_other_backend` says so in one line, with the way across (`model.i
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from onegpu.config import Config, ConfigError, to_dict
+from onegpu.config import Config, ConfigError, apply_values, to_dict, validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -314,6 +315,27 @@ def load(
     if state.get("backend", backend) != backend:
         raise ConfigError(field, f"{path} was written by the {state['backend']} backend")
     return Checkpoint(path, state)
+
+
+def keep_decisions(saved: dict[str, Any] | None, cfg: Config) -> Config:
+    """`cfg` with every field it leaves `auto` set to what the checkpoint's run decided for it:
+    a resumed `auto` continues the run as it was, whatever this run would decide afresh (a
+    shorter `train.max_steps` must not turn `train.compile auto` from compiled to eager and so
+    refuse the resume). `cfg` itself is untouched."""
+    now = to_dict(cfg)
+    decided: dict[str, Any] = {}
+    for section, fields in (saved or {}).items():
+        if section in MAY_CHANGE_SECTIONS or section not in now:
+            continue
+        for name, old in fields.items():
+            key = f"{section}.{name}"
+            if key not in MAY_CHANGE and now[section].get(name) == "auto" and old != "auto":
+                decided[key] = old
+    if not decided:
+        return cfg
+    kept = apply_values(copy.deepcopy(cfg), decided, origin="the checkpoint's config")
+    validate(kept)
+    return kept
 
 
 def check_same_run(saved: dict[str, Any] | None, cfg: Config) -> None:

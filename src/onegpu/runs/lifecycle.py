@@ -38,6 +38,8 @@ def run(cfg: Config, backend: Backend) -> dict[str, Any]:
         out_dir = group.on_main(lambda: resolve_out_dir(cfg.out, resuming=bool(cfg.train.resume)))
         try:
             previous = _find(cfg, out_dir, backend, group)  # a bad checkpoint fails first
+            if previous is not None:
+                cfg = checkpoints.keep_decisions(previous.state.get("config"), cfg)
             backend.check_memory(cfg)
             built_cfg = backend.build(cfg)
             if previous is not None:
