@@ -1,6 +1,7 @@
 """`onegpu profile` and `onegpu bench` write the files scripts rely on."""
 
 import json
+import re
 
 import pytest
 
@@ -19,6 +20,15 @@ def test_profile_writes_trace_memory_timeline_and_summary(tmp_path, capsys):
     summary = (out / "summary.txt").read_text()
     for phrase in ("phases", "forward", "idle gaps", "synchronisations", "top operations"):
         assert phrase in summary
+    # the contract line for scripts, and where the gap above the floor goes
+    line = re.search(r"^matmul floor: ([\d.]+) ms a step; measured ([\d.]+) ms = ([\d.]+)x the floor$",
+                     summary, re.M)  # fmt: skip
+    assert line, summary
+    floor_ms, step_ms, ratio = map(float, line.groups())
+    assert 0 < floor_ms < step_ms and ratio == pytest.approx(
+        step_ms / floor_ms, rel=0.05
+    )  # printed rounded
+    assert "of the gap" in summary
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ def _report(cfg: Config, env: Env, summary: dict[str, Any]) -> int:
         "tokens",
         "tokens_per_s",
         "mfu",
+        "step_over_floor",
         "peak_mem_bytes",
         "loss",
         "val_loss",

@@ -143,7 +143,8 @@ class Backend(Protocol):
         """The trained weights as model.safetensors at `path` (a collective)."""
 
     def summary(self, meter: Meter) -> dict[str, Any]:
-        """The backend's fields of summary.json: memory, device, versions, compilation."""
+        """The backend's fields of summary.json: memory, device, versions, compilation, and
+        `floor_s`, the step's matmul floor, where the backend measures one."""
 
     def finished(self, summary: dict[str, Any]) -> None:
         """After the run: what its numbers show about this machine (a stale peak)."""

@@ -209,6 +209,7 @@ def _summary(
     step_s = tokens_per_step / steady["tokens_per_s"] if steady["tokens_per_s"] else None
     own = backend.summary(meter)
     compiled, compile_before = own.pop("compiled"), own.pop("compile_before_s")
+    floor_s = own.pop("floor_s", None)  # the step's matmul floor, where the backend measures it
     return {
         "backend": backend.name,
         "params": own.pop("params"),
@@ -222,6 +223,8 @@ def _summary(
             max(0.0, meter.first_step_s - step_s) + compile_before if step_s and compiled else None
         ),
         "mfu": steady["mfu"],
+        "floor_s": floor_s,
+        "step_over_floor": step_s / floor_s if step_s and floor_s else None,
         "peak_flops": meter.peak.flops if meter.peak else None,
         "peak_flops_source": meter.peak.source if meter.peak else None,
         **run_outcome(meter, stop, val_loss),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,11 @@ import torch
 
 from onegpu.backends.torch.batches import training_batches
 from onegpu.backends.torch.build import Built, build
+from onegpu.backends.torch.floor import step_floor
 from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline, profiling
+from onegpu.perf.devices import sync
+from onegpu.perf.floor import GEMM_OPS, Floor
 from onegpu.runs.atomic import atomic_path, write_text_atomic
 from onegpu.runs.folder import resolve_out_dir
 from onegpu.runs.lock import release_run_folder
@@ -67,8 +71,10 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
 
     for step in range(warmup):  # compilation, allocator growth, optimizer state creation
         one_step(step)
+    measured_s = _unprofiled_step_s(one_step, warmup, steps, built.device)
+    start = warmup + steps
     with profiling(built.device) as prof:
-        for step in range(warmup, warmup + steps):
+        for step in range(start, start + steps):
             # our own step spans: torch's ProfilerStep#N needs a schedule, which clears events
             with torch.profiler.record_function(f"ProfilerStep#{step}"):
                 one_step(step)
@@ -84,9 +90,74 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
     step_bounds = [(a + base_us, b + base_us) for a, b in _step_spans(trace)]
     _plot_memory(times, groups, step_bounds, out)
-    text = summary_text(prof, trace, built, steps, cuda)
+    floor = step_floor(built.cfg, built.device)
+    text = summary_text(
+        prof, trace, built, steps, cuda, floor_text(prof, floor, measured_s, steps, cuda)
+    )
     write_text_atomic(out / "summary.txt", text)
-    return {"out_dir": str(out), "summary": text}
+    return {
+        "out_dir": str(out),
+        "summary": text,
+        "floor_s": floor.seconds,
+        "step_s": measured_s,
+        "step_over_floor": measured_s / floor.seconds,
+    }
+
+
+def _unprofiled_step_s(one_step, first: int, steps: int, device: torch.device) -> float:
+    """The median time of `steps` steps run without the profiler (which slows each op)."""
+    times = []
+    for step in range(first, first + steps):
+        sync(device)
+        t0 = time.perf_counter()
+        one_step(step)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def floor_line(floor_s: float, step_s: float) -> str:
+    """The contract line scripts read from summary.txt."""
+    return (
+        f"matmul floor: {floor_s * 1e3:.1f} ms a step; measured {step_s * 1e3:.1f} ms = "
+        f"{step_s / floor_s:.2f}x the floor"
+    )
+
+
+def floor_text(prof, floor: Floor, step_s: float, steps: int, cuda: bool, top: int = 8) -> str:
+    """The floor, the step against it, and where the gap goes: the profiled ops' self time per
+    step, scaled to the unprofiled step, as a share of (step - floor). Matrix products count
+    only their time beyond the floor (slower than alone), attention kernels likewise (their
+    softmax and masking are non-matmul work inside them)."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = {e.key: getattr(e, key) / 1e6 / steps for e in prof.key_averages()}
+    profiled = sum(events.values()) or float("nan")
+    scale = step_s / profiled
+    gap = max(step_s - floor.seconds, 1e-12)
+    by_source = floor.by_source()
+    matmul_s = sum(v for k, v in events.items() if k.removeprefix("aten::") in GEMM_OPS)
+    costs = {"matrix products beyond their floor": matmul_s * scale - by_source.get("matmul", 0)}
+    for name, seconds in events.items():
+        short = name.removeprefix("aten::")
+        if short in GEMM_OPS:
+            continue
+        if short in by_source:  # an attention kernel: its products are in the floor
+            costs[f"{short} beyond its products"] = seconds * scale - by_source[short]
+        else:
+            costs[short] = seconds * scale
+    lines = [
+        "",
+        floor_line(floor.seconds, step_s),
+        f"  {len(floor.calls)} distinct products, {floor.flops / 1e9:,.1f} GFLOP a step, each "
+        f"timed alone on this device ({floor.flops / floor.seconds / 1e12:.2f} TFLOP/s); "
+        f"attention counts as its batched products: "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_source.items()),
+        f"  the gap ({gap * 1e3:.1f} ms a step), its largest parts (profiled self time scaled "
+        "to the unprofiled step):",
+    ]
+    for name, seconds in sorted(costs.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"    {name:<48} {seconds * 1e3:9.1f} ms  {seconds / gap:6.1%} of the gap")
+    return "\n".join(lines) + "\n"
 
 
 def _step_spans(trace: dict) -> list[tuple[float, float]]:
@@ -135,7 +206,9 @@ def _phase_times(trace: dict) -> dict[str, float]:
     return total
 
 
-def summary_text(prof, trace: dict, built: Built, steps: int, cuda: bool) -> str:
+def summary_text(
+    prof, trace: dict, built: Built, steps: int, cuda: bool, floor_part: str = ""
+) -> str:
     cfg = built.cfg
     spans = _step_spans(trace)
     durations = [(b - a) / 1e3 for a, b in spans]
@@ -174,7 +247,7 @@ def summary_text(prof, trace: dict, built: Built, steps: int, cuda: bool) -> str
         "  (on CPU, torch's fused AdamW kernel reads its step counter with .item(): no device sync)"
         if any("_fused_adam" in k for k in syncs)
         else "",
-        "",
+        floor_part,
         f"top operations by self time ({time_key}):",
         events.table(sort_by=time_key, row_limit=15, max_name_column_width=48),
         f"top operations by memory allocated ({mem_key}):",

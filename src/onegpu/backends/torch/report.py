@@ -69,8 +69,24 @@ def describe_auto(built: Built) -> str:
     return "auto: " + ", ".join(parts) + " | " if parts else ""
 
 
+def run_floor(built: Built) -> float | None:
+    """The step's matmul floor in seconds (perf/floor.py); None under torchrun (each process
+    runs a share) or where the model cannot be traced on fake tensors: a finished run's summary
+    never fails for it."""
+    if built.dist.enabled or built.device.type not in ("cpu", "cuda"):
+        return None
+    from onegpu.backends.torch.floor import step_floor
+
+    try:
+        return step_floor(built.cfg, built.device).seconds
+    except Exception as e:  # noqa: BLE001 - a measurement beside the run, never its failure
+        warnings.warn(f"matmul floor not measured: {type(e).__name__}: {e}", stacklevel=1)
+        return None
+
+
 def torch_summary(built: Built, memory: dict[str, Any]) -> dict[str, Any]:
-    """The torch backend's fields of summary.json: memory, device, versions, compilation."""
+    """The torch backend's fields of summary.json: memory, device, versions, compilation, the
+    step's matmul floor."""
     cfg, device = built.cfg, built.device
     compiled = cfg.train.compile != "none"
     trial = built.compile_trial
@@ -84,6 +100,7 @@ def torch_summary(built: Built, memory: dict[str, Any]) -> dict[str, Any]:
             else 0.0
         ),
         "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
+        "floor_s": run_floor(built),
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),
         "memory": memory or None,

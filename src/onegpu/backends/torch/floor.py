@@ -1,0 +1,39 @@
+"""The configured step's matmul floor on its device (perf/floor.py): its products traced on
+fake tensors (no compute, any model the planner can follow), each timed alone here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from onegpu.backends.torch.build import build
+from onegpu.backends.torch.loader import classification_targets
+from onegpu.config import Config
+from onegpu.perf.floor import Floor, Gemm, GemmRecorder, matmul_floor
+from onegpu.techniques.precision import device_caps
+
+
+def micro_batch_gemms(cfg: Config, device: torch.device) -> list[Gemm]:
+    """The matrix products of one micro-batch's forward and backward (and of the optimizer
+    step, which has none) of `cfg` on `device`, as dispatched."""
+    t = cfg.train
+    one = dataclasses.replace(
+        cfg, train=dataclasses.replace(t, batch_size=t.micro_batch_size, max_steps=2)
+    )
+    caps = device_caps(device) if device.type == "cpu" else None
+    built = build(one, device, with_data=False, caps=caps, fake=True)
+    recorder = GemmRecorder()
+    with built.fake_mode:
+        tokens = torch.zeros(t.micro_batch_size, cfg.train_seq_len + 1, dtype=torch.long)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if built.classes:
+            y = classification_targets(x, built.classes)
+        with recorder:
+            built.step(x, y, y.numel(), 0)
+    return recorder.gemms
+
+
+def step_floor(cfg: Config, device: torch.device) -> Floor:
+    """The floor of one optimizer step: a micro-batch's products times the micro-batches."""
+    return matmul_floor(micro_batch_gemms(cfg, device), device, repeat=cfg.grad_accum_steps)

@@ -1,0 +1,171 @@
+"""A step's matmul floor: the time its matrix products would take if nothing else ran.
+
+Every GEMM of a step (`mm`, `addmm`, `bmm`, `baddbmm`, the fused `_addmm_activation`) and every
+fused attention call is recorded as dispatched (`GemmRecorder`, a dispatch mode: fake tensors
+are enough, so the trace costs no compute), then each distinct call is timed alone at its
+shape, strides and dtype on this device (the best of a few runs, cached per device), and the
+times are summed. Attention counts as the batched products it does (forward QK^T and PV,
+backward four), half of them where it is causal: its softmax is work the floor leaves out, like
+every other non-matmul op.
+
+The floor is what a step could take on this machine with every other cost gone; a step's
+multiple of it (`step_over_floor`) is how far the run is from that (issue: "close to the
+limit"). On a GPU the same calls are timed with the device synchronised around them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from onegpu.cache import cached, has
+from onegpu.perf.devices import device_key, sync
+
+GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_addmm_activation")
+"""aten ops that are one matrix product (a bias add or GELU fused into it rides along)."""
+CACHE_FILE = "matmul-floor.json"
+MIN_TIMED_S = 0.02  # each call runs until this much time is measured (at least 3 runs)
+
+Spec = tuple[tuple[int, ...], tuple[int, ...]]  # a tensor argument: (shape, strides)
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """One matrix product of a step as the device runs it: the aten op, its tensor arguments'
+    shapes and strides, the dtype; `share` the part of it the step needs (0.5 for causal
+    attention's products) and `source` what made it ('matmul' or an attention op's name)."""
+
+    op: str
+    args: tuple[Spec, ...]
+    dtype: torch.dtype
+    share: float = 1.0
+    source: str = "matmul"
+
+    @property
+    def flops(self) -> float:
+        """2 m n k (times the batch for bmm), times `share`."""
+        a, b = self.args[-2][0], self.args[-1][0]
+        batch = a[0] if len(a) == 3 else 1
+        return 2.0 * batch * a[-2] * a[-1] * b[-1] * self.share
+
+    def key(self) -> str:
+        shapes = ";".join(f"{list(s)}/{list(st)}" for s, st in self.args)
+        return f"{self.op}|{str(self.dtype).removeprefix('torch.')}|{shapes}"
+
+
+def _spec(t: torch.Tensor) -> Spec:
+    return tuple(t.shape), tuple(t.stride())
+
+
+def _named(func, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The op's arguments by their schema names."""
+    names = [a.name for a in func._schema.arguments]
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def attention_products(func, args: tuple, kwargs: dict) -> list[Gemm]:
+    """The batched products a fused attention call stands for: (B*H, T, D) x (B*H, D, S) and
+    (B*H, T, S) x (B*H, S, D) forward; backward dP, dV, dQ and dK."""
+    given = _named(func, args, kwargs)
+    q, k = given.get("query"), given.get("key")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4:
+        return []
+    heads = q.shape[0] * q.shape[1]
+    t, s, d, dv = q.shape[2], k.shape[2], q.shape[3], given["value"].shape[3]
+    share = 0.5 if given.get("is_causal") else 1.0
+    name = str(func.overloadpacket).removeprefix("aten.")
+
+    def bmm(m: int, k_: int, n: int) -> Gemm:
+        a, b = (heads, m, k_), (heads, k_, n)
+        specs = ((a, (m * k_, k_, 1)), (b, (k_ * n, n, 1)))
+        return Gemm("bmm", specs, q.dtype, share, name)
+
+    if name.endswith("_backward"):
+        return [bmm(t, dv, s), bmm(s, t, dv), bmm(t, s, d), bmm(s, t, d)]
+    return [bmm(t, d, s), bmm(t, s, dv)]
+
+
+def is_attention(func) -> bool:
+    name = str(func.overloadpacket)
+    return "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention"))
+
+
+class GemmRecorder(TorchDispatchMode):
+    """Records the matrix products dispatched inside it (real or fake tensors alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemms: list[Gemm] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket).removeprefix("aten.")
+        if name in GEMM_OPS:
+            mats = [a for a in args[:3] if isinstance(a, torch.Tensor)]
+            op = "addmm" if name == "_addmm_activation" else name
+            self.gemms.append(Gemm(op, tuple(_spec(m) for m in mats), mats[-1].dtype))
+        elif is_attention(func):
+            self.gemms.extend(attention_products(func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _tensor(spec: Spec, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Random values laid out as `spec` (a transposed or broadcast operand stays one)."""
+    shape, stride = spec
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    base = torch.randn(max(extent, 1), device=device).to(dtype)
+    return base.as_strided(shape, stride)
+
+
+def time_gemm(gemm: Gemm, device: torch.device) -> float:
+    """The best time of the whole product alone on `device`, in seconds."""
+    op = getattr(torch.ops.aten, gemm.op)
+    args = [_tensor(s, gemm.dtype, device) for s in gemm.args]
+    op(*args)  # warm-up: kernel choice, page faults
+    times: list[float] = []
+    while len(times) < 3 or sum(times) < MIN_TIMED_S:
+        sync(device)
+        t0 = time.perf_counter()
+        op(*args)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 50:
+            break
+    return min(times)
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """A step's matmul floor: the seconds its products take alone, and each call's part."""
+
+    seconds: float
+    flops: float
+    calls: list[tuple[Gemm, int, float]]  # (call, times per step, seconds each)
+
+    def by_source(self) -> dict[str, float]:
+        """Seconds per source ('matmul', each attention op)."""
+        out: Counter[str] = Counter()
+        for gemm, n, s in self.calls:
+            out[gemm.source] += n * s
+        return dict(out)
+
+
+def matmul_floor(gemms: list[Gemm], device: torch.device, repeat: int = 1) -> Floor:
+    """Sum of each recorded product's time alone (distinct calls timed once, cached per
+    device), for a step that runs the recorded ones `repeat` times (its micro-batches)."""
+    counts = Counter(gemms)
+    calls: list[tuple[Gemm, int, float]] = []
+    for gemm, n in counts.items():
+        key = f"{device_key(device)}|{gemm.key()}"
+        entry = cached(
+            CACHE_FILE, key, lambda g=gemm: {"seconds": time_gemm(g, device)}, valid=has("seconds")
+        )
+        seconds = float(entry["seconds"]) * gemm.share
+        calls.append((gemm, n * repeat, seconds))
+    total = sum(n * s for _, n, s in calls)
+    return Floor(total, sum(g.flops * n for g, n, _ in calls), calls)

@@ -1,0 +1,80 @@
+"""A step's matmul floor (perf/floor.py): every product of the step is found, at the shapes the
+device runs, and each distinct one is timed once on this machine and cached."""
+
+import pytest
+import torch
+
+from onegpu.backends.torch.floor import micro_batch_gemms, step_floor
+from onegpu.config import load_config
+from onegpu.perf import floor as floor_module
+from onegpu.perf.floor import GemmRecorder, matmul_floor
+from onegpu.perf.flops import attention_flops_per_token
+
+CPU = torch.device("cpu")
+
+
+def _cfg(**over):
+    values = {"train.device": "cpu", "train.precision": "bf16", "train.compile": "none", **over}
+    return load_config("tiny", overrides=values)
+
+
+@pytest.mark.parametrize(("attention", "share"), [("sdpa", 0.5), ("plain", 1.0)])
+def test_the_floor_holds_every_product_of_a_step(attention, share):
+    """The products' FLOPs are the model's: 6 per matmul weight per token, plus attention's
+    12 L T d per token, of which a causal fused kernel needs half (the plain path computes
+    the whole T x T product, and its floor counts all of it)."""
+    cfg = _cfg(**{"model.attention": attention})
+    gemms = micro_batch_gemms(cfg, CPU)
+    m = cfg.model
+    tokens = cfg.train.micro_batch_size * cfg.train_seq_len
+    weights = m.n_layer * 12 * m.d_model**2 + m.vocab_size * m.d_model  # qkv, o, mlp; tied head
+    attention_flops = attention_flops_per_token(m.n_layer, cfg.train_seq_len, m.d_model)
+    expected = tokens * (6 * weights + share * attention_flops)
+    assert sum(g.flops for g in gemms) == pytest.approx(expected, rel=1e-9)
+    assert {g.dtype for g in gemms if g.source == "matmul" and g.op != "bmm"} == {torch.bfloat16}
+
+
+def test_fake_tensors_record_what_real_ones_do():
+    """The trace runs on fake tensors; a real step dispatches the same products."""
+    cfg = _cfg(
+        **{"model.attention": "sdpa", "train.batch_size": "4", "train.micro_batch_size": "4"}
+    )
+    from onegpu.backends.torch.build import build
+
+    built = build(cfg, CPU, with_data=False)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train_seq_len))
+    with GemmRecorder() as real:
+        built.step(x, x, x.numel(), 0)
+    assert sorted(map(str, real.gemms)) == sorted(map(str, micro_batch_gemms(cfg, CPU)))
+
+
+def test_each_distinct_product_is_timed_once_and_cached(monkeypatch):
+    cfg = _cfg(
+        **{"model.attention": "sdpa", "train.batch_size": "16", "train.micro_batch_size": "8"}
+    )
+    timed = []
+    real_time = floor_module.time_gemm
+
+    def counting(gemm, device):
+        timed.append(gemm)
+        return real_time(gemm, device)
+
+    monkeypatch.setattr(floor_module, "time_gemm", counting)
+    gemms = micro_batch_gemms(cfg, CPU)
+    first = step_floor(cfg, CPU)
+    assert len(timed) <= len(set(gemms)) < len(gemms)  # repeated layers' products timed once
+    again = step_floor(cfg, CPU)
+    assert len(timed) == len(set(timed))  # nothing timed twice: the cache answered
+    assert again.seconds == first.seconds > 0
+    assert first.seconds == pytest.approx(sum(n * s for _, n, s in first.calls))
+    one = matmul_floor(gemms, CPU)
+    assert cfg.grad_accum_steps == 2
+    assert first.seconds == pytest.approx(2 * one.seconds)  # both micro-batches
+    assert first.flops == pytest.approx(2 * sum(g.flops for g in gemms))
+    by_source = first.by_source()
+    assert set(by_source) == {
+        "matmul",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+    assert sum(by_source.values()) == pytest.approx(first.seconds)
