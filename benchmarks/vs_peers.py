@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from onegpu.perf.allocator import find_mimalloc, find_tcmalloc
+from onegpu.perf.allocator import MIMALLOC_PURGE, find_mimalloc, find_tcmalloc
 from onegpu.perf.devices import cpu_identity
 
 RESULTS = Path(__file__).parent / "results"
@@ -68,11 +68,13 @@ MODELS = {
 }  # fmt: skip
 LR, WD, CLIP, WARMUP_STEPS = 1e-3, 0.1, 1.0, 20
 CONTESTANTS = ("onegpu", "onegpu+tcmalloc", "onegpu-jax", "hf", "hf-compile", "hf+tcmalloc",
-               "plain", "plain-compile", "plain-compile+tcmalloc")  # fmt: skip
+               "plain", "plain-compile", "plain-compile+tcmalloc", "plain-compile+mimalloc")  # fmt: skip
 """onegpu-jax: the same `onegpu train` on the JAX backend (issue 24; needs the jax extra)."""
-DEFAULT = ("onegpu", "onegpu+tcmalloc", "plain-compile", "plain-compile+tcmalloc", "hf")
-"""The head-to-head of issue 23: onegpu on the allocator a fresh machine gets and on tcmalloc,
-the compiled hand-written loop on glibc and on tcmalloc, Trainer."""
+DEFAULT = ("onegpu", "onegpu+tcmalloc", "plain-compile+mimalloc", "plain-compile+tcmalloc",
+           "plain-compile", "hf")  # fmt: skip
+"""The head-to-head of issue 30: onegpu on the allocator a fresh machine gets and on tcmalloc,
+the compiled hand-written loop on each of those allocators (the same one onegpu has) and on
+glibc, Trainer."""
 
 
 def _precision() -> str:
@@ -208,7 +210,8 @@ def worker(name: str, model: str, steps: int) -> dict:
 
 
 def run(name: str, model: str, steps: int) -> dict:
-    base, fast = name.removesuffix("+tcmalloc"), name.endswith("+tcmalloc")
+    base, _, preload = name.partition("+")
+    fast = preload == "tcmalloc"
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if base in ("onegpu", "onegpu-jax"):  # both backends on the allocator a fresh machine gets
@@ -216,14 +219,17 @@ def run(name: str, model: str, steps: int) -> dict:
         res = run_onegpu(model, steps, env, backend="jax" if base == "onegpu-jax" else "torch")
     else:
         env["ONEGPU_ALLOCATOR"] = "system"  # the worker imports onegpu for its data: no preload
-        if fast:
+        if preload == "tcmalloc":
             env["LD_PRELOAD"] = find_tcmalloc() or ""
+        elif preload == "mimalloc":  # exactly as onegpu preloads it
+            env["LD_PRELOAD"] = find_mimalloc() or ""
+            env[MIMALLOC_PURGE] = "-1"
         cmd = [sys.executable, __file__, "--worker", base, "--model", model, "--steps", str(steps)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
         res = json.loads(proc.stdout.strip().splitlines()[-1])
-        res["allocator"] = "tcmalloc" if fast else "glibc"
+        res["allocator"] = preload or "glibc"
     step = statistics.median(res["times"][WARM:])
     tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
     # compile time, the same view for every contestant: the first step's excess over a steady one
@@ -231,12 +237,38 @@ def run(name: str, model: str, steps: int) -> dict:
     return res | {"step_time_s": step, "tokens_per_s": tokens / step, "first_step_excess_s": first}
 
 
-def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
+def model_floor(model: str) -> dict[str, float]:
+    """The model's matmul floor on this machine (perf/floor.py: every product of onegpu's step
+    at the shapes and precision every contestant runs, timed alone), its FLOPs per token
+    (6 per weight, attention's 12 L T d) and the matmul peak MFU divides by."""
+    from onegpu.backends.torch.floor import step_floor
+    from onegpu.config import load_config
+    from onegpu.perf.devices import cpu_peak_flops
+    from onegpu.perf.flops import attention_flops_per_token
+
+    over = MODELS[model]["over"] | {"train.precision": _precision(), "train.device": "cpu"}
+    for flag, value in zip(MODELS[model]["args"][::2], MODELS[model]["args"][1::2]):
+        if flag.startswith("--") and "." in flag:
+            over[flag[2:]] = value
+    cfg = load_config(MODELS[model]["preset"], overrides=over)
+    s = MODELS[model]["shape"]
+    weights = s["n_layer"] * 12 * s["d_model"] ** 2 + s["vocab_size"] * s["d_model"]
+    attention = attention_flops_per_token(s["n_layer"], s["seq_len"], s["d_model"])
+    dtype = torch.bfloat16 if _precision() == "bf16" else torch.float32
+    return {
+        "floor_s": step_floor(cfg, torch.device("cpu")).seconds,
+        "flops_per_token": 6 * weights + attention,
+        "peak_flops": cpu_peak_flops(dtype),
+    }
+
+
+def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) -> str:
     ref = {k: max((n for n in med if n.startswith(k) and "+" not in n), default=None,
                   key=lambda n: med[n]["tokens_per_s"]) for k in ("hf", "plain")}  # fmt: skip
     cols = [r for r in ref.values() if r] or [n for n in ("onegpu",) if n in med]
-    if "plain-compile+tcmalloc" in med:  # the loop on onegpu's allocator class too
-        cols.append("plain-compile+tcmalloc")
+    for loop in ("plain-compile+mimalloc", "plain-compile+tcmalloc"):  # onegpu's allocators
+        if loop in med:
+            cols.append(loop)
     lines = [
         f"# onegpu vs transformers.Trainer vs a hand-written loop: model {model}",
         "",
@@ -248,17 +280,25 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
         f"rounds of {a.steps - WARM} steady steps; {time.strftime('%Y-%m-%d')}. Model: "
         f"{MODELS[model]['shape']}, batch {MODELS[model]['batch']}. Ratios against the best "
         "setting of each peer on its own allocator. First step: its excess over a steady step "
-        "(compilation, for the compiled ones).",
+        "(compilation, for the compiled ones). Floor: the step's matmul floor on this machine "
+        f"({floor['floor_s'] * 1e3:,.1f} ms: every product of the step timed alone, "
+        "perf/floor.py); x floor: the step time over it. MFU: "
+        f"{floor['flops_per_token'] / 1e6:,.1f} MFLOP a token over the measured "
+        f"{_precision()} matmul peak, {floor['peak_flops'] / 1e9:,.0f} GFLOP/s.",
         "",
         "| contestant | allocator | precision | tokens/s | "
         + " | ".join(f"x {c}" for c in cols)
-        + " | peak RSS | first step |",
-        "|---|---|---|---|" + "---|" * len(cols) + "---|---|",
+        + " | step | x floor | MFU | peak RSS | first step |",
+        "|---|---|---|---|" + "---|" * len(cols) + "---|---|---|---|---|",
     ]
+    tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
     for n, m in med.items():
         ratios = " | ".join(f"{m['tokens_per_s'] / med[c]['tokens_per_s']:.2f}" for c in cols)
+        step_s = tokens / m["tokens_per_s"]
+        mfu = m["tokens_per_s"] * floor["flops_per_token"] / floor["peak_flops"]
         lines.append(f"| {n} | {m['allocator']} | {m['precision']} | {m['tokens_per_s']:,.0f} "
-                     f"| {ratios} | {m['peak_rss_bytes'] / 2**20:,.0f} MiB "
+                     f"| {ratios} | {step_s * 1e3:,.0f} ms | {step_s / floor['floor_s']:.2f}x "
+                     f"| {mfu:.0%} | {m['peak_rss_bytes'] / 2**20:,.0f} MiB "
                      f"| +{m['first_step_excess_s']:.1f} s |")  # fmt: skip
     if "chosen" in med.get("onegpu", {}):
         lines += ["", f"onegpu's `auto` chose: {med['onegpu']['chosen']}."]
@@ -295,14 +335,26 @@ def main() -> None:
             **({"chosen": rs[0]["chosen"]} if "chosen" in rs[0] else {})}
         for n, rs in runs.items()
     }  # fmt: skip
-    text = table(a.model, med, a)
+    floor = model_floor(a.model)
+    text = table(a.model, med, a, floor)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"vs-peers-{a.model}" + ("-bf16" if _precision() == "bf16" else "")
     if tuple(names) != DEFAULT:  # a subset or other contestants: not the head-to-head's file
         stem += "-" + "-".join(n.replace("+", "-") for n in names)
+    stem = _new_stem(f"{stem}-{time.strftime('%Y-%m-%d')}")
     (RESULTS / f"{stem}.md").write_text(text)
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+    record = {"runs": runs, "median": med, "floor": floor, "cpu": cpu_identity()}
+    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1))
     print(text)
+
+
+def _new_stem(stem: str) -> str:
+    """A dated name no earlier result has: results are records, never overwritten."""
+    n, found = 1, stem
+    while (RESULTS / f"{found}.md").exists() or (RESULTS / f"{found}.json").exists():
+        n += 1
+        found = f"{stem}-{n}"
+    return found
 
 
 if __name__ == "__main__":
