@@ -155,11 +155,24 @@ def test_compile_pays_over_the_run(trial, steps, pays):
     assert trial.pays(steps) is pays
 
 
-def test_compile_choice_is_the_cached_trial():
-    _store("compile.json", "k", {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 60.0})
-    mode, trial = choose_compile("k", 200, _never)
-    assert (mode, trial.cached) == ("default", True)
-    assert choose_compile("k", 100, _never)[0] == "none"  # saves 50 s, costs 60
+def test_compile_choice_is_the_cached_trial_that_saves_the_most():
+    _store(
+        "compile.json",
+        "k|default",
+        {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 60.0},
+    )
+    _store(
+        "compile.json",
+        "k|regional",
+        {"eager_step_s": 1.0, "compiled_step_s": 0.6, "compile_s": 10.0},
+    )
+    modes = {"default": _never, "regional": _never}
+    mode, trial = choose_compile("k", 200, modes)  # saves 40 s vs regional's 70 s
+    assert (mode, trial.cached, trial.mode) == ("regional", True, "regional")
+    assert [t.mode for t in trial.others] == ["default"]
+    assert choose_compile("k", 1000, modes)[0] == "default"  # 440 s vs 390 s
+    assert choose_compile("k", 20, modes)[0] == "none"  # neither repays its compile
+    assert choose_compile("k", 200, {"default": _never})[0] == "default"  # one mode asked
 
 
 def test_compile_auto_is_not_timed_for_short_or_distributed_runs(monkeypatch):
@@ -179,8 +192,37 @@ def test_build_follows_the_trial(monkeypatch, compiled_s, want):
     over = {"train.max_steps": "500", "model.init_std": compiled_s / 100}  # a key per case
     built = build(_cfg(**over), CPU, with_data=False)
     assert built.cfg.train.compile == want
-    assert built.compile_trial == trial
+    assert (built.compile_trial.eager_s, built.compile_trial.compiled_s) == (1.0, compiled_s)
     assert (built.loss_fn is token_loss_sum) == (want == "none")  # compiled: a wrapper
+    assert all(b._compiled_call_impl is None for b in built.model.blocks)  # regional left
+
+
+def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch):
+    """Each AUTO_MODES candidate is timed on the real model and left; the chosen one is then
+    applied: regional compiles every block in place and keeps the eager loss function."""
+    seen = []
+
+    def timing(model, eager, fn, *a):
+        regional = all(b._compiled_call_impl is not None for b in model.blocks)
+        seen.append(regional)
+        return CompileTrial(1.0, 0.5 if regional else 0.9, 1.0)
+
+    monkeypatch.setattr(compile, "time_compile", timing)
+    monkeypatch.setattr(compile, "_eager_s", lambda *a: 1.0)
+    built = build(
+        _cfg(**{"train.max_steps": "500", "model.init_std": "0.013"}), CPU, with_data=False
+    )
+    assert seen == [False, True]  # default first, then regional
+    assert built.cfg.train.compile == "regional" and built.compile_trial.mode == "regional"
+    assert all(b._compiled_call_impl is not None for b in built.model.blocks)
+    assert built.loss_fn is token_loss_sum
+    assert [t.mode for t in built.compile_trial.others] == ["default"]
+    from onegpu.backends.torch.report import describe_auto
+
+    line = describe_auto(built)
+    n = 500 * built.cfg.grad_accum_steps
+    assert f"compile regional over {n} micro-batches (a micro-batch: eager 1,000 ms, " in line
+    assert "regional 500 ms (+1 s to compile), default 900 ms (+1 s to compile))" in line
 
 
 def test_a_run_that_cannot_repay_a_compile_never_times_it(monkeypatch, tmp_path):
@@ -200,7 +242,8 @@ def test_a_run_that_cannot_repay_a_compile_never_times_it(monkeypatch, tmp_path)
     assert compile.repay_bound(CPU, 0.3, 200)[1] == 2.0
     timed = CompileTrial(0.3, 0.2, 2.0)
     monkeypatch.setattr(compile, "time_compile", lambda *a: timed)
-    assert build(_cfg(**over), CPU, with_data=False).compile_trial == timed
+    trial = build(_cfg(**over), CPU, with_data=False).compile_trial
+    assert (trial.eager_s, trial.compiled_s, trial.compile_s, trial.skipped) == (0.3, 0.2, 2.0, "")
 
 
 def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():

@@ -14,6 +14,7 @@ Compilation is lazy: nothing is compiled until the first step runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import time
@@ -41,8 +42,49 @@ def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str) -> LossFn:
     return torch.compile(loss_fn, mode=None if mode == "default" else mode)
 
 
+def undo_regional(model: nn.Module) -> None:
+    """The blocks eager again (`nn.Module.compile` keeps its compiled call beside the module's
+    own; dropping it restores the eager call)."""
+    for block in model.blocks:
+        block._compiled_call_impl = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A compile mode `auto` may time: `enter` applies it to the materialised model and
+    returns the loss function to call; `leave` undoes what `enter` did to the model."""
+
+    enter: Callable[[], LossFn]
+    leave: Callable[[], None] = lambda: None
+
+
+def auto_candidates(
+    model: nn.Module, loss_fn: LossFn, wrap: Callable[[LossFn], LossFn]
+) -> dict[str, Candidate]:
+    """AUTO_MODES as candidates over the eager `loss_fn`; `wrap` goes around whatever is called
+    (activation offload's hooks stay outermost). One whole-graph compile is made and reused."""
+    whole: list[LossFn] = []
+
+    def compiled_whole() -> LossFn:
+        if not whole:
+            whole.append(wrap(torch.compile(loss_fn)))
+        return whole[0]
+
+    def regional() -> LossFn:
+        apply_compile(model, loss_fn, "regional")
+        return wrap(loss_fn)
+
+    return {
+        "default": Candidate(compiled_whole),
+        "regional": Candidate(regional, lambda: undo_regional(model)),
+    }
+
+
 # ---------------------------------------------------------------------------- train.compile auto
 
+AUTO_MODES = ("default", "regional")
+"""What `auto` times against eager: the whole forward and loss as one graph (inductor fuses the
+loss with its logits) and each block compiled once and reused (compile time flat in depth)."""
 MIN_STEPS = 100
 """Shorter runs never time compile for `auto`: on a CPU it costs 20-60 s, which a short run does
 not win back (docs/auto-defaults.md)."""
@@ -59,19 +101,26 @@ LEAST_COMPILE_S = {"cpu": 15.0, "cuda": 20.0}
 
 @dataclass(frozen=True, slots=True)
 class CompileTrial:
-    """One micro-batch's forward + backward, eager and compiled ('default'), and what compiling
-    cost; measured once per device, model and settings, then read from the cache. `skipped`:
-    why compiled was never timed (the run could not repay any compile), else ''."""
+    """One micro-batch's forward + backward, eager and compiled (`mode`), and what compiling
+    cost; measured once per device, model, settings and mode, then read from the cache.
+    `skipped`: why compiled was never timed (the run could not repay any compile), else ''.
+    `others`: the other modes timed beside this one, for the run's first line."""
 
     eager_s: float
     compiled_s: float
     compile_s: float
     cached: bool = False
     skipped: str = ""
+    mode: str = "default"
+    others: tuple[CompileTrial, ...] = ()
+
+    def saves(self, micro_steps: int) -> float:
+        """Seconds compiling saves over `micro_steps` micro-batches, its own cost taken off."""
+        return (self.eager_s - self.compiled_s) * micro_steps - self.compile_s
 
     def pays(self, micro_steps: int) -> bool:
         """Whether compiling saves more over `micro_steps` micro-batches than it costs."""
-        return (self.eager_s - self.compiled_s) * micro_steps > self.compile_s
+        return self.saves(micro_steps) > 0
 
     def as_dict(self) -> dict[str, Any]:
         d = {
@@ -79,7 +128,10 @@ class CompileTrial:
             "compiled_step_s": self.compiled_s,
             "compile_s": self.compile_s,
             "cached": self.cached,
+            "mode": self.mode,
         }
+        if self.others:
+            d["others"] = [t.as_dict() for t in self.others]
         return d | ({"skipped": self.skipped} if self.skipped else {})
 
 
@@ -113,30 +165,38 @@ def time_compile(
     return CompileTrial(eager_s, compiled_s, max(0.0, first - compiled_s))
 
 
-def choose_compile(
-    key: str,
-    micro_steps: int,
-    measure: Callable[[], CompileTrial],
-) -> tuple[str, CompileTrial]:
-    """'default' or 'none' for `auto`, from the trial cached under `key` (run now if absent):
-    deterministic given the cache and the run's length."""
+def _trial(key: str, mode: str, measure: Callable[[], CompileTrial]) -> CompileTrial:
+    """The trial of `mode` cached under `key`, measured (and stored) if absent."""
     ran: list[CompileTrial] = []
 
     def run() -> dict[str, float]:
         ran.append(measure())
-        return {k: v for k, v in ran[0].as_dict().items() if k != "cached"}
+        return {k: v for k, v in ran[0].as_dict().items() if k not in ("cached", "mode")}
 
     found = cached(
         "compile.json", key, run, valid=has("eager_step_s", "compiled_step_s", "compile_s")
     )
-    trial = (
-        ran[0]
-        if ran
-        else CompileTrial(
-            found["eager_step_s"], found["compiled_step_s"], found["compile_s"], cached=True
-        )
+    if ran:
+        return dataclasses.replace(ran[0], mode=mode)
+    return CompileTrial(
+        found["eager_step_s"], found["compiled_step_s"], found["compile_s"], True, mode=mode
     )
-    return ("default" if trial.pays(micro_steps) else "none"), trial
+
+
+def choose_compile(
+    key: str,
+    micro_steps: int,
+    measures: dict[str, Callable[[], CompileTrial]],
+) -> tuple[str, CompileTrial]:
+    """The mode of `measures` that saves the most over the run's micro-batches, or 'none'
+    where none saves anything; each mode's trial cached under `key|mode` (run now if absent):
+    deterministic given the cache and the run's length. Returns the best trial, the others
+    beside it."""
+    trials = [_trial(f"{key}|{mode}", mode, measure) for mode, measure in measures.items()]
+    best = max(trials, key=lambda t: t.saves(micro_steps))
+    others = tuple(t for t in trials if t is not best)
+    best = dataclasses.replace(best, others=others)
+    return (best.mode if best.saves(micro_steps) > 0 else "none"), best
 
 
 def auto_candidate(cfg: Config, device: torch.device, distributed: bool) -> str:
@@ -183,12 +243,14 @@ def decide(
     cfg: Config,
     model: nn.Module,
     eager: LossFn,
-    compiled: LossFn,
+    candidates: dict[str, Candidate],
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
 ) -> tuple[str, CompileTrial]:
-    """`train.compile auto` on the materialised model: eager or compiled, whichever the timing
-    (cached per device and step fingerprint) says pays over this run's micro-batches. Without
+    """`train.compile auto` on the materialised model: eager or one of the `candidates`
+    (AUTO_MODES), whichever the timing (cached per device, step fingerprint and mode) says
+    saves the most over this run's micro-batches. Each candidate is left after its timing: the
+    caller enters the chosen one. Without
     a cached timing, one eager micro-batch is timed first: where the run could not repay the
     least compile time this machine has shown even at the best speedup it has shown, compiled
     is never timed (no compile spent on a run that cannot win it back)."""
@@ -204,11 +266,17 @@ def decide(
                 f"{saves:,.0f} s against at least {costs:,.0f} s of compiling"
             )
             return "none", CompileTrial(eager_s, float("nan"), float("nan"), skipped=why)
-    return choose_compile(
-        key,
-        micro_steps,
-        lambda: time_compile(model, eager, compiled, batch, autocast, device),
-    )
+
+    def measure(candidate: Candidate) -> Callable[[], CompileTrial]:
+        def timed() -> CompileTrial:
+            try:
+                return time_compile(model, eager, candidate.enter(), batch, autocast, device)
+            finally:
+                candidate.leave()
+
+        return timed
+
+    return choose_compile(key, micro_steps, {m: measure(c) for m, c in candidates.items()})
 
 
 def step_fingerprint(cfg: Config) -> str:

@@ -72,7 +72,9 @@ def apply_techniques(
     #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
     #    the eager loss too, and times both once the weights exist (8.).
     mode = compile_.auto_candidate(cfg, device, distributed=ctx.enabled)
-    eager, loss_fn = loss_fn, compile_.apply_compile(model, loss_fn, mode)
+    timed = cfg.train.compile == "auto" and mode != "none"  # decided in 8., once materialised
+    raw = eager = loss_fn
+    loss_fn = compile_.apply_compile(model, loss_fn, "none" if timed else mode)
     # 5. Materialise and initialise in fp32, so every precision starts from the same weights,
     #    then store them in the policy's dtype (bf16 for bf16-pure). Under FSDP2: shard every
     #    block, then the root, still on the meta device; each process then materialises its
@@ -94,13 +96,15 @@ def apply_techniques(
     if ctx.strategy == "ddp":
         loss_fn, no_sync = apply_ddp(model, loss_fn, device)
         return Applied(model, loss_fn, no_sync, compile=mode)
-    # 8. `train.compile auto`: eager or compiled, whichever the (cached) timing says pays.
-    if cfg.train.compile == "auto" and mode != "none":
+    # 8. `train.compile auto`: eager or a compile mode, whichever the (cached) timing says
+    #    saves the most over the run.
+    if timed:
         autocast = lambda: policy.autocast(device)  # noqa: E731
-        mode, trial = compile_.decide(cfg, model, eager, loss_fn, autocast, device)
-        return Applied(
-            model, loss_fn if mode != "none" else eager, compile=mode, compile_trial=trial
-        )
+        wrap = (lambda f: with_offload(f, device)) if mem.offload_activations else (lambda f: f)
+        candidates = compile_.auto_candidates(model, raw, wrap)
+        mode, trial = compile_.decide(cfg, model, eager, candidates, autocast, device)
+        chosen = candidates[mode].enter() if mode != "none" else eager
+        return Applied(model, chosen, compile=mode, compile_trial=trial)
     return Applied(model, loss_fn, compile=mode)
 
 

@@ -61,10 +61,14 @@ def describe_auto(built: Built) -> str:
     if (trial := built.compile_trial) and trial.skipped:
         parts.append(f"compile none (not timed: {trial.skipped})")
     elif trial:
-        how = "cached" if trial.cached else f"compiled in {trial.compile_s:.0f} s"
+        timed = ", ".join(
+            f"{t.mode} {t.compiled_s * 1e3:,.0f} ms"
+            + (" (cached)" if t.cached else f" (+{t.compile_s:.0f} s to compile)")
+            for t in (trial, *trial.others)
+        )
         parts.append(
-            f"compile {cfg.train.compile} (eager {trial.eager_s * 1e3:,.0f} ms vs compiled "
-            f"{trial.compiled_s * 1e3:,.0f} ms a micro-batch; {how})"
+            f"compile {cfg.train.compile} over {built.step.n_micro * cfg.train.max_steps} "
+            f"micro-batches (a micro-batch: eager {trial.eager_s * 1e3:,.0f} ms, {timed})"
         )
     return "auto: " + ", ".join(parts) + " | " if parts else ""
 
