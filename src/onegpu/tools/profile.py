@@ -35,6 +35,8 @@ from onegpu.runs.folder import resolve_out_dir
 from onegpu.runs.lock import release_run_folder
 
 PHASES = ("data", "forward", "backward", "optimizer")
+COMPILED_KERNEL = {"<built-in function kernel>": "compiled kernels (inductor, C++)"}
+"""How the profiler names a kernel inductor generated on a CPU, and how the summary names it."""
 # Ops that make the host wait for the device (on CUDA); on CPU they are counted all the same,
 # because the same code then stalls a GPU.
 SYNC_OPS = (
@@ -92,7 +94,7 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     _plot_memory(times, groups, step_bounds, out)
     floor = step_floor(built.cfg, built.device)
     text = summary_text(
-        prof, trace, built, steps, cuda, floor_text(prof, floor, measured_s, steps, cuda)
+        prof, trace, built, steps, cuda, floor_text(prof, trace, floor, measured_s, cuda)
     )
     write_text_atomic(out / "summary.txt", text)
     return {
@@ -124,15 +126,27 @@ def floor_line(floor_s: float, step_s: float) -> str:
     )
 
 
-def floor_text(prof, floor: Floor, step_s: float, steps: int, cuda: bool, top: int = 8) -> str:
+def _op_seconds(prof, steps: int, cuda: bool) -> dict[str, float]:
+    """Self time per op and per profiled step: the framework's ops (`ns::name`) and compiled
+    kernels, not Python frames (whose self time is mostly waiting on those ops)."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    found: dict[str, float] = {}
+    for e in prof.key_averages():
+        name = COMPILED_KERNEL.get(e.key, e.key)
+        if "::" in e.key or name != e.key:
+            found[name] = found.get(name, 0.0) + getattr(e, key) / 1e6 / steps
+    return found
+
+
+def floor_text(prof, trace: dict, floor: Floor, step_s: float, cuda: bool, top: int = 8) -> str:
     """The floor, the step against it, and where the gap goes: the profiled ops' self time per
     step, scaled to the unprofiled step, as a share of (step - floor). Matrix products count
     only their time beyond the floor (slower than alone), attention kernels likewise (their
     softmax and masking are non-matmul work inside them)."""
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = {e.key: getattr(e, key) / 1e6 / steps for e in prof.key_averages()}
-    profiled = sum(events.values()) or float("nan")
-    scale = step_s / profiled
+    spans = _step_spans(trace)
+    profiled_s = statistics.median((b - a) / 1e6 for a, b in spans)
+    events = _op_seconds(prof, len(spans), cuda)
+    scale = step_s / profiled_s
     gap = max(step_s - floor.seconds, 1e-12)
     by_source = floor.by_source()
     matmul_s = sum(v for k, v in events.items() if k.removeprefix("aten::") in GEMM_OPS)
