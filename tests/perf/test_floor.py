@@ -78,3 +78,21 @@ def test_each_distinct_product_is_timed_once_and_cached(monkeypatch):
         "_scaled_dot_product_flash_attention_for_cpu_backward",
     }
     assert sum(by_source.values()) == pytest.approx(first.seconds)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_floor_times_each_product_on_the_gpu(tmp_path):
+    """The same trace, timed with the device synchronised around each product; a run's
+    summary holds its step against it."""
+    from onegpu.train import train
+
+    cuda = torch.device("cuda")
+    cfg = _cfg(**{"train.device": "cuda", "model.attention": "sdpa"})
+    floor = step_floor(cfg, cuda)
+    assert floor.seconds > 0 and floor.flops == pytest.approx(
+        cfg.grad_accum_steps * sum(g.flops for g in micro_batch_gemms(cfg, cuda))
+    )
+    run = _cfg(**{"train.device": "cuda", "train.max_steps": "20", "out.dir": str(tmp_path)})
+    summary = train(run)
+    assert summary["floor_s"] > 0 and summary["step_over_floor"] > 1

@@ -202,8 +202,11 @@ def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch):
     applied: regional compiles every block in place and keeps the eager loss function."""
     seen = []
 
-    def timing(model, eager, fn, *a):
+    def timing(model, eager, candidate, *a):
+        assert all(b._compiled_call_impl is None for b in model.blocks)  # eager timed as eager
+        candidate.enter()
         regional = all(b._compiled_call_impl is not None for b in model.blocks)
+        candidate.leave()
         seen.append(regional)
         return CompileTrial(1.0, 0.5 if regional else 0.9, 1.0)
 
@@ -251,12 +254,34 @@ def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():
     x = torch.randint(0, 256, (4, 64))
     torch.manual_seed(5)
     before = torch.get_rng_state()
+    left = []
+    candidate = compile.Candidate(lambda: built.loss_fn, lambda: left.append(True))
     trial = time_compile(
-        built.model, built.loss_fn, built.loss_fn, (x, x), lambda: built.policy.autocast(CPU), CPU
+        built.model, built.loss_fn, candidate, (x, x), lambda: built.policy.autocast(CPU), CPU
     )
+    assert left == [True]  # the candidate is left after its timing
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in built.model.parameters())
     assert trial.eager_s > 0 and trial.compiled_s > 0 and trial.compile_s >= 0
+
+
+@pytest.mark.slow  # compiles a block for real (~10 s on a CPU)
+def test_the_regional_trial_times_eager_as_eager_and_compiles_the_blocks():
+    """Regression: the regional candidate was once entered before the eager runs, so 'eager'
+    ran the compiled blocks and the compile was hidden in its warm-up."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    built = build(_cfg(), CPU, with_data=False)
+    x = torch.randint(0, 256, (4, 64))
+    graphs = counters["stats"]["unique_graphs"]
+    candidate = compile.auto_candidates(built.model, built.loss_fn, lambda f: f)["regional"]
+    trial = time_compile(
+        built.model, built.loss_fn, candidate, (x, x), lambda: built.policy.autocast(CPU), CPU
+    )
+    assert counters["stats"]["unique_graphs"] > graphs  # the blocks were compiled ...
+    assert all(b._compiled_call_impl is None for b in built.model.blocks)  # ... and left
+    assert trial.compile_s > 10 * trial.compiled_s  # the compile shows in the compiled run
 
 
 def test_info_counts_the_cached_choices():

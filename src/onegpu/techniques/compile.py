@@ -149,19 +149,24 @@ def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) 
 def time_compile(
     model: nn.Module,
     eager: LossFn,
-    compiled: LossFn,
+    candidate: Candidate,
     batch: tuple[torch.Tensor, torch.Tensor],
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
 ) -> CompileTrial:
-    """Run `batch` through both loss functions on the real model (gradients dropped after each
-    run, RNG state restored): each one's minimum over 2 runs after a first one (the eager warm-up;
-    the compiled compile, whose excess is the compile time)."""
+    """Run `batch` eagerly, then under the candidate mode (entered after the eager runs, left
+    afterwards), on the real model (gradients dropped after each run, RNG state restored):
+    each one's minimum over 2 runs after a first one (the eager warm-up; the compiled compile,
+    whose excess is the compile time)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _timed(eager, model, batch, autocast, device)
         eager_s = min(_timed(eager, model, batch, autocast, device) for _ in range(2))
-        first = _timed(compiled, model, batch, autocast, device)
-        compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(2))
+        try:
+            compiled = candidate.enter()
+            first = _timed(compiled, model, batch, autocast, device)
+            compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(2))
+        finally:
+            candidate.leave()
     return CompileTrial(eager_s, compiled_s, max(0.0, first - compiled_s))
 
 
@@ -268,13 +273,7 @@ def decide(
             return "none", CompileTrial(eager_s, float("nan"), float("nan"), skipped=why)
 
     def measure(candidate: Candidate) -> Callable[[], CompileTrial]:
-        def timed() -> CompileTrial:
-            try:
-                return time_compile(model, eager, candidate.enter(), batch, autocast, device)
-            finally:
-                candidate.leave()
-
-        return timed
+        return lambda: time_compile(model, eager, candidate, batch, autocast, device)
 
     return choose_compile(key, micro_steps, {m: measure(c) for m, c in candidates.items()})
 
