@@ -75,14 +75,18 @@ def describe_auto(built: Built) -> str:
 
 def run_floor(built: Built) -> float | None:
     """The step's matmul floor in seconds (perf/floor.py); None under torchrun (each process
-    runs a share) or where the model cannot be traced on fake tensors: a finished run's summary
-    never fails for it."""
+    runs a share) or where the model cannot be traced on fake tensors (a step that reads a
+    value, as randomized layers do): a finished run's summary never fails for it."""
     if built.dist.enabled or built.device.type not in ("cpu", "cuda"):
         return None
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
     from onegpu.backends.torch.floor import step_floor
 
     try:
         return step_floor(built.cfg, built.device).seconds
+    except DataDependentOutputException:  # a value read in the step (randomized layers): the
+        return None  # start-up memory check said so already; fake tensors cannot follow it
     except Exception as e:  # noqa: BLE001 - a measurement beside the run, never its failure
         warnings.warn(f"matmul floor not measured: {type(e).__name__}: {e}", stacklevel=1)
         return None
