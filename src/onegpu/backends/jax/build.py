@@ -15,6 +15,7 @@ from onegpu.backends.jax import weights
 from onegpu.backends.jax.loss import make_loss
 from onegpu.backends.jax.loss_chunk import resolve_loss_chunk
 from onegpu.backends.jax.model import GPT, Precision, precision_for
+from onegpu.backends.jax.precision import bf16_pays
 from onegpu.backends.jax.step import make_eval_step, make_optimizer, make_train_step
 from onegpu.config import Config
 from onegpu.config.validation import check_data_sizes
@@ -39,14 +40,6 @@ class JaxBuilt:
     @property
     def n_micro(self) -> int:
         return self.cfg.train.batch_size // self.cfg.train.micro_batch_size
-
-
-def native_bf16() -> bool:
-    """Whether `auto` precision is bf16 on JAX: on accelerators. Not on CPUs, even with
-    AVX512-BF16: XLA's CPU backend ran bf16 steps slower than fp32 ones there (2-core AMD EPYC,
-    small preset: 3,753 against 4,351 tokens/s, benchmarks/results/lippe-jax-bf16cpu.md), where
-    torch's oneDNN kernels run bf16 1.56x faster than fp32."""
-    return jax.default_backend() != "cpu"
 
 
 def flops_per_token(cfg: Config) -> int:
@@ -89,7 +82,7 @@ def count_params(params: Any, cfg: Config) -> int:
 def build(cfg: Config) -> JaxBuilt:
     data = prepare_tokens(cfg.data, cfg.model.vocab_size)
     check_data_sizes(cfg, len(data.train), len(data.val))
-    precision = precision_for(cfg, native_bf16())
+    precision = precision_for(cfg, bf16_pays(cfg) if cfg.train.precision == "auto" else False)
     tokens = cfg.train.micro_batch_size * cfg.train_seq_len
     chunk = resolve_loss_chunk(cfg.memory.loss_chunk, cfg.model, tokens, precision.compute_dtype)
     cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, loss_chunk=chunk))

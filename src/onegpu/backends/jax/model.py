@@ -31,7 +31,7 @@ class Precision:
 
 def precision_for(cfg: Config, native_bf16: bool) -> Precision:
     """train.precision on JAX: fp32; bf16 (fp32 parameters, bf16 matmuls); bf16-pure (bf16
-    parameters too); auto = bf16 where `native_bf16` says XLA runs it faster (build.py)."""
+    parameters too); auto = bf16 where `native_bf16` says XLA runs it faster (precision.py)."""
     name = cfg.train.precision
     if name == "auto":
         name = "bf16" if native_bf16 else "fp32"
