@@ -70,15 +70,20 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
         f"{time.strftime('%Y-%m-%d')}; medians of {a.rounds} interleaved rounds (fresh process "
         "each, steady steps from summary.json). Baseline flags: " + " ".join(BASE) + ".",
         "",
-        "| cut | what | tokens/s | x base | step | floor | x floor | MFU | peak RSS | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| cut | what | tokens/s | x base | step | floor | x floor | x base floor | MFU "
+        "| peak RSS | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def base_floor(m: dict) -> float:
+        return m["step_time_s"] / (base or m)["floor_s"]
+
     for name, m in med.items():
         ratio = f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         lines.append(
             f"| {name} | {CUTS[name][1]} | {m['tokens_per_s']:,.0f} | {ratio} "
             f"| {m['step_time_s'] * 1e3:,.0f} ms | {m['floor_s'] * 1e3:,.0f} ms "
-            f"| {m['step_over_floor']:.2f}x | {m['mfu']:.0%} "
+            f"| {m['step_over_floor']:.2f}x | {base_floor(m):.2f}x | {m['mfu']:.0%} "
             f"| {m['peak_mem_bytes'] / 2**20:,.0f} MiB | {m['loss']:.4f} |"
         )
     return "\n".join(lines) + "\n"

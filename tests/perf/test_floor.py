@@ -48,7 +48,8 @@ def test_fake_tensors_record_what_real_ones_do():
     assert sorted(map(str, real.gemms)) == sorted(map(str, micro_batch_gemms(cfg, CPU)))
 
 
-def test_each_distinct_product_is_timed_once_and_cached(monkeypatch):
+def test_each_distinct_product_is_timed_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # nothing timed before this test
     cfg = _cfg(
         **{"model.attention": "sdpa", "train.batch_size": "16", "train.micro_batch_size": "8"}
     )
@@ -62,7 +63,8 @@ def test_each_distinct_product_is_timed_once_and_cached(monkeypatch):
     monkeypatch.setattr(floor_module, "time_gemm", counting)
     gemms = micro_batch_gemms(cfg, CPU)
     first = step_floor(cfg, CPU)
-    assert len(timed) <= len(set(gemms)) < len(gemms)  # repeated layers' products timed once
+    # repeated layers' products (and attention's forward and backward ones of one shape) once
+    assert len(timed) == len({g.key() for g in gemms}) < len(gemms)
     again = step_floor(cfg, CPU)
     assert len(timed) == len(set(timed))  # nothing timed twice: the cache answered
     assert again.seconds == first.seconds > 0
@@ -96,3 +98,30 @@ def test_on_a_gpu_the_floor_times_each_product_on_the_gpu(tmp_path):
     run = _cfg(**{"train.device": "cuda", "train.max_steps": "20", "out.dir": str(tmp_path)})
     summary = train(run)
     assert summary["floor_s"] > 0 and summary["step_over_floor"] > 1
+
+
+def test_a_floor_above_its_step_is_timed_again_once(monkeypatch):
+    """A floor timed while something else ran would stay cached for every later run: one
+    above the step it bounds is measured again (refresh), once."""
+    from onegpu.backends.torch import floor as torch_floor
+
+    asked = []
+
+    def fake_floor(cfg, device, *, refresh=False):
+        asked.append(refresh)
+        return matmul_floor([], device) if refresh else floor_module.Floor(5.0, 1.0, [])
+
+    monkeypatch.setattr(torch_floor, "step_floor", fake_floor)
+    assert torch_floor.checked_floor(_cfg(), CPU, step_s=1.0).seconds == 0.0
+    assert asked == [False, True]
+    asked.clear()
+    assert torch_floor.checked_floor(_cfg(), CPU, step_s=10.0).seconds == 5.0
+    assert asked == [False]
+
+
+def test_the_timing_key_holds_the_fp32_matmul_settings(monkeypatch):
+    """TF32 (a GPU) or oneDNN's reduced fp32 (a CPU) change an fp32 product's time: a run with
+    them on never reads the floor timed with them off."""
+    before = floor_module.timing_key(CPU)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
+    assert floor_module.timing_key(CPU) != before

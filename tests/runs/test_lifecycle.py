@@ -220,6 +220,19 @@ def test_a_resumed_auto_keeps_what_the_checkpoints_run_decided(tmp_path):
     assert checkpoints.keep_decisions(None, resumed) is resumed
 
 
+def test_a_resume_with_auto_continues_what_the_run_decided(tmp_path):
+    """Through the lifecycle: a run with attention 'math' (which `auto` never picks on a CPU)
+    resumed with attention `auto` continues with math, where deciding afresh would refuse the
+    resume as another run."""
+    out = tmp_path / "run"
+    first = _cfg(out, "torch", **{"model.attention": "math", "train.max_steps": "2"})
+    train(first)
+    resumed = _cfg(out, "torch", **{"train.max_steps": "4", "train.resume": "auto"})
+    assert resumed.model.attention == "auto"
+    summary = train(resumed)
+    assert summary["steps"] == 4 and summary["config"]["model"]["attention"] == "math"
+
+
 def _cli(out, backend, *args):
     cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--train.backend",
            backend, "--train.precision", "fp32", "--out.progress", "false",

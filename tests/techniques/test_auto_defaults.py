@@ -197,6 +197,29 @@ def test_build_follows_the_trial(monkeypatch, compiled_s, want):
     assert all(b._compiled_call_impl is None for b in built.model.blocks)  # regional left
 
 
+def test_a_complete_cache_decides_without_timing_anything(monkeypatch):
+    """Every mode's trial cached: nothing is timed, eager included (the choice is the cache's
+    and the run's length alone)."""
+    cfg = _cfg(**{"train.max_steps": "500", "model.init_std": "0.017"})
+    from onegpu.backends.torch.resolve import resolve
+
+    key = f"{compile.device_key(CPU)}|{compile.step_fingerprint(resolve(cfg, CPU).config)}"
+    _store(
+        "compile.json",
+        f"{key}|default",
+        {"eager_step_s": 1.0, "compiled_step_s": 0.9, "compile_s": 1.0},
+    )
+    _store(
+        "compile.json",
+        f"{key}|regional",
+        {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 1.0},
+    )
+    monkeypatch.setattr(compile, "_eager_s", _never)
+    monkeypatch.setattr(compile, "time_compile", _never)
+    built = build(cfg, CPU, with_data=False)
+    assert built.cfg.train.compile == "regional" and built.compile_trial.cached
+
+
 def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch):
     """Each AUTO_MODES candidate is timed on the real model and left; the chosen one is then
     applied: regional compiles every block in place and keeps the eager loss function."""

@@ -25,10 +25,8 @@ def test_profile_writes_trace_memory_timeline_and_summary(tmp_path, capsys):
                      summary, re.M)  # fmt: skip
     assert line, summary
     floor_ms, step_ms, ratio = map(float, line.groups())
-    assert 0 < floor_ms < step_ms and ratio == pytest.approx(
-        step_ms / floor_ms, rel=0.05
-    )  # printed rounded
-    assert "of the gap" in summary
+    assert floor_ms > 0 and ratio == pytest.approx(step_ms / floor_ms, rel=0.05)  # printed rounded
+    assert "of the gap" in summary or "no gap measured" in summary
 
 
 @pytest.mark.slow

@@ -29,7 +29,8 @@ from onegpu.perf.devices import device_key, sync
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_addmm_activation")
 """aten ops that are one matrix product (a bias add or GELU fused into it rides along)."""
 CACHE_FILE = "matmul-floor.json"
-MIN_TIMED_S = 0.02  # each call runs until this much time is measured (at least 3 runs)
+MIN_TIMED_S = 0.02  # each product runs until this much time is measured (at least 3 samples)
+MIN_SAMPLE_S = 0.002  # a sample runs the product back to back for at least this long
 
 Spec = tuple[tuple[int, ...], tuple[int, ...]]  # a tensor argument: (shape, strides)
 
@@ -90,9 +91,24 @@ def attention_products(func, args: tuple, kwargs: dict) -> list[Gemm]:
     return [bmm(t, d, s), bmm(t, s, dv)]
 
 
+ATTENTION_NAMES = (
+    "scaled_dot_product",
+    "flash_attention",
+    "efficient_attention",
+    "cudnn_attention",
+)
+"""Substrings of the fused attention ops' names (CPU flash, CUDA flash / efficient / cuDNN)."""
+
+
+def is_attention_name(name: str) -> bool:
+    return any(part in name for part in ATTENTION_NAMES)
+
+
 def is_attention(func) -> bool:
+    """A fused attention op as dispatched: its outer op (SDPA's choice of kernel), not the
+    kernels it calls (`_flash_attention_forward`: same products, counted once)."""
     name = str(func.overloadpacket)
-    return "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention"))
+    return "scaled_dot_product" in name
 
 
 class GemmRecorder(TorchDispatchMode):
@@ -123,20 +139,26 @@ def _tensor(spec: Spec, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def time_gemm(gemm: Gemm, device: torch.device) -> float:
-    """The best time of the whole product alone on `device`, in seconds."""
+    """The best time of the whole product alone on `device`, in seconds: each sample runs it
+    back to back until MIN_SAMPLE_S has passed (a GPU's launch and a CPU thread's wake-up are
+    shared out, not charged to one call), the best of at least 3 samples."""
     op = getattr(torch.ops.aten, gemm.op)
     args = [_tensor(s, gemm.dtype, device) for s in gemm.args]
     op(*args)  # warm-up: kernel choice, page faults
-    times: list[float] = []
-    while len(times) < 3 or sum(times) < MIN_TIMED_S:
+    sync(device)
+    t0 = time.perf_counter()
+    op(*args)
+    sync(device)
+    calls = max(1, min(1000, int(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))
+    samples: list[float] = []
+    while len(samples) < 3 or (sum(samples) * calls < MIN_TIMED_S and len(samples) < 50):
         sync(device)
         t0 = time.perf_counter()
-        op(*args)
+        for _ in range(calls):
+            op(*args)
         sync(device)
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 50:
-            break
-    return min(times)
+        samples.append((time.perf_counter() - t0) / calls)
+    return min(samples)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,15 +177,31 @@ class Floor:
         return dict(out)
 
 
-def matmul_floor(gemms: list[Gemm], device: torch.device, repeat: int = 1) -> Floor:
+def timing_key(device: torch.device) -> str:
+    """What a product's time depends on beyond its shape: the device (identity, threads, torch
+    version) and the fp32 matmul settings a precision policy switches (TF32 on a GPU, oneDNN's
+    reduced-precision fp32 on a CPU)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if device.type == "cuda" else False
+    fp32 = torch.get_float32_matmul_precision()
+    return f"{device_key(device)}|tf32={tf32}|fp32_matmul={fp32}"
+
+
+def matmul_floor(
+    gemms: list[Gemm], device: torch.device, repeat: int = 1, *, refresh: bool = False
+) -> Floor:
     """Sum of each recorded product's time alone (distinct calls timed once, cached per
-    device), for a step that runs the recorded ones `repeat` times (its micro-batches)."""
+    device and settings; `refresh` times them again), for a step that runs the recorded ones
+    `repeat` times (its micro-batches)."""
     counts = Counter(gemms)
     calls: list[tuple[Gemm, int, float]] = []
     for gemm, n in counts.items():
-        key = f"{device_key(device)}|{gemm.key()}"
+        key = f"{timing_key(device)}|{gemm.key()}"
         entry = cached(
-            CACHE_FILE, key, lambda g=gemm: {"seconds": time_gemm(g, device)}, valid=has("seconds")
+            CACHE_FILE,
+            key,
+            lambda g=gemm: {"seconds": time_gemm(g, device)},
+            refresh=refresh,
+            valid=has("seconds"),
         )
         seconds = float(entry["seconds"]) * gemm.share
         calls.append((gemm, n * repeat, seconds))

@@ -142,9 +142,10 @@ class Backend(Protocol):
     def final_weights(self, path: Path) -> None:
         """The trained weights as model.safetensors at `path` (a collective)."""
 
-    def summary(self, meter: Meter) -> dict[str, Any]:
+    def summary(self, meter: Meter, step_s: float | None, interrupted: bool) -> dict[str, Any]:
         """The backend's fields of summary.json: memory, device, versions, compilation, and
-        `floor_s`, the step's matmul floor, where the backend measures one."""
+        `floor_s`, the matmul floor of a step (`step_s` as measured), where the backend
+        measures one and the run was not stopped by a signal (its summary is written at once)."""
 
     def finished(self, summary: dict[str, Any]) -> None:
         """After the run: what its numbers show about this machine (a stale peak)."""

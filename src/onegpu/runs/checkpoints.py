@@ -348,7 +348,7 @@ def check_same_run(saved: dict[str, Any] | None, cfg: Config) -> None:
         for name, old in fields.items():
             key = f"{section}.{name}"
             new = now[section].get(name)
-            if key in MAY_CHANGE or new == old:
+            if key in MAY_CHANGE or new == old or old == "auto":  # "auto": not recorded then
                 continue
             raise ConfigError(
                 key,

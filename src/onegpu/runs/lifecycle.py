@@ -199,6 +199,16 @@ def progress_fields(row: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def _compile_time(
+    meter: Meter, step_s: float | None, compiled: bool, before_s: float
+) -> float | None:
+    """The first step's excess over a steady step (compilation, and warm-up) when the run
+    compiled, plus what was compiled before the loop (`auto`'s trials, whichever it chose)."""
+    if not step_s or not (compiled or before_s):
+        return None
+    return (max(0.0, meter.first_step_s - step_s) if compiled else 0.0) + before_s
+
+
 def _summary(
     cfg: Config, backend: Backend, meter: Meter, stop: GracefulStop, val_loss: float | None
 ) -> dict[str, Any]:
@@ -207,7 +217,8 @@ def _summary(
     steady = meter.steady()
     tokens_per_step = cfg.train.batch_size * cfg.train_seq_len
     step_s = tokens_per_step / steady["tokens_per_s"] if steady["tokens_per_s"] else None
-    own = backend.summary(meter)
+    outcome = run_outcome(meter, stop, val_loss)
+    own = backend.summary(meter, step_s, interrupted=outcome["interrupted"])
     compiled, compile_before = own.pop("compiled"), own.pop("compile_before_s")
     floor_s = own.pop("floor_s", None)  # the step's matmul floor, where the backend measures it
     return {
@@ -217,17 +228,13 @@ def _summary(
         "tokens_per_s": steady["tokens_per_s"],
         "step_time_s": step_s,
         "first_step_s": meter.first_step_s,
-        # the first step's excess over a steady step: compilation (and warm-up), plus what
-        # was compiled before the loop
-        "compile_time_s": (
-            max(0.0, meter.first_step_s - step_s) + compile_before if step_s and compiled else None
-        ),
+        "compile_time_s": _compile_time(meter, step_s, compiled, compile_before),
         "mfu": steady["mfu"],
         "floor_s": floor_s,
         "step_over_floor": step_s / floor_s if step_s and floor_s else None,
         "peak_flops": meter.peak.flops if meter.peak else None,
         "peak_flops_source": meter.peak.source if meter.peak else None,
-        **run_outcome(meter, stop, val_loss),
+        **outcome,
         "flops_per_token": meter.flops_per_token,
         **own,
     }

@@ -262,7 +262,8 @@ def decide(
     key = f"{device_key(device)}|{step_fingerprint(cfg)}"
     micro_steps = cfg.train.max_steps * cfg.grad_accum_steps
     batch = trial_batch(cfg, model.vocab_size, device)
-    if peek("compile.json", key, valid=has("eager_step_s", "compiled_step_s", "compile_s")) is None:
+    valid = has("eager_step_s", "compiled_step_s", "compile_s")
+    if any(peek("compile.json", f"{key}|{mode}", valid=valid) is None for mode in candidates):
         eager_s = _eager_s(model, eager, batch, autocast, device)
         saves, costs = repay_bound(device, eager_s, micro_steps)
         if saves <= costs:

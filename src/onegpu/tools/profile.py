@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from onegpu.backends.torch.batches import training_batches
 from onegpu.backends.torch.build import Built, build
-from onegpu.backends.torch.floor import step_floor
+from onegpu.backends.torch.floor import checked_floor
 from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline, profiling
 from onegpu.perf.devices import sync
-from onegpu.perf.floor import GEMM_OPS, Floor
+from onegpu.perf.floor import GEMM_OPS, Floor, is_attention_name
 from onegpu.runs.atomic import atomic_path, write_text_atomic
 from onegpu.runs.folder import resolve_out_dir
 from onegpu.runs.lock import release_run_folder
@@ -37,6 +38,10 @@ from onegpu.runs.lock import release_run_folder
 PHASES = ("data", "forward", "backward", "optimizer")
 COMPILED_KERNEL = {"<built-in function kernel>": "compiled kernels (inductor, C++)"}
 """How the profiler names a kernel inductor generated on a CPU, and how the summary names it."""
+NO_FLOOR = (
+    "\nmatmul floor: not measured (the step reads a value, as randomized layers do, which "
+    "fake tensors cannot follow)\n"
+)
 # Ops that make the host wait for the device (on CUDA); on CPU they are counted all the same,
 # because the same code then stalls a GPU.
 SYNC_OPS = (
@@ -92,17 +97,19 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
     step_bounds = [(a + base_us, b + base_us) for a, b in _step_spans(trace)]
     _plot_memory(times, groups, step_bounds, out)
-    floor = step_floor(built.cfg, built.device)
-    text = summary_text(
-        prof, trace, built, steps, cuda, floor_text(prof, trace, floor, measured_s, cuda)
-    )
+    try:
+        floor = checked_floor(built.cfg, built.device, measured_s)
+        floor_part = floor_text(prof, trace, floor, measured_s, cuda)
+    except DataDependentOutputException:  # a value read in the step: fake tensors stop there
+        floor, floor_part = None, NO_FLOOR
+    text = summary_text(prof, trace, built, steps, cuda, floor_part)
     write_text_atomic(out / "summary.txt", text)
     return {
         "out_dir": str(out),
         "summary": text,
-        "floor_s": floor.seconds,
+        "floor_s": floor.seconds if floor else None,
         "step_s": measured_s,
-        "step_over_floor": measured_s / floor.seconds,
+        "step_over_floor": measured_s / floor.seconds if floor else None,
     }
 
 
@@ -133,9 +140,31 @@ def _op_seconds(prof, steps: int, cuda: bool) -> dict[str, float]:
     found: dict[str, float] = {}
     for e in prof.key_averages():
         name = COMPILED_KERNEL.get(e.key, e.key)
+        if e.key.startswith("triton_"):
+            name = "compiled kernels (inductor, Triton)"
         if "::" in e.key or name != e.key:
             found[name] = found.get(name, 0.0) + getattr(e, key) / 1e6 / steps
     return found
+
+
+def _gap_parts(events: dict[str, float], floor: Floor, scale: float) -> dict[str, float]:
+    """Seconds a step of each part of the gap: the products and the attention kernels beyond
+    their floor, every other op as it ran (profiled self time times `scale`)."""
+    by_source = floor.by_source()
+    matmul_s = sum(v for k, v in events.items() if k.removeprefix("aten::") in GEMM_OPS)
+    attention_s = sum(v for k, v in events.items() if is_attention_name(k))
+    attention_floor = sum(v for k, v in by_source.items() if k != "matmul")
+    costs = {
+        "matrix products beyond their floor": matmul_s * scale - by_source.get("matmul", 0),
+        # self times of every attention op (SDPA's outer op and the kernel it calls) less the
+        # floor of their products: the traced names are the CPU kernel's, a GPU runs others
+        "attention kernels beyond their products": attention_s * scale - attention_floor,
+    }
+    for name, seconds in events.items():
+        short = name.removeprefix("aten::")
+        if short not in GEMM_OPS and not is_attention_name(name):
+            costs[short] = seconds * scale
+    return costs
 
 
 def floor_text(prof, trace: dict, floor: Floor, step_s: float, cuda: bool, top: int = 8) -> str:
@@ -145,30 +174,23 @@ def floor_text(prof, trace: dict, floor: Floor, step_s: float, cuda: bool, top: 
     softmax and masking are non-matmul work inside them)."""
     spans = _step_spans(trace)
     profiled_s = statistics.median((b - a) / 1e6 for a, b in spans)
-    events = _op_seconds(prof, len(spans), cuda)
-    scale = step_s / profiled_s
-    gap = max(step_s - floor.seconds, 1e-12)
-    by_source = floor.by_source()
-    matmul_s = sum(v for k, v in events.items() if k.removeprefix("aten::") in GEMM_OPS)
-    costs = {"matrix products beyond their floor": matmul_s * scale - by_source.get("matmul", 0)}
-    for name, seconds in events.items():
-        short = name.removeprefix("aten::")
-        if short in GEMM_OPS:
-            continue
-        if short in by_source:  # an attention kernel: its products are in the floor
-            costs[f"{short} beyond its products"] = seconds * scale - by_source[short]
-        else:
-            costs[short] = seconds * scale
+    gap = step_s - floor.seconds
+    costs = _gap_parts(_op_seconds(prof, len(spans), cuda), floor, step_s / profiled_s)
     lines = [
         "",
         floor_line(floor.seconds, step_s),
         f"  {len(floor.calls)} distinct products, {floor.flops / 1e9:,.1f} GFLOP a step, each "
         f"timed alone on this device ({floor.flops / floor.seconds / 1e12:.2f} TFLOP/s); "
         f"attention counts as its batched products: "
-        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_source.items()),
-        f"  the gap ({gap * 1e3:.1f} ms a step), its largest parts (profiled self time scaled "
-        "to the unprofiled step):",
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in floor.by_source().items()),
     ]
+    if gap <= 0:  # timed alone under load, or a step truly at its floor: no parts to share out
+        lines.append("  no gap measured: the step ran within its floor")
+        return "\n".join(lines) + "\n"
+    lines.append(
+        f"  the gap ({gap * 1e3:.1f} ms a step), its largest parts (profiled self time scaled "
+        "to the unprofiled step):"
+    )
     for name, seconds in sorted(costs.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"    {name:<48} {seconds * 1e3:9.1f} ms  {seconds / gap:6.1%} of the gap")
     return "\n".join(lines) + "\n"

@@ -155,7 +155,7 @@ class JaxBackend:
 
         write_safetensors(jax.device_get(self.built.params), self.built.cfg.model, path)
 
-    def summary(self, meter: Meter) -> dict[str, Any]:
+    def summary(self, meter: Meter, step_s: float | None, interrupted: bool) -> dict[str, Any]:
         b = self.built
         xla = xla_memory(b)
         return {

@@ -83,6 +83,9 @@ def build(cfg: Config) -> JaxBuilt:
     data = prepare_tokens(cfg.data, cfg.model.vocab_size)
     check_data_sizes(cfg, len(data.train), len(data.val))
     precision = precision_for(cfg, bf16_pays(cfg) if cfg.train.precision == "auto" else False)
+    # what ran, not `auto`: config.toml and checkpoints hold the measured choice, so a resume
+    # on another machine continues it (runs/checkpoints.keep_decisions) instead of re-deciding
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision.name))
     tokens = cfg.train.micro_batch_size * cfg.train_seq_len
     chunk = resolve_loss_chunk(cfg.memory.loss_chunk, cfg.model, tokens, precision.compute_dtype)
     cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, loss_chunk=chunk))

@@ -143,8 +143,8 @@ class TorchBackend:
     def final_weights(self, path: Path) -> None:
         writes.write_final_weights(self.built, path)
 
-    def summary(self, meter: Meter) -> dict[str, Any]:
-        return report.torch_summary(self.built, self._memory)
+    def summary(self, meter: Meter, step_s: float | None, interrupted: bool) -> dict[str, Any]:
+        return report.torch_summary(self.built, self._memory, step_s, interrupted=interrupted)
 
     def finished(self, summary: dict[str, Any]) -> None:
         report.recheck_peak(self.built, summary)

@@ -18,6 +18,7 @@ from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import Peak, peak_flops
 from onegpu.runs.folder import environment
+from onegpu.techniques.compile import CompileTrial
 
 
 def run_peak(built: Built) -> Peak | None:
@@ -34,6 +35,14 @@ def torch_environment() -> dict[str, Any]:
     return environment(
         torch=torch.__version__, threads=torch.get_num_threads(), allocator=active_allocator()
     )
+
+
+def trials_compile_s(trial: CompileTrial | None) -> float:
+    """What `auto`'s trials spent compiling in this run, every mode timed (cached ones cost
+    nothing), whichever was chosen: the run paid it."""
+    if trial is None or trial.skipped:
+        return 0.0
+    return sum(t.compile_s for t in (trial, *trial.others) if not t.cached)
 
 
 def describe(built: Built, out_dir: Path, start: int) -> str:
@@ -73,28 +82,38 @@ def describe_auto(built: Built) -> str:
     return "auto: " + ", ".join(parts) + " | " if parts else ""
 
 
-def run_floor(built: Built) -> float | None:
-    """The step's matmul floor in seconds (perf/floor.py); None under torchrun (each process
-    runs a share) or where the model cannot be traced on fake tensors (a step that reads a
-    value, as randomized layers do): a finished run's summary never fails for it."""
+def run_floor(built: Built, step_s: float | None) -> float | None:
+    """The step's matmul floor in seconds (perf/floor.py), checked against the measured step
+    `step_s`; None under torchrun (each process runs a share) or where the model cannot be
+    traced on fake tensors (a step that reads a value, as randomized layers do): a finished
+    run's summary never fails for it."""
     if built.dist.enabled or built.device.type not in ("cpu", "cuda"):
         return None
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from onegpu.backends.torch.floor import step_floor
+    from onegpu.backends.torch.floor import checked_floor
 
     try:
-        return step_floor(built.cfg, built.device).seconds
+        floor = checked_floor(built.cfg, built.device, step_s).seconds
     except DataDependentOutputException:  # a value read in the step (randomized layers): the
         return None  # start-up memory check said so already; fake tensors cannot follow it
     except Exception as e:  # noqa: BLE001 - a measurement beside the run, never its failure
         warnings.warn(f"matmul floor not measured: {type(e).__name__}: {e}", stacklevel=1)
         return None
+    if step_s is not None and floor > step_s:
+        warnings.warn(
+            f"the matmul floor ({floor * 1e3:,.1f} ms) exceeds the measured step "
+            f"({step_s * 1e3:,.1f} ms) even timed again: another process was likely running",
+            stacklevel=1,
+        )
+    return floor
 
 
-def torch_summary(built: Built, memory: dict[str, Any]) -> dict[str, Any]:
+def torch_summary(
+    built: Built, memory: dict[str, Any], step_s: float | None, *, interrupted: bool = False
+) -> dict[str, Any]:
     """The torch backend's fields of summary.json: memory, device, versions, compilation, the
-    step's matmul floor."""
+    step's matmul floor (not after a signal: a stopped run writes its summary at once)."""
     cfg, device = built.cfg, built.device
     compiled = cfg.train.compile != "none"
     trial = built.compile_trial
@@ -102,13 +121,9 @@ def torch_summary(built: Built, memory: dict[str, Any]) -> dict[str, Any]:
         "params": built.n_params,
         "compiled": compiled,
         # compiled before the loop when `auto` timed it in this run
-        "compile_before_s": (
-            trial.compile_s
-            if trial and not trial.cached and not trial.skipped and compiled
-            else 0.0
-        ),
+        "compile_before_s": trials_compile_s(trial),
         "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
-        "floor_s": run_floor(built),
+        "floor_s": None if interrupted else run_floor(built, step_s),
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),
         "memory": memory or None,
