@@ -49,7 +49,9 @@ def _expected(name):
 def test_train_runs_the_option(name, tmp_path):
     from onegpu.train import train
 
-    assert train(_cfg(tmp_path, name))["offload"] == _expected(name)
+    summary = train(_cfg(tmp_path, name))
+    assert summary["offload"] == _expected(name)
+    assert summary["floor_s"] > 0  # where bytes live changes no product: the floor is there
 
 
 @pytest.mark.slow  # a profiled run per option (train and plan stay in the fast suite)
@@ -60,6 +62,7 @@ def test_profile_runs_the_option(name, tmp_path):
     text = profile(_cfg(tmp_path, name), steps=1, warmup=0)["summary"]
     homes = ", ".join(f"{k} {v}" for k, v in _expected(name).items())
     assert f"where bytes live: {homes}" in text
+    assert "\nmatmul floor: " in text
 
 
 @pytest.mark.parametrize("name", OPTIONS)

@@ -19,7 +19,14 @@ def micro_batch_gemms(cfg: Config, device: torch.device) -> list[Gemm]:
     step, which has none) of `cfg` on `device`, as dispatched."""
     t = cfg.train
     one = dataclasses.replace(
-        cfg, train=dataclasses.replace(t, batch_size=t.micro_batch_size, max_steps=2)
+        cfg,
+        train=dataclasses.replace(t, batch_size=t.micro_batch_size, max_steps=2),
+        # where bytes live changes no product: traced as one plain process (weight offload
+        # is FSDP2 on a group of one, which a second build from its rewritten config refuses)
+        memory=dataclasses.replace(
+            cfg.memory, offload_params=False, offload_optimizer=False, offload_activations=False
+        ),
+        dist=dataclasses.replace(cfg.dist, strategy="none", cpu_offload=False),
     )
     caps = device_caps(device) if device.type == "cpu" else None
     built = build(one, device, with_data=False, caps=caps, fake=True)
