@@ -149,8 +149,9 @@ def time_gemm(gemm: Gemm, device: torch.device) -> float:
     t0 = time.perf_counter()
     op(*args)
     sync(device)
-    calls = max(1, min(1000, int(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))
-    samples: list[float] = []
+    once = time.perf_counter() - t0
+    calls = max(1, min(1000, int(MIN_SAMPLE_S / max(once, 1e-7))))
+    samples = [once] if calls == 1 else []  # a long product: this run is a sample already
     while len(samples) < 3 or (sum(samples) * calls < MIN_TIMED_S and len(samples) < 50):
         sync(device)
         t0 = time.perf_counter()
