@@ -319,5 +319,6 @@ def test_info_counts_the_cached_choices():
 def test_compile_auto_never_times_what_dynamo_cannot_trace():
     """Selective checkpointing's policy context does not trace under torch.compile here: `auto`
     keeps such a run eager instead of failing in the timing (it used to, in plan_accuracy)."""
-    long = _cfg(**{"train.max_steps": 1000, "memory.checkpointing": "selective"})
-    assert compile.auto_candidate(long, CPU, distributed=False) == "none"
+    for policy in ("selective", "dots"):
+        long = _cfg(**{"train.max_steps": 1000, "memory.checkpointing": policy})
+        assert compile.auto_candidate(long, CPU, distributed=False) == "none"

@@ -210,7 +210,7 @@ def auto_candidate(cfg: Config, device: torch.device, distributed: bool) -> str:
     else 'none' (nothing to time)."""
     if cfg.train.compile != "auto":
         return cfg.train.compile
-    if cfg.memory.checkpointing == "selective":
+    if cfg.memory.checkpointing in ("selective", "dots"):  # the same policy context
         return "none"  # dynamo cannot trace its policy context here: nothing to time
     worth = cfg.train.max_steps >= MIN_STEPS and device.type in ("cpu", "cuda")
     return "default" if worth and not distributed else "none"
