@@ -22,11 +22,14 @@ Contestants, each in a fresh process, rounds interleaved, medians over rounds:
 - plain, plain-compile: the same model in a hand-written loop: autocast where bf16 is native,
   fused AdamW, clipping, and for plain-compile `torch.compile(model)`.
 - name+tcmalloc: the contestant with tcmalloc preloaded (onegpu: ONEGPU_ALLOCATOR=tcmalloc), so
-  the allocator's share is visible. Without the suffix a peer runs on glibc's malloc.
+  the allocator's share is visible; plain-compile+mimalloc: the loop on the allocator onegpu
+  brings, preloaded exactly as onegpu does. Without a suffix a peer runs on glibc's malloc.
 
 tokens/s: batch tokens / the median step time after WARM steps; peak RSS: the process's
-ru_maxrss, the same view for every contestant. Writes results/vs-peers-<model>[-bf16].{md,json}
-(-bf16 where the CPU multiplies bf16 natively and every contestant runs bf16).
+ru_maxrss, the same view for every contestant; x floor: the step over the model's matmul floor
+on this machine (perf/floor.py), MFU against the measured matmul peak. Writes
+results/vs-peers-<model>[-bf16][-contestants]-<date>[-N].{md,json} (-bf16 where the CPU
+multiplies bf16 natively and every contestant runs bf16; -N: never over an earlier file).
 """
 
 from __future__ import annotations

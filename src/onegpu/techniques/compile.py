@@ -271,7 +271,8 @@ def decide(
                 f"{micro_steps} micro-batches of {eager_s * 1e3:,.0f} ms could save at most "
                 f"{saves:,.0f} s against at least {costs:,.0f} s of compiling"
             )
-            return "none", CompileTrial(eager_s, float("nan"), float("nan"), skipped=why)
+            nan = float("nan")
+            return "none", CompileTrial(eager_s, nan, nan, skipped=why, mode="none")
 
     def measure(candidate: Candidate) -> Callable[[], CompileTrial]:
         return lambda: time_compile(model, eager, candidate, batch, autocast, device)
