@@ -84,10 +84,10 @@ def describe_auto(built: Built) -> str:
 
 def run_floor(built: Built, step_s: float | None) -> float | None:
     """The step's matmul floor in seconds (perf/floor.py), checked against the measured step
-    `step_s`; None under torchrun (each process runs a share) or where the model cannot be
+    `step_s`; None over several processes (each runs a share) or where the model cannot be
     traced on fake tensors (a step that reads a value, as randomized layers do): a finished
     run's summary never fails for it."""
-    if built.dist.enabled or built.device.type not in ("cpu", "cuda"):
+    if built.dist.world_size > 1 or built.device.type not in ("cpu", "cuda"):
         return None
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
