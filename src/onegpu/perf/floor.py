@@ -3,14 +3,14 @@
 Every GEMM of a step (`mm`, `addmm`, `bmm`, `baddbmm`, the fused `_addmm_activation`) and every
 fused attention call is recorded as dispatched (`GemmRecorder`, a dispatch mode: fake tensors
 are enough, so the trace costs no compute), then each distinct call is timed alone at its
-shape, strides and dtype on this device (the best of a few runs, cached per device), and the
-times are summed. Attention counts as the batched products it does (forward QK^T and PV,
+shape, strides and dtype on this device (run back to back, the best of a few samples, cached
+per device and fp32 matmul settings), and the times are summed. Attention counts as the batched products it does (forward QK^T and PV,
 backward four), half of them where it is causal: its softmax is work the floor leaves out, like
 every other non-matmul op.
 
 The floor is what a step could take on this machine with every other cost gone; a step's
 multiple of it (`step_over_floor`) is how far the run is from that (issue: "close to the
-limit"). On a GPU the same calls are timed with the device synchronised around them.
+limit"). On a GPU the same calls are timed with the device synchronised around each sample.
 """
 
 from __future__ import annotations
