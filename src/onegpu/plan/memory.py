@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
-from onegpu.backends.torch.loader import classification_targets
+from onegpu.backends.torch.loader import placeholder_batch
 from onegpu.config import Config, ConfigError
 from onegpu.distributed.shares import ParamShape
 from onegpu.memory.breakdown import GROUPS
@@ -184,10 +184,7 @@ def plan_memory(
     built = build(cfg, device, with_data=False, caps=caps, fake=True)
     try:
         with built.fake_mode:
-            tokens = torch.zeros(B, T + 1, dtype=torch.long)
-            x, y = tokens[:, :-1], tokens[:, 1:]
-            if built.classes:
-                y = classification_targets(x, built.classes)
+            x, y = placeholder_batch(B, T, built.classes)
             built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first step does
             followed = _follow_step(built, target, x, y, by_segment)
     except DynamicOutputShapeException as e:

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from onegpu.backends.torch.build import build
-from onegpu.backends.torch.loader import classification_targets
+from onegpu.backends.torch.loader import placeholder_batch
 from onegpu.config import Config
 from onegpu.perf.floor import Floor, Gemm, GemmRecorder, matmul_floor
 from onegpu.techniques.precision import device_caps
@@ -32,10 +32,7 @@ def micro_batch_gemms(cfg: Config, device: torch.device) -> list[Gemm]:
     built = build(one, device, with_data=False, caps=caps, fake=True)
     recorder = GemmRecorder()
     with built.fake_mode:
-        tokens = torch.zeros(t.micro_batch_size, cfg.train_seq_len + 1, dtype=torch.long)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        if built.classes:
-            y = classification_targets(x, built.classes)
+        x, y = placeholder_batch(t.micro_batch_size, cfg.train_seq_len, built.classes)
         with recorder:
             built.step(x, y, y.numel(), 0)
     return recorder.gemms

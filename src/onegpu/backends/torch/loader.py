@@ -30,6 +30,16 @@ def classification_targets(inputs_BT: torch.Tensor, classes: int) -> torch.Tenso
     return targets
 
 
+def placeholder_batch(
+    batch: int, seq_len: int, classes: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of zeros in a step's shapes, for following a step on fake tensors
+    (the planner, the matmul floor): a classifier's targets are its labels' layout."""
+    tokens = torch.zeros(batch, seq_len + 1, dtype=torch.long)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    return x, classification_targets(x, classes) if classes else y
+
+
 def classification_example(
     window_T: torch.Tensor, classes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
