@@ -34,7 +34,7 @@ def test_meta_build_then_init_keeps_tying_and_gpt2_init(tiny_cfg):
     proj = model.blocks[0].mlp.proj.weight.std().item()
     assert fc == pytest.approx(std, rel=0.1)
     assert proj == pytest.approx(std / (2 * 8) ** 0.5, rel=0.1)  # scaled residual projection
-    assert torch.all(model.blocks[0].attn.qkv.bias == 0)
+    assert torch.all(model.blocks[0].attn.q.bias == 0)
 
 
 def test_both_model_kinds_declare_the_model_protocol(tmp_path):

@@ -132,7 +132,7 @@ def test_gradients_leave_the_parameters_as_backward_produces_them():
     assert all(p.grad is None for p in names)
     first = [n for n, _ in order[:per_micro]]
     assert first.index("blocks.1.mlp.proj.weight") < first.index("blocks.0.mlp.proj.weight")
-    assert first.index("blocks.0.attn.qkv.weight") < first.index("wpe.weight")
+    assert first.index("blocks.0.attn.q.weight") < first.index("wpe.weight")
     assert any(h.grad.abs().sum() > 0 for h in opt.grad_params)  # the batch's gradients landed
 
 

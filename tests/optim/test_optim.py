@@ -16,7 +16,9 @@ def test_no_weight_decay_on_biases_norms_and_embeddings(tiny_cfg):
         names = {id(p): n for n, p in model.named_parameters()}
         decayed = {names[id(p)] for p in decay["params"]}
         assert decayed and all(
-            n.endswith(("qkv.weight", "proj.weight", "fc.weight", "lm_head.weight"))
+            n.endswith(
+                ("q.weight", "k.weight", "v.weight", "proj.weight", "fc.weight", "lm_head.weight")
+            )
             for n in decayed
         )
         assert ("lm_head.weight" in decayed) == (not tie)  # a tied output layer is an embedding

@@ -135,7 +135,7 @@ def test_a_non_finite_loss_or_gradient_skips_the_update(precision, optimizer, po
             real(m, a, b) + (torch.tensor(math.inf) - real(m, a, b).detach())
         )
     else:
-        h = model.blocks[1].attn.qkv.weight.register_hook(lambda g: torch.full_like(g, math.nan))
+        h = model.blocks[1].attn.q.weight.register_hook(lambda g: torch.full_like(g, math.nan))
     out = step(x, x, x.numel(), 1)
     step.loss_fn = real if poison == "loss" else step.loss_fn
     if poison == "gradient":

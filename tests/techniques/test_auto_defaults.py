@@ -137,7 +137,8 @@ def test_default_chunked_path_equals_the_plain_loss(monkeypatch):
     (la, ga), (lp, gp) = loss_and_grads(auto), loss_and_grads(plain)
     torch.testing.assert_close(la, lp, rtol=1e-6, atol=0)
     for name, g in ga.items():  # equal up to fp32 summation order
-        assert ((g - gp[name]).norm() / gp[name].norm()) < 1e-5, name
+        # + 1e-8: the key bias's gradient is zero by math (rounding noise on both sides)
+        assert (g - gp[name]).norm() < 1e-5 * gp[name].norm() + 1e-8, name
 
 
 # ---------------------------------------------------------------------------- compile

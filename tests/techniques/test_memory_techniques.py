@@ -120,7 +120,8 @@ def test_chunked_loss_same_loss_and_gradients(tie):
     loss, grads, _ = _step(chunked, x, y)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
     for name, g in grads.items():  # equal up to fp32 summation order
-        assert ((g - plain_grads[name]).norm() / plain_grads[name].norm()) < 1e-5, name
+        # + 1e-8: the key bias's gradient is zero by math (rounding noise on both sides)
+        assert (g - plain_grads[name]).norm() < 1e-5 * plain_grads[name].norm() + 1e-8, name
 
     full_logits_bytes = x.numel() * 4096 * 4
     plain = _built(**common, **{"memory.loss_chunk": "0"})
@@ -169,7 +170,7 @@ def test_chunked_loss_under_bf16_tracks_the_plain_path():
     loss, grads, _ = _step(_built(**common, **{"memory.loss_chunk": "64"}), x, x)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=0)
     for name, g in grads.items():
-        assert ((g - plain_grads[name]).norm() / plain_grads[name].norm()) < 1e-2, name
+        assert (g - plain_grads[name]).norm() < 1e-2 * plain_grads[name].norm() + 1e-6, name
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import torch
 
 from onegpu.config import ConfigError
 from onegpu.models.gpt import GPT
+from onegpu.models.qkv import split_fused_qkv
 
 # (HF GPT2LMHeadModel prefix, our prefix); {i} is a block index. Read both ways.
 _NAMES = [
@@ -58,6 +59,19 @@ def state_dict_from_hf_gpt2(hf_state: dict[str, torch.Tensor]) -> dict[str, torc
         else:
             raise KeyError(f"unexpected GPT-2 weight {key!r}")
         out[new] = value.t().contiguous() if _CONV1D.search(key) else value
+    return split_fused_qkv(out)
+
+
+def fuse_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `split_fused_qkv`: GPT-2's layout has one fused attention projection."""
+    out = {}
+    for key, value in state.items():
+        stem, q, leaf = key.rpartition("attn.q.")
+        if q:
+            parts = [state[f"{stem}attn.{name}.{leaf}"] for name in "qkv"]
+            out[f"{stem}attn.qkv.{leaf}"] = torch.cat(parts, dim=0)
+        elif not (".attn.k." in key or ".attn.v." in key):
+            out[key] = value
     return out
 
 
@@ -112,7 +126,7 @@ def hf_gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our GPT's weights in GPT2LMHeadModel's layout: vocabulary padding dropped, Linear
     weights transposed into Conv1D's [in, out], and zeros for the biases of a bias-free model
     (GPT-2 always has them; zero biases compute the same function)."""
-    ours = {k: v.detach().float() for k, v in model.state_dict().items()}
+    ours = fuse_qkv({k: v.detach().float() for k, v in model.state_dict().items()})
     back = {new: old for old, new in _inverse_names(ours)}
     out: dict[str, torch.Tensor] = {}
     V, D = model.cfg.vocab_size, model.cfg.d_model

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from onegpu.config import ModelConfig
+from onegpu.models.qkv import split_fused_qkv
 from onegpu.perf.logits import padded_vocab
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +53,13 @@ def plain_attention(
 
 
 class Attention(nn.Module):
-    """Residual branch: LayerNorm -> causal self-attention -> projection -> dropout."""
+    """Residual branch: LayerNorm -> causal self-attention -> projection -> dropout.
+
+    Queries, keys and values have a projection each (as torchtitan's and Hugging Face's Llama
+    do): tensor parallelism splits each column-wise by heads, and a checkpoint reads the same
+    at every layout. GPT-2's fused `c_attn` (and this model's former `qkv`) is split on load
+    (`split_fused_qkv`); one fused GEMM or three measured the same on a CPU.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -61,16 +68,19 @@ class Attention(nn.Module):
         self.impl = cfg.attention
         self.softmax_dtype = _DTYPES[cfg.softmax_dtype]
         self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
-        H, K = self.n_head, D // self.n_head
-        qkv_BT3D = self.qkv(self.norm(x_BTD))
+        K = D // self.n_head
+        h_BTD = self.norm(x_BTD)
+        # -1: the heads this process computes (all of them, but 1/tp under tensor parallelism)
         q_BHTK, k_BHTK, v_BHTK = (
-            t.view(B, T, H, K).transpose(1, 2) for t in qkv_BT3D.split(D, dim=2)
+            proj(h_BTD).view(B, T, -1, K).transpose(1, 2) for proj in (self.q, self.k, self.v)
         )
         p = self.dropout if self.training else 0.0
         if self.impl in ("sdpa", "auto"):  # auto unresolved (no device yet): sdpa
@@ -86,7 +96,7 @@ class Attention(nn.Module):
             y_BHTK = plain_attention(
                 q_BHTK, k_BHTK, v_BHTK, dropout_p=p, softmax_dtype=self.softmax_dtype
             )
-        y_BTD = y_BHTK.transpose(1, 2).reshape(B, T, D)
+        y_BTD = y_BHTK.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y_BTD))
 
 
@@ -139,6 +149,7 @@ class GPT(nn.Module):
             cfg.d_model, self.padded_vocab, bias=cfg.bias and not cfg.tie_embeddings
         )
         self.tie_weights()
+        self.register_load_state_dict_pre_hook(_split_fused_qkv_on_load)
 
     def tie_weights(self) -> None:
         """Share wte and lm_head (again after to_empty(), which may replace parameters)."""
@@ -198,6 +209,14 @@ class GPT(nn.Module):
             else rows * (self.cfg.d_model + (self.lm_head.bias is not None))
         )
         return rows * self.cfg.d_model + untied_head
+
+
+def _split_fused_qkv_on_load(module: nn.Module, state: dict, prefix: str, *args, **kwargs) -> None:
+    """load_state_dict reads a fused `qkv` (a checkpoint of this model before the split)."""
+    fused = [k for k in state if k.startswith(prefix) and ".attn.qkv." in k]
+    if fused:
+        split = split_fused_qkv({k: state.pop(k) for k in fused})
+        state.update(split)
 
 
 def count_params(model: nn.Module) -> int:

@@ -90,10 +90,13 @@ class Attention(nn.Module):
         B, T, D = x_BTD.shape
         H, K = m.n_head, D // m.n_head
         resid = m.init_std / math.sqrt(2 * m.n_layer)
-        qkv = Linear(D, 3 * D, m.bias, m.init_std, p, name="qkv")(
-            LayerNorm(D, m.bias, p, name="norm")(x_BTD)
+        h_BTD = LayerNorm(D, m.bias, p, name="norm")(x_BTD)
+        q, k, v = (
+            Linear(D, D, m.bias, m.init_std, p, name=name)(h_BTD)
+            .reshape(B, T, H, K)
+            .transpose(0, 2, 1, 3)
+            for name in "qkv"
         )
-        q, k, v = (t.reshape(B, T, H, K).transpose(0, 2, 1, 3) for t in jnp.split(qkv, 3, -1))
         s = p.softmax_dtype
         scores_BHTT = (q.astype(s) * K**-0.5) @ k.astype(s).swapaxes(-1, -2)
         causal = jnp.tril(jnp.ones((T, T), dtype=bool))

@@ -1,8 +1,8 @@
 """Flax parameters <-> the torch GPT's state dict (names, [out, in] layouts), as numpy: a
 JAX run's model.safetensors is what a torch run writes, and either loads into the other.
 
-Flax nests `blocks_3/attn/qkv/weight` (or, scanned, `blocks/block/attn/qkv/weight` with the
-layers stacked on axis 0); torch names it `blocks.3.attn.qkv.weight`. A tied output layer is
+Flax nests `blocks_3/attn/q/weight` (or, scanned, `blocks/block/attn/q/weight` with the
+layers stacked on axis 0); torch names it `blocks.3.attn.q.weight`. A tied output layer is
 one tensor, saved under `lm_head.weight` as safetensors.torch.save_model keeps it.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from onegpu.config import ConfigError, ModelConfig
+from onegpu.models.qkv import split_fused_qkv
 from onegpu.runs.atomic import file_mode
 
 TOP = {"wte": "wte.weight", "wpe": "wpe.weight"}
@@ -52,7 +53,7 @@ def from_torch_names(
     state: dict[str, np.ndarray], template: dict, m: ModelConfig, where: str
 ) -> dict:
     """`template`'s tree (the model's parameters) filled from a torch state dict."""
-    state = dict(state)
+    state = split_fused_qkv(dict(state))  # an older run's fused attention projection
     if "wte.weight" not in state and m.tie_embeddings and "lm_head.weight" in state:
         state["wte.weight"] = state["lm_head.weight"]
 

@@ -26,6 +26,7 @@ from onegpu.distributed.parallelize import (
 from onegpu.models.gpt import GPT
 from onegpu.models.hf import build_hf_model
 from onegpu.models.protocol import LanguageModel, LossFn
+from onegpu.models.qkv import split_fused_qkv
 from onegpu.offload.activations import with_offload
 from onegpu.techniques import compile as compile_
 from onegpu.techniques.approx_grads import apply_approx_grads
@@ -194,7 +195,7 @@ def load_initial_weights(model: nn.Module, path: str) -> None:
         return
     file = Path(path).expanduser()
     try:
-        state = load_file(str(file))
+        state = split_fused_qkv(load_file(str(file)))
     except (SafetensorError, OSError, ValueError) as e:
         raise ConfigError(
             "model.init_from", f"{file}: not a readable safetensors file ({e})"
