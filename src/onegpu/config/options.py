@@ -68,6 +68,12 @@ class ModelConfig:
     """The head of a model.hf model: 'auto' reads config.json's architectures (a
     ...ForSequenceClassification is a classifier, anything else a causal LM)."""
 
+    @property
+    def padded_vocab(self) -> int:
+        """The vocabulary rounded up to pad_vocab_to (the padding rows' logits are -inf)."""
+        step = max(1, self.pad_vocab_to)
+        return -(-self.vocab_size // step) * step
+
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
@@ -250,6 +256,34 @@ class DistConfig:
     accelerator exists)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: 'auto' is nccl on CUDA, gloo on CPU."""
+    dp_replicate: int = 1
+    """Data-parallel replicas: each holds the whole model (DDP) or, with dp_shard > 1, a whole
+    FSDP group's shards (HSDP: shard within a group, all-reduce between groups). Under
+    `dist.strategy ddp`, 1 means every process left once tp and pp are taken."""
+    dp_shard: int = -1
+    """Processes FSDP2 shards parameters, gradients and optimizer states over; -1: every
+    process left once dp_replicate, tp and pp are taken (1 under `dist.strategy ddp`). The
+    product dp_replicate x dp_shard x tp x pp is the world size."""
+    tp: int = 1
+    """Tensor parallelism (Megatron-style with sequence parallelism, as torchtitan applies it):
+    each block's attention and MLP split over this many processes, column-wise then row-wise,
+    the output layer by vocabulary with a loss that never gathers the logits. It must divide
+    the heads, the (padded) vocabulary and the sequence."""
+    pp: int = 1
+    """Pipeline stages: the blocks split into this many stages by their planned cost (the
+    embedding weighs on the first, the output layer and loss on the last)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
+    """The pipeline's schedule (torch.distributed.pipelining): 'gpipe' runs every micro-batch
+    forward, then every backward (all micro-batches' activations alive); '1f1b' alternates
+    once the pipe is full (at most pp in flight); 'interleaved-1f1b' gives each process two
+    stages of fewer blocks (a smaller bubble, more sends)."""
+    pp_microbatches: int = 0
+    """Micro-batches one step's batch is cut into for the pipeline; 0: the step's own
+    (batch_size / micro_batch_size / data-parallel processes). At least pp for 1f1b."""
+    grad_compression: str = "none"
+    """DDP's gradient all-reduce compressed by PyTorch's communication hooks: 'bf16' or 'fp16'
+    (half the bytes), 'powersgd:RANK' (PowerSGD's rank-RANK factors with error feedback; its
+    state is checkpointed, so resume stays exact); 'none'. Needs DDP (dist.strategy ddp)."""
 
 
 @dataclass(kw_only=True, slots=True)

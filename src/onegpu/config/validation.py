@@ -7,6 +7,7 @@ import math
 import warnings
 
 from onegpu.config.backends import validate_backend
+from onegpu.config.layout import check_layout, resolve_layout
 from onegpu.config.options import (
     Config,
     ConfigError,
@@ -31,6 +32,7 @@ def validate(cfg: Config) -> None:
     _validate_combinations(cfg)
     _validate_offload(cfg)
     validate_backend(cfg)
+    check_layout(cfg)
     t, o = cfg.train, cfg.optim
     if 0 < t.max_steps < o.warmup_steps:  # valid, but almost certainly not what was meant
         warnings.warn(
@@ -245,19 +247,22 @@ DIST_OPTIMIZERS = ("adamw", "sgd")
 
 
 def resolve_strategy(dist: DistConfig, world_size: int, field: str = "dist.strategy") -> str:
-    """dist.strategy for `world_size` processes ('auto': fsdp on several, none on one); a
-    single-process strategy for several processes is refused, naming `field`. The one rule
-    torchrun's processes and the planner's share."""
+    """The data-parallel strategy of one of `world_size` processes: 'fsdp' (HSDP when
+    replicated too), 'ddp' or 'none' (one process, or only tensor/pipeline parallelism); an
+    explicit fsdp on one process stays fsdp (weights offloaded through FSDP2). A single-process
+    strategy for several processes is refused, naming `field`. The one rule torchrun's
+    processes and the planner's share."""
     strategy = dist.strategy
-    if strategy == "auto":
-        return "fsdp" if world_size > 1 else "none"
     _require(
         not (strategy == "none" and world_size > 1),
         field,
         f"{world_size} processes but dist.strategy is none; use fsdp, ddp or auto "
         "(or start one process)",
     )
-    return strategy
+    layout = resolve_layout(dist, world_size)  # a mesh that does not multiply up is refused
+    if world_size == 1:
+        return "none" if strategy == "auto" else strategy
+    return layout.data_parallel
 
 
 def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
@@ -272,7 +277,7 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         "(`torchrun --nproc-per-node 1 -m onegpu train --dist.strategy fsdp ...` on one "
         "device); for activations use memory.offload_activations",
     )
-    if strategy == "none":
+    if strategy == "none" and world_size == 1:
         return
     _require(
         not cfg.memory.offload_optimizer,
@@ -309,11 +314,12 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         f"{cfg.optim.name} is not supported with several processes yet; use "
         f"{' or '.join(DIST_OPTIMIZERS)}",
     )
-    check_batch_split(cfg.train, world_size)
+    check_batch_split(cfg.train, resolve_layout(d, world_size).dp)
 
 
 def check_batch_split(t: TrainConfig, world_size: int) -> None:
-    """The global batch must split into `world_size` processes x whole micro-batches."""
+    """The global batch must split into `world_size` data-parallel processes x whole
+    micro-batches."""
     _require(world_size >= 1, "--world-size", f"must be at least 1, got {world_size}")
     _require(
         t.batch_size % (t.micro_batch_size * world_size) == 0,

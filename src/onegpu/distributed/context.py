@@ -23,6 +23,7 @@ from onegpu.config.environment import (
     restart_count,
     world_size_from_env,
 )
+from onegpu.config.layout import MESH_DIMS, Layout, resolve_layout
 
 T = TypeVar("T")
 # Set once this process has opened a process group: its gloo threads may outlive
@@ -42,10 +43,41 @@ class DistContext:
     backend: str | None = None
     control: Any = None  # a gloo ProcessGroup for host-side agreement (None: the default one)
     saver: Any = None  # a gloo ProcessGroup of its own for background checkpoint writes
+    layout: Layout = Layout()
+    """The mesh's dimensions (config/layout.py); a plain FSDP or DDP job has only dp."""
+    mesh: Any = None
+    """The DeviceMesh over the dimensions above 1, where the model is split or HSDP runs (None:
+    FSDP and DDP over the default group, as before meshes)."""
 
     @property
     def enabled(self) -> bool:
-        return self.strategy != "none"
+        return self.strategy != "none" or self.world_size > 1
+
+    def coordinate(self, dim: str) -> int:
+        """This process's index along a mesh dimension (0 where the dimension is 1)."""
+        sizes = self.layout.sizes()
+        inner = 1
+        for name in reversed(MESH_DIMS):  # the last dimension varies fastest
+            if name == dim:
+                return self.rank // inner % sizes[name]
+            inner *= sizes[name]
+        raise KeyError(dim)
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's place among the processes that split the batch."""
+        return self.coordinate("dp_replicate") * self.layout.dp_shard + self.coordinate("dp_shard")
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp if self.enabled else 1
+
+    def submesh(self, *dims: str) -> Any:
+        """The mesh of those of `dims` above 1 (None: none of them, or no mesh)."""
+        present = tuple(d for d in dims if self.layout.sizes()[d] > 1)
+        if self.mesh is None or not present:
+            return None
+        return self.mesh[present] if len(present) > 1 else self.mesh[present[0]]
 
     @property
     def is_main(self) -> bool:
@@ -106,8 +138,10 @@ class DistContext:
             write(message)
 
     def rows(self, n: int) -> slice:
-        """This process's rows of a global batch of `n` (all of them on one process)."""
-        return slice(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
+        """This process's rows of a global batch of `n`: its data-parallel share (processes
+        that split the model between them take the same rows; one process takes them all)."""
+        i, k = self.dp_rank, self.dp_size
+        return slice(i * n // k, (i + 1) * n // k)
 
     def barrier(self) -> None:
         if self.enabled:
@@ -124,7 +158,7 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
     FSDP2 need no launcher)."""
     world_size = world_size_from_env()
     strategy = resolve_strategy(cfg, world_size)
-    if strategy == "none":
+    if strategy == "none" and world_size == 1:
         return single_process()
     outside = not launched_by_torchrun() and not dist.is_initialized()
     if outside and not alone:
@@ -151,6 +185,7 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
     # An asynchronous checkpoint's thread runs DCP's collectives while the loop runs its own:
     # on a group of their own, the two can never interleave differently on two processes.
     saver = dist.new_group(backend="gloo")
+    layout = resolve_layout(cfg, world_size)
     return DistContext(
         strategy=strategy,
         rank=dist.get_rank(),
@@ -159,7 +194,20 @@ def init_distributed(cfg: DistConfig, device_type: str, *, alone: bool = False) 
         backend=backend,
         control=control,
         saver=saver,
+        layout=layout,
+        mesh=device_mesh(layout, device_type),
     )
+
+
+def device_mesh(layout: Layout, device_type: str) -> Any:
+    """The DeviceMesh of the dimensions above 1, named as in the config (`mesh["tp"]`), when
+    the model is split or HSDP runs; None for plain FSDP or DDP (the default group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = {name: n for name, n in layout.sizes().items() if n > 1}
+    if not layout.splits_model and len(dims) < 2:
+        return None
+    return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
 def _attempt_store() -> dict:

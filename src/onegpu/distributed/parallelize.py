@@ -47,8 +47,10 @@ def apply_fsdp(
     cpu_offload: bool,
     pin_memory: bool,
     mixed_precision=None,
+    mesh=None,
 ) -> nn.Module:
-    """`fully_shard` every block, then the root (on the meta device: nothing is allocated).
+    """`fully_shard` every block, then the root (on the meta device: nothing is allocated),
+    over `mesh` (None: every process; a 2-D replicate x shard mesh: HSDP).
 
     The root keeps its parameters gathered from forward to backward (embeddings and output
     layer are used again first thing in backward, as torchtitan does), and `hidden` is a forward
@@ -69,6 +71,8 @@ def apply_fsdp(
     }
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
+    if mesh is not None:  # the data-parallel dimensions of a larger mesh (2-D: HSDP)
+        kwargs["mesh"] = mesh
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)

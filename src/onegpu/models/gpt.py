@@ -75,9 +75,9 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        B, T, D = x_BTD.shape
-        K = D // self.n_head
+        K = x_BTD.shape[-1] // self.n_head
         h_BTD = self.norm(x_BTD)
+        B, T = h_BTD.shape[:2]  # under sequence parallelism x holds 1/tp of T, h all of it
         # -1: the heads this process computes (all of them, but 1/tp under tensor parallelism)
         q_BHTK, k_BHTK, v_BHTK = (
             proj(h_BTD).view(B, T, -1, K).transpose(1, 2) for proj in (self.q, self.k, self.v)
@@ -193,7 +193,8 @@ class GPT(nn.Module):
         """Logits over the padded vocabulary, the padding masked to -inf (softmax gives them
         exactly 0, so loss and gradients are those of the unpadded model)."""
         logits_BTV = self.lm_head(self.hidden(idx_BT))
-        if self.padded_vocab > self.vocab_size:
+        # (a vocabulary-parallel output layer masks its own shard: tensor_parallel.py)
+        if self.padded_vocab > self.vocab_size and not getattr(self.lm_head, "masks_padding", 0):
             logits_BTV[..., self.vocab_size :] = float("-inf")
         return logits_BTV
 

@@ -24,8 +24,7 @@ UNTIMED_CHUNK = 4096
 
 def padded_vocab(m: ModelConfig) -> int:
     """The vocabulary rounded up to model.pad_vocab_to (the padding rows' logits are -inf)."""
-    step = max(1, m.pad_vocab_to)
-    return -(-m.vocab_size // step) * step
+    return m.padded_vocab
 
 
 def plain_logits_bytes(m: ModelConfig, tokens: int, compute_bytes: int) -> int:

@@ -122,7 +122,7 @@ class TorchBackend:
     def step(self, step: int) -> Stepped:
         with record_function("data"):
             x, y, n_tokens = next(self._batches)
-        tokens = x.numel() * self.built.dist.world_size  # every process runs an equal share
+        tokens = x.numel() * self.built.dist.dp_size  # every data-parallel share is equal
         if step == self._measure_at:  # optimizer states exist by then, as in every later step
             t0 = time.perf_counter()
             out, self._memory = measure_step(self.built, x, y, n_tokens, step)

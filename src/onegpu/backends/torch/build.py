@@ -132,9 +132,10 @@ def build(
         device=device,
         optim=cfg.optim,
         max_steps=cfg.train.max_steps,
-        n_micro=cfg.grad_accum_steps // ctx.world_size,
+        n_micro=cfg.grad_accum_steps // ctx.dp_size,
         dist=ctx,
         no_sync=applied.no_sync,
+        loss_context=applied.loss_context,
     )
     return Built(
         cfg=resolved.config,

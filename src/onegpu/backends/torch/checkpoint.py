@@ -80,6 +80,7 @@ def train_state_of(
         "rng": rngs,
         "world_size": built.dist.world_size,
         "strategy": built.dist.strategy,
+        "layout": built.dist.layout.sizes(),
     }
 
 
@@ -90,7 +91,7 @@ def load_state(built: Built, previous: Checkpoint) -> None:
     try:
         if previous.sharded:  # any world size, re-cut on load
             dcp.load(previous.path, built.model, built.optimizer)
-        elif built.dist.strategy == "fsdp":  # one process's file into shards
+        elif built.dist.strategy == "fsdp" or built.dist.layout.splits_model:  # into shards
             dcp.load_full(built.model, built.optimizer, state["model"], state["optimizer"])
         else:
             built.model.load_state_dict(state["model"])

@@ -23,6 +23,11 @@ from onegpu.distributed.parallelize import (
     fsdp_mixed_precision,
     materialize_sharded,
 )
+from onegpu.distributed.tensor_parallel import (
+    apply_tensor_parallel,
+    loss_parallel_context,
+    vocab_parallel_loss,
+)
 from onegpu.models.gpt import GPT
 from onegpu.models.hf import build_hf_model
 from onegpu.models.protocol import LanguageModel, LossFn
@@ -43,6 +48,9 @@ class Applied:
     model: LanguageModel
     loss_fn: LossFn
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """What each micro-batch's forward and backward run in (tensor parallelism's
+    `loss_parallel`, whose cross-entropy reads vocabulary-sharded logits both ways)."""
     compile: str = "none"
     """What `train.compile` ran as ('auto' decided)."""
     compile_trial: compile_.CompileTrial | None = None
@@ -65,10 +73,19 @@ def apply_techniques(
     model = apply_approx_grads(
         model, gelu_bits=mem.gelu_bits, randomized_linear=mem.randomized_linear
     )
+    # 1b. Tensor parallelism splits the layers by their names, before checkpointing wraps them
+    #     (torchtitan's order: TP, activation checkpointing, compile, FSDP).
+    tp_mesh = ctx.submesh("tp")
+    if tp_mesh is not None:
+        model = apply_tensor_parallel(model, tp_mesh)
     # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).
     model = apply_checkpointing(model, resolved.checkpointing)
-    # 3. The loss: the output layer and cross-entropy, in chunks if asked for.
+    # 3. The loss: the output layer and cross-entropy, in chunks if asked for (under tensor
+    #    parallelism on vocabulary-sharded logits, never gathered).
     loss_fn = choose_loss(model, mem.loss_chunk)
+    loss_context = contextlib.nullcontext
+    if tp_mesh is not None:
+        loss_fn, loss_context = vocab_parallel_loss(loss_fn), loss_parallel_context()
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
     #    the eager loss too, and times both once the weights exist (8.).
@@ -80,7 +97,7 @@ def apply_techniques(
     #    then store them in the policy's dtype (bf16 for bf16-pure). Under FSDP2: shard every
     #    block, then the root, still on the meta device; each process then materialises its
     #    shards with the single-process initial weights.
-    if ctx.strategy == "fsdp":
+    if ctx.strategy == "fsdp" or ctx.layout.splits_model:
         model = shard(model, cfg, resolved, device, ctx)
     else:
         model = materialize(
@@ -106,25 +123,28 @@ def apply_techniques(
         mode, trial = compile_.decide(cfg, model, eager, candidates, autocast, device)
         chosen = candidates[mode].enter() if mode != "none" else eager
         return Applied(model, chosen, compile=mode, compile_trial=trial)
-    return Applied(model, loss_fn, compile=mode)
+    return Applied(model, loss_fn, compile=mode, loss_context=loss_context)
 
 
 def shard(
     model: LanguageModel, cfg: Config, resolved: Resolved, device: torch.device, ctx: DistContext
 ) -> LanguageModel:
-    """FSDP2 over the meta model; the shards are filled from rank 0's host copy of the very
+    """FSDP2 over the meta model (on the data-parallel mesh dimensions, when it is on) and
+    the model's split weights (tensor parallelism) filled from rank 0's host copy of the very
     same construction, materialised as a single process would (same seed, same draws)."""
     policy, d = resolved.precision, cfg.dist
-    template = copy.deepcopy(model) if ctx.is_main else None  # meta: costs no memory
+    template = reference_template(model, cfg) if ctx.is_main else None
     if policy.param_dtype != torch.float32:  # bf16-pure: the shards are stored in bf16
         model = model.to(policy.param_dtype)
-    model = apply_fsdp(
-        model,
-        reshard_after_forward=d.reshard_after_forward,
-        cpu_offload=d.cpu_offload,
-        pin_memory=device.type == "cuda",
-        mixed_precision=fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype),
-    )
+    if ctx.strategy == "fsdp":
+        model = apply_fsdp(
+            model,
+            reshard_after_forward=d.reshard_after_forward,
+            cpu_offload=d.cpu_offload,
+            pin_memory=device.type == "cuda",
+            mixed_precision=fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype),
+            mesh=ctx.submesh("dp_replicate", "dp_shard"),
+        )
 
     def reference() -> nn.Module:  # only rank 0 calls it
         cpu = torch.device("cpu")
@@ -138,6 +158,16 @@ def shard(
 
     shard_device = torch.device("cpu") if d.cpu_offload else device
     return materialize_sharded(model, shard_device, ctx, reference)
+
+
+def reference_template(model: LanguageModel, cfg: Config) -> LanguageModel:
+    """The meta model rank 0 materialises whole, as one process would: a copy of `model`, or
+    under tensor parallelism (whose split layers a copy would keep) the model built anew
+    (checkpoint wrappers do not change the weights' names in a state dict)."""
+    if cfg.dist.tp == 1:
+        return copy.deepcopy(model)  # meta: costs no memory
+    with torch.device("meta"):
+        return make_model(cfg.model)
 
 
 def choose_loss(model: LanguageModel, loss_chunk: int) -> LossFn:

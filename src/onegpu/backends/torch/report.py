@@ -51,10 +51,9 @@ def describe(built: Built, out_dir: Path, start: int) -> str:
     where = f"{built.device}"
     micro = f"{built.step.n_micro} micro-batch(es)"
     if ctx.enabled:
-        where = (
-            f"{ctx.strategy} over {ctx.world_size} processes ({ctx.backend}, {built.device.type})"
-        )
-        micro = f"{ctx.world_size} processes x {micro} of {cfg.train.micro_batch_size}"
+        how = ctx.layout.describe() if ctx.mesh is not None else ctx.strategy
+        where = f"{how} over {ctx.world_size} processes ({ctx.backend}, {built.device.type})"
+        micro = f"{ctx.dp_size} data-parallel x {micro} of {cfg.train.micro_batch_size}"
     return (
         f"onegpu: {built.n_params:,} parameters | {where} | {built.policy.name} | "
         f"batch {cfg.train.batch_size}x{cfg.train_seq_len} tokens in {micro} | "
@@ -151,6 +150,7 @@ def distributed_summary(built: Built) -> dict[str, Any]:
     }
     return {
         "strategy": ctx.strategy,
+        "layout": ctx.layout.sizes(),
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "reshard_after_forward": built.cfg.dist.reshard_after_forward,

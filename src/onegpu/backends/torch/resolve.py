@@ -84,7 +84,8 @@ def resolve(
         cfg.train.micro_batch_size * cfg.train_seq_len,
         policy.compute_dtype,
         device,
-        chunkable=chunkable_loss(model_cfg) if cfg.model.hf else True,
+        # under tensor parallelism the vocabulary-parallel loss keeps 1/tp of the logits
+        chunkable=(chunkable_loss(model_cfg) if cfg.model.hf else True) and cfg.dist.tp == 1,
         timed=timed and caps_given is None,
     )
     config = dataclasses.replace(

@@ -75,10 +75,12 @@ class TrainStep:
         n_micro: int,
         dist: DistContext | None = None,
         no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+        loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.dist = dist or single_process()
         self.no_sync = no_sync
+        self.loss_context = loss_context
         self.policy, self.device = policy, device
         self.optim, self.max_steps, self.n_micro = optim, max_steps, n_micro
         # A disabled scaler (every precision but fp16) passes values through unchanged.
@@ -114,22 +116,23 @@ class TrainStep:
     ) -> torch.Tensor:
         """Accumulate the batch's gradients over the micro-batches; returns its mean loss."""
         total: torch.Tensor | None = None
-        world = self.dist.world_size
-        denom = max(n_tokens, 1) / world if world > 1 else max(n_tokens, 1)
+        dp = self.dist.dp_size  # processes that split the batch (tensor-parallel ones share it)
+        denom = max(n_tokens, 1) / dp
         micro = list(
             zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True)
         )
         for i, (x_bT, y_bT) in enumerate(micro):
             hold = self.no_sync is not None and i < len(micro) - 1
-            with self.no_sync() if hold else contextlib.nullcontext():
+            with self.no_sync() if hold else contextlib.nullcontext(), self.loss_context():
                 with record_function("forward"), self.policy.autocast(inputs_BT.device):
                     loss = self.loss_fn(self.model, x_bT, y_bT) / denom
                 with record_function("backward"):
                     self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None  # n_micro >= 1
-        if world > 1:  # the mean over processes of their (world-scaled) shares: the batch's loss
-            dist.all_reduce(total)
+        world = self.dist.world_size
+        if world > 1:  # the mean over processes of their (dp-scaled) shares: the batch's loss
+            dist.all_reduce(total)  # (the processes of one tensor-parallel group hold the same)
             total = total / world
         return total
 
@@ -199,7 +202,7 @@ class TrainStep:
         for x, y in batches:
             n += count_targets(y)
             x, y = x.to(self.device), y.to(self.device)
-            with self.policy.autocast(self.device):
+            with self.policy.autocast(self.device), self.loss_context():
                 total += self.loss_fn(self.model, x, y).double()
         self.model.train(was_training)
         return total.item() / max(n, 1)

@@ -95,7 +95,7 @@ def write_final_weights(built: Built, path: Path) -> None:
     """model.safetensors by rank 0: the model itself, FSDP's shards gathered into a whole
     model on rank 0's host (a collective), or DDP's replica."""
     model = built.model
-    if built.dist.strategy == "fsdp":
+    if built.dist.strategy == "fsdp" or built.dist.layout.splits_model:
         full = dcp.full_model_state(model)  # the tensors land on rank 0's host
         if not built.dist.is_main:
             return

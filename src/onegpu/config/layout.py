@@ -1,0 +1,164 @@
+"""The device mesh a run's processes form: data-parallel replicas x FSDP shards x pipeline
+stages x tensor-parallel ranks, from `[dist]` and the world size torchrun gives.
+
+Torch-free: the validation, the planner and the tuner read it; `distributed/mesh.py` makes the
+`DeviceMesh`. Dimensions in torchtitan's order, outermost first (pp, dp_replicate, dp_shard,
+tp): tp innermost, so a tensor-parallel group is the nearest processes (one machine's NVLink),
+pipeline stages the farthest apart (they send one activation per micro-batch).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from onegpu.config.options import Config, ConfigError, DistConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+COMPRESSION = re.compile(r"^(none|bf16|fp16|powersgd:([1-9][0-9]*))$")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Processes that split the batch (the others split the model)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def data_parallel(self) -> str:
+        """'fsdp' (HSDP when replicated too), 'ddp' or 'none'."""
+        if self.dp_shard > 1:
+            return "fsdp"
+        return "ddp" if self.dp_replicate > 1 else "none"
+
+    @property
+    def splits_model(self) -> bool:
+        return self.tp > 1 or self.pp > 1
+
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+    def describe(self) -> str:
+        """'dp_shard 2 x tp 2' (the dimensions above 1)."""
+        return " x ".join(f"{k} {n}" for k, n in self.sizes().items() if n > 1) or "one process"
+
+
+def resolve_layout(d: DistConfig, world_size: int) -> Layout:
+    """The mesh of `world_size` processes; ConfigError naming the field when `[dist]` does not
+    multiply to it. `dist.strategy` is the shorthand for the data-parallel dimension that takes
+    the processes left: fsdp/auto -> dp_shard, ddp -> dp_replicate."""
+    model = d.tp * d.pp
+    if d.strategy == "ddp":
+        _require(
+            d.dp_shard in (-1, 1),
+            "dist.dp_shard",
+            "dist.strategy ddp replicates the whole model; set dist.dp_shard 1 (or -1), or use "
+            "--dist.strategy fsdp with --dist.dp_replicate for HSDP",
+        )
+        replicate = d.dp_replicate if d.dp_replicate > 1 else max(1, world_size // model)
+        layout = Layout(dp_replicate=replicate, dp_shard=1, tp=d.tp, pp=d.pp)
+    else:
+        left = max(1, world_size // (model * d.dp_replicate))
+        shard = d.dp_shard if d.dp_shard != -1 else left
+        layout = Layout(dp_replicate=d.dp_replicate, dp_shard=shard, tp=d.tp, pp=d.pp)
+    _require(
+        layout.world_size == world_size,
+        "dist.dp_replicate x dp_shard x tp x pp",
+        f"{layout.dp_replicate} x {layout.dp_shard} x {layout.tp} x {layout.pp} = "
+        f"{layout.world_size} processes, but there are {world_size}: make the product "
+        f"{world_size} (dp_shard -1 takes the processes left), or start "
+        f"`torchrun --nproc-per-node {layout.world_size} -m onegpu train ...`",
+    )
+    _require(
+        not (layout.splits_model and layout.data_parallel == "ddp"),
+        "dist.strategy",
+        "DDP cannot replicate tensor- or pipeline-parallel parameters; use FSDP on the "
+        "data-parallel dimension (dist.strategy fsdp; with dist.dp_replicate: HSDP)",
+    )
+    return layout
+
+
+def check_layout(cfg: Config) -> None:
+    """What `[dist]` asks of the model and the other sections, whatever the world size:
+    checked when the config is loaded, before any process group exists."""
+    d, m = cfg.dist, cfg.model
+    for name in ("dp_replicate", "tp", "pp"):
+        _require(getattr(d, name) >= 1, f"dist.{name}", "must be at least 1")
+    _require(d.dp_shard >= 1 or d.dp_shard == -1, "dist.dp_shard", "must be -1 or at least 1")
+    _require(d.pp_microbatches >= 0, "dist.pp_microbatches", "must be 0 (auto) or more")
+    _require(
+        COMPRESSION.match(d.grad_compression) is not None,
+        "dist.grad_compression",
+        f"{d.grad_compression!r} is not one of none, bf16, fp16, powersgd:RANK (e.g. powersgd:4)",
+    )
+    _require(
+        d.grad_compression == "none" or d.strategy == "ddp",
+        "dist.grad_compression",
+        "compresses DDP's all-reduce (PyTorch's communication hooks); FSDP reduce-scatters "
+        "shards instead: add --dist.strategy ddp, or set it to none",
+    )
+    if d.tp > 1 or d.pp > 1:
+        which = "dist.tp" if d.tp > 1 else "dist.pp"
+        _require(
+            not m.hf,
+            which,
+            f"splitting a Hugging Face model ({m.hf}) is not supported yet; train it with "
+            "FSDP (dist.dp_shard) or choose a onegpu GPT",
+        )
+    if d.tp > 1:
+        _check_tensor_parallel(cfg)
+    if d.pp > 1:
+        _require(
+            d.pp <= m.n_layer,
+            "dist.pp",
+            f"{d.pp} stages but the model has {m.n_layer} blocks; use at most {m.n_layer}",
+        )
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    d, m, mem = cfg.dist, cfg.model, cfg.memory
+    _require(
+        m.n_head % d.tp == 0,
+        "dist.tp",
+        f"{m.n_head} heads do not split over {d.tp} processes; use a divisor of {m.n_head}",
+    )
+    vocab = m.padded_vocab
+    _require(
+        vocab % d.tp == 0,
+        "dist.tp",
+        f"the vocabulary ({vocab} with padding) does not split over {d.tp} processes; set "
+        f"model.pad_vocab_to to a multiple of {d.tp}",
+    )
+    seq = cfg.train_seq_len
+    _require(
+        seq % d.tp == 0,
+        "dist.tp",
+        f"sequence parallelism splits the {seq} tokens of a sequence over {d.tp} processes; "
+        f"use a sequence length that {d.tp} divides",
+    )
+    for name, on in (
+        ("memory.loss_chunk", mem.loss_chunk not in (0, "auto")),
+        ("memory.gelu_bits", bool(mem.gelu_bits)),
+        ("memory.randomized_linear", bool(mem.randomized_linear)),
+    ):
+        _require(
+            not on,
+            name,
+            "is not supported with tensor parallelism yet (the vocabulary-parallel loss already "
+            "keeps 1/tp of the logits per process); turn it off",
+        )
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(key, message)
