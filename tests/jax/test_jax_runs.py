@@ -110,7 +110,7 @@ def test_a_diverging_jax_run_skips_updates_and_keeps_the_last_good_checkpoint(tm
     from onegpu.train import train
 
     out = tmp_path / "run"
-    over = {"optim.lr": "1e6", "train.max_steps": "60", "checkpoint.keep_last": "1",
+    over = {"optim.lr": "1e3", "train.max_steps": "60", "checkpoint.keep_last": "1",
             "train.max_consecutive_skips": "6", "checkpoint.every": "2", "out.dir": str(out),
             "train.backend": "jax", "train.precision": "fp32", "out.progress": "false",
             "train.log_every": "1", "train.eval_every": "0"}  # fmt: skip

@@ -48,7 +48,8 @@ def test_the_chunked_loss_gives_the_plain_loss_and_gradients(tie, bias, chunk):
     assert len(flat0) == len(flat1)
     for path, a in flat0:
         b = flat1[path]
-        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a) + 1e-12, path
+        # + 1e-8: the key bias's gradient is zero by math (rounding noise on both sides)
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a) + 1e-8, path
 
 
 def test_auto_chunks_only_large_logits_and_takes_the_timed_choice(monkeypatch):

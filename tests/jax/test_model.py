@@ -87,7 +87,8 @@ def test_scan_and_remat_keep_loss_and_gradients(ck, scan):
     flat1 = weights.to_torch_names(jax.device_get(g1), cfg.model)
     assert flat0.keys() == flat1.keys()
     for k in flat0:  # equal up to float32 reassociation (XLA fuses the two differently)
-        assert np.linalg.norm(flat1[k] - flat0[k]) <= 1e-5 * np.linalg.norm(flat0[k]), k
+        # + 1e-8: the key bias's gradient is zero by math (rounding noise on both sides)
+        assert np.linalg.norm(flat1[k] - flat0[k]) <= 1e-5 * np.linalg.norm(flat0[k]) + 1e-8, k
 
 
 @pytest.mark.slow  # four compiles of a 4-layer model

@@ -304,7 +304,7 @@ def test_kill_9_during_saves_loses_nothing_that_was_saved(backend, tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_divergence_keeps_the_last_good_checkpoint_whatever_keep_last_says(backend, tmp_path):
     out = tmp_path / "run"
-    over = {"optim.lr": "1e6", "train.max_steps": "60", "checkpoint.keep_last": "1",
+    over = {"optim.lr": "1e3", "train.max_steps": "60", "checkpoint.keep_last": "1",
             "train.max_consecutive_skips": "6", "train.eval_every": "0"}  # fmt: skip
     s = train(_cfg(out, backend, **over))
     assert s["diverged"] and s["skipped_steps"] >= 6
