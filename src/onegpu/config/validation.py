@@ -259,6 +259,7 @@ def resolve_strategy(dist: DistConfig, world_size: int, field: str = "dist.strat
         f"{world_size} processes but dist.strategy is none; use fsdp, ddp or auto "
         "(or start one process)",
     )
+    _require(world_size >= 1, "--world-size", f"must be at least 1, got {world_size}")
     layout = resolve_layout(dist, world_size)  # a mesh that does not multiply up is refused
     if world_size == 1:
         return "none" if strategy == "auto" else strategy

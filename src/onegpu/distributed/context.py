@@ -74,10 +74,13 @@ class DistContext:
 
     def submesh(self, *dims: str) -> Any:
         """The mesh of those of `dims` above 1 (None: none of them, or no mesh)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
         present = tuple(d for d in dims if self.layout.sizes()[d] > 1)
         if self.mesh is None or not present:
             return None
-        return self.mesh[present] if len(present) > 1 else self.mesh[present[0]]
+        with unset_fake_temporarily():  # slicing runs tensor ops: never fake ones (a plan's)
+            return self.mesh[present] if len(present) > 1 else self.mesh[present[0]]
 
     @property
     def is_main(self) -> bool:

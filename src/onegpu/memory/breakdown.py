@@ -61,8 +61,11 @@ def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[s
         step()
     try:
         times, groups = memory_timeline(prof, device)
-    except Exception as e:  # a private API: degrade to "not measured", never to a guess
-        return {"error": f"memory profiler unavailable in torch {torch.__version__}: {e}"}
+    except Exception as e:  # a private API: degrade to the allocator's own total, never a guess
+        return {
+            "error": f"memory profiler unavailable in torch {torch.__version__}: {e}",
+            "allocated_in_step": allocated_in_step(prof, device),
+        }
     finally:  # the profile's events go (the caller hands their pages back to the kernel)
         del prof
         gc.collect()
@@ -72,6 +75,28 @@ def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[s
     out["peak"] = sum(out.values())
     out["kind"] = "tensor allocations at the step's peak (torch.profiler memory timeline)"
     return out
+
+
+def allocated_in_step(prof, device: torch.device) -> int:
+    """The most bytes the step had allocated at once beyond what existed when it began, from
+    the allocator's own allocation events (their running total starts at the profile's start):
+    what the memory timeline's analysis would give, where that analysis cannot follow the step
+    (DTensor's in-place version counters trip it in torch 2.13)."""
+    from torch._C._profiler import _EventType
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    totals = [
+        node.extra_fields.total_allocated
+        for node in walk(tree)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == kind
+    ]
+    return max(totals, default=0)
 
 
 def memory_timeline(prof, device: torch.device) -> tuple[list[int], dict[str, list[int]]]:

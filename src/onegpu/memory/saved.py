@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from onegpu.memory.tracker import holder
+
 
 class SavedTensorCounter:
     """Context manager: `with SavedTensorCounter(model) as c: loss = ...`; then c.bytes."""
@@ -27,7 +29,9 @@ class SavedTensorCounter:
         also_saved: Callable[[], Iterable[torch.Tensor]] | None = None,
     ):
         self._param_storages = (
-            {p.untyped_storage()._cdata for p in model.parameters()} if model is not None else set()
+            {holder(p).untyped_storage()._cdata for p in model.parameters()}
+            if model is not None
+            else set()
         )
         self._also_saved = also_saved
         self._seen: set[int] = set()  # storages counted and still alive
@@ -35,7 +39,7 @@ class SavedTensorCounter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
     def _count(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        storage = holder(t).untyped_storage()  # a DTensor's: its local shard's
         key = storage._cdata  # the storage itself: works for real, meta and fake tensors
         if key in self._param_storages or key in self._seen:
             return

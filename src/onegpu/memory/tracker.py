@@ -20,8 +20,20 @@ from torch.utils._pytree import tree_flatten
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    s = t.untyped_storage()
+    s = holder(t).untyped_storage()
     return s._cdata, s.nbytes()
+
+
+def holder(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds `t`'s memory: a DTensor's local shard, an asynchronous collective's
+    result (wrappers whose own storage is empty); `t` itself otherwise."""
+    while True:
+        inner = getattr(t, "_local_tensor", None)
+        if inner is None:
+            inner = getattr(t, "elem", None)
+        if not isinstance(inner, torch.Tensor):
+            return t
+        t = inner
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -51,6 +63,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self.current -= self.sizes.pop(sid)
 
     def track(self, t: torch.Tensor) -> None:
+        t = holder(t)
         sid, nbytes = _storage_key(t)
         if sid in self._refs:
             self._refs[sid] += 1
@@ -77,7 +90,7 @@ class LiveTensorBytes(TorchDispatchMode):
                 sid = storage_id(t)
                 if sid not in self._refs and sid not in self._external:
                     # hold it: a freed storage's address could be reused by a new allocation
-                    self._external[sid] = t.untyped_storage()
+                    self._external[sid] = holder(t).untyped_storage()
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and storage_id(t) not in self._external:
@@ -86,4 +99,4 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def storage_id(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return holder(t).untyped_storage()._cdata

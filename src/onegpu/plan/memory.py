@@ -26,9 +26,11 @@ from torch import nn
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.backends.torch.loader import placeholder_batch
 from onegpu.config import Config, ConfigError
+from onegpu.distributed import DistContext
+from onegpu.distributed.parallelize import local_tensor
 from onegpu.distributed.shares import ParamShape
 from onegpu.memory.breakdown import GROUPS
-from onegpu.memory.tracker import storage_id
+from onegpu.memory.tracker import holder, storage_id
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
 from onegpu.plan.tracker import ModuleStack, PlanTracker, saves_on_host
@@ -139,7 +141,8 @@ def _follow_step(
         counter.pack(t)  # saved-tensor hooks do not nest: the innermost pair alone runs
         serial = tracker.serials.get(storage_id(t))
         if serial is not None and serial not in followed.saved:  # None: made before the step
-            followed.saved[serial] = (t.untyped_storage().nbytes(), t.dtype, modules.current)
+            nbytes = holder(t).untyped_storage().nbytes()
+            followed.saved[serial] = (nbytes, t.dtype, modules.current)
         return t
 
     def grad_ready(p: torch.Tensor) -> None:
@@ -151,6 +154,14 @@ def _follow_step(
     host_saves = saves_on_host(tracker) if target != "cpu" else contextlib.nullcontext()
     tracker.param_storages = {storage_id(p) for p in params}
     hooks = [_first_grad_hook(p, grad_ready) for p in params]
+    if isinstance(built.optimizer, torch.optim.Optimizer):
+        # FSDP's reduce-scattered gradients are set outside autograd: no hook sees them
+        def grads_at_step(*_) -> None:
+            for p in params:
+                if p.grad is not None:
+                    grad_ready(p)
+
+        hooks.append(built.optimizer.register_step_pre_hook(grads_at_step))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_saves, tracker:
             built.step(x, y, y.numel(), 1)
@@ -163,25 +174,33 @@ def _follow_step(
 
 
 def plan_memory(
-    cfg: Config, target: str = "cpu", caps: DeviceCaps | None = None, *, by_segment: bool = False
+    cfg: Config,
+    target: str = "cpu",
+    caps: DeviceCaps | None = None,
+    *,
+    by_segment: bool = False,
+    dist_ctx: DistContext | None = None,
 ) -> MemoryPlan:
     """Build the configured run on fake tensors and follow one steady-state training step.
 
     `target` is the device type the plan is for ('cpu' or 'cuda') and `caps` its capabilities
     (default: this machine's CPU; a GPU's from the table): they decide what `auto` precision and
-    attention stand for, exactly as `build` decides them for a real run."""
+    attention stand for, exactly as `build` decides them for a real run. `dist_ctx`: one rank
+    of a mesh over a fake process group (plan/ranks.py), whose own share and shards are followed."""
     t0 = time.perf_counter()
     device = torch.device(target)
     if caps is None and target == "cpu":
         caps = device_caps(device)
+    dp = dist_ctx.dp_size if dist_ctx is not None else 1
     # Micro-batches after the second repeat it exactly (same shapes, gradients already
     # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
-    n_micro = min(cfg.grad_accum_steps, 2)
+    n_micro = min(cfg.grad_accum_steps // dp, 2)
     B, T = cfg.train.micro_batch_size * n_micro, cfg.train_seq_len
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=B, max_steps=2))
+    train = dataclasses.replace(cfg.train, batch_size=B * dp, max_steps=2)
+    cfg = dataclasses.replace(cfg, train=train)
     from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
-    built = build(cfg, device, with_data=False, caps=caps, fake=True)
+    built = build(cfg, device, with_data=False, caps=caps, fake=True, dist_ctx=dist_ctx)
     try:
         with built.fake_mode:
             x, y = placeholder_batch(B, T, built.classes)
@@ -271,7 +290,7 @@ def _label(
         else optimizer_state_bytes(built.optimizer)
     )
     tracker, saved = followed.tracker, followed.saved
-    param_bytes = sum(p.untyped_storage().nbytes() for p in params)
+    param_bytes = sum(local_tensor(p).untyped_storage().nbytes() for p in params)
 
     def breakdown(storages: dict[int, int]) -> tuple[dict[str, int], int]:
         return _breakdown(built, followed, storages, param_bytes, state_bytes, target)

@@ -9,7 +9,7 @@ import weakref
 import torch
 from torch import nn
 
-from onegpu.memory.tracker import LiveTensorBytes, storage_id
+from onegpu.memory.tracker import LiveTensorBytes, holder, storage_id
 from onegpu.offload import activations as offload
 
 
@@ -78,7 +78,7 @@ class PlanTracker(LiveTensorBytes):
             self._host_refs[sid] += 1
         else:
             self._host_refs[sid] = 1
-            self._host_sizes[sid] = t.untyped_storage().nbytes()
+            self._host_sizes[sid] = holder(t).untyped_storage().nbytes()
             self.host_current += self._host_sizes[sid]
             self.host_total += self._host_sizes[sid]
             self.host_peak = max(self.host_peak, self.host_current)

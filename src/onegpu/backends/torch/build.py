@@ -124,19 +124,7 @@ def build(
         resolved = dataclasses.replace(resolved, config=cfg)
         model = applied.model
         optimizer = _optimizer(model, cfg, resolved, device, ctx, fake)
-    step = TrainStep(
-        model=model,
-        loss_fn=applied.loss_fn,
-        optimizer=optimizer,
-        policy=resolved.precision,
-        device=device,
-        optim=cfg.optim,
-        max_steps=cfg.train.max_steps,
-        n_micro=cfg.grad_accum_steps // ctx.dp_size,
-        dist=ctx,
-        no_sync=applied.no_sync,
-        loss_context=applied.loss_context,
-    )
+    step = _train_step(cfg, applied, optimizer, resolved, device, ctx)
     return Built(
         cfg=resolved.config,
         resolved=resolved,
@@ -152,6 +140,29 @@ def build(
         dist=ctx,
         compile_trial=applied.compile_trial,
         asked=asked,
+    )
+
+
+def _train_step(
+    cfg: Config,
+    applied: Applied,
+    optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer,
+    resolved: Resolved,
+    device: torch.device,
+    ctx: DistContext,
+) -> TrainStep:
+    return TrainStep(
+        model=applied.model,
+        loss_fn=applied.loss_fn,
+        optimizer=optimizer,
+        policy=resolved.precision,
+        device=device,
+        optim=cfg.optim,
+        max_steps=cfg.train.max_steps,
+        n_micro=cfg.grad_accum_steps // ctx.dp_size,
+        dist=ctx,
+        no_sync=applied.no_sync,
+        loss_context=applied.loss_context,
     )
 
 
@@ -204,8 +215,11 @@ def _model_with_techniques(
     cfg: Config, resolved: Resolved, device: torch.device, ctx: DistContext, fake: bool
 ) -> Applied:
     # real: on the meta device, materialised after the techniques; fake: on fake tensors
-    # directly (moving meta parameters into a FakeTensorMode cannot swap them)
-    with torch.device("cpu" if fake else "meta"):
+    # directly (moving meta parameters into a FakeTensorMode cannot swap them), but a plan of
+    # a sharded or split rank on the meta device too: FSDP and the mesh work outside the fake
+    # mode, on weights that allocate nothing, and then its shards become fake tensors
+    sharded = ctx.strategy == "fsdp" or ctx.layout.splits_model
+    with torch.device("cpu" if fake and not sharded else "meta"):
         model = make_model(cfg.model)
     return apply_techniques(model, cfg, resolved, device, ctx)
 

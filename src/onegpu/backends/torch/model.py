@@ -75,17 +75,12 @@ def apply_techniques(
     )
     # 1b. Tensor parallelism splits the layers by their names, before checkpointing wraps them
     #     (torchtitan's order: TP, activation checkpointing, compile, FSDP).
-    tp_mesh = ctx.submesh("tp")
-    if tp_mesh is not None:
-        model = apply_tensor_parallel(model, tp_mesh)
+    model = split_tensors(model, ctx)
     # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).
     model = apply_checkpointing(model, resolved.checkpointing)
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for (under tensor
     #    parallelism on vocabulary-sharded logits, never gathered).
-    loss_fn = choose_loss(model, mem.loss_chunk)
-    loss_context = contextlib.nullcontext
-    if tp_mesh is not None:
-        loss_fn, loss_context = vocab_parallel_loss(loss_fn), loss_parallel_context()
+    loss_fn, loss_context = split_loss(choose_loss(model, mem.loss_chunk), ctx)
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
     #    the eager loss too, and times both once the weights exist (8.).
@@ -133,18 +128,20 @@ def shard(
     the model's split weights (tensor parallelism) filled from rank 0's host copy of the very
     same construction, materialised as a single process would (same seed, same draws)."""
     policy, d = resolved.precision, cfg.dist
-    template = reference_template(model, cfg) if ctx.is_main else None
+    planned = planning()  # a plan's rank: its shards are fake tensors, their values never read
+    template = reference_template(model, cfg) if ctx.is_main and not planned else None
     if policy.param_dtype != torch.float32:  # bf16-pure: the shards are stored in bf16
         model = model.to(policy.param_dtype)
     if ctx.strategy == "fsdp":
-        model = apply_fsdp(
-            model,
-            reshard_after_forward=d.reshard_after_forward,
-            cpu_offload=d.cpu_offload,
-            pin_memory=device.type == "cuda",
-            mixed_precision=fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype),
-            mesh=ctx.submesh("dp_replicate", "dp_shard"),
-        )
+        with outside_fake_mode():  # on the meta device: FSDP's meshes are made real
+            model = apply_fsdp(
+                model,
+                reshard_after_forward=d.reshard_after_forward,
+                cpu_offload=d.cpu_offload,
+                pin_memory=device.type == "cuda",
+                mixed_precision=fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype),
+                mesh=ctx.submesh("dp_replicate", "dp_shard"),
+            )
 
     def reference() -> nn.Module:  # only rank 0 calls it
         cpu = torch.device("cpu")
@@ -156,8 +153,42 @@ def shard(
             init_from=cfg.model.init_from,
         )
 
+    if planned:
+        return model.to_empty(device=torch.device("cpu"))
     shard_device = torch.device("cpu") if d.cpu_offload else device
     return materialize_sharded(model, shard_device, ctx, reference)
+
+
+def split_tensors(model: LanguageModel, ctx: DistContext) -> LanguageModel:
+    """Tensor parallelism over the mesh's tp dimension (the model as it is without one)."""
+    tp_mesh = ctx.submesh("tp")
+    if tp_mesh is None:
+        return model
+    with outside_fake_mode():  # meta weights: nothing is allocated; meshes are made real
+        return apply_tensor_parallel(model, tp_mesh)
+
+
+def split_loss(
+    loss_fn: LossFn, ctx: DistContext
+) -> tuple[LossFn, Callable[[], contextlib.AbstractContextManager]]:
+    """The loss and the context its forward and backward run in: under tensor parallelism
+    cross-entropy on vocabulary-sharded logits (`loss_parallel`)."""
+    if ctx.submesh("tp") is None:
+        return loss_fn, contextlib.nullcontext
+    return vocab_parallel_loss(loss_fn), loss_parallel_context()
+
+
+def planning() -> bool:
+    """Whether this build runs under the planner's FakeTensorMode."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager:
+    """Leave a plan's FakeTensorMode for work on meta weights that must not be faked (device
+    meshes index real tensors); a null context in a real build."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily() if planning() else contextlib.nullcontext()
 
 
 def reference_template(model: LanguageModel, cfg: Config) -> LanguageModel:

@@ -132,11 +132,11 @@ def torch_summary(
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         **torch_environment(),
         "config": to_dict(cfg),
-        **({"dist": distributed_summary(built)} if built.dist.enabled else {}),
+        **({"dist": distributed_summary(built, memory)} if built.dist.enabled else {}),
     }
 
 
-def distributed_summary(built: Built) -> dict[str, Any]:
+def distributed_summary(built: Built, memory: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per-process measurements (a collective): peak memory and the bytes of this process's
     parameters, gradients' shards and optimizer states."""
     ctx = built.dist
@@ -147,6 +147,7 @@ def distributed_summary(built: Built) -> dict[str, Any]:
         "param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in params),
         "optimizer_bytes": optimizer_state_bytes(built.optimizer),
         "param_device": str(local_tensor(params[0]).device),
+        "memory": memory or None,  # this process's measured step (train.measure_memory)
     }
     return {
         "strategy": ctx.strategy,

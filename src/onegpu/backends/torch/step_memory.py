@@ -16,6 +16,7 @@ from onegpu.backends.torch.build import Built, build
 from onegpu.backends.torch.loader import classification_targets, count_targets
 from onegpu.backends.torch.step import StepOutput
 from onegpu.config import Config
+from onegpu.distributed.parallelize import local_tensor
 from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.allocator import release_free_memory
@@ -23,10 +24,10 @@ from onegpu.perf.allocator import release_free_memory
 
 def measured_step(built: Built) -> int | None:
     """The step whose memory a run measures (`train.measure_memory`): the second, when
-    optimizer states exist as in every later step; None on several processes (the profiler
-    follows one process) or when turned off."""
+    optimizer states exist as in every later step (under torchrun each process measures its
+    own); None when turned off."""
     t = built.cfg.train
-    if not t.measure_memory or built.dist.enabled:
+    if not t.measure_memory:
         return None
     return min(1, t.max_steps - 1)
 
@@ -49,7 +50,15 @@ def measure_step(
 
     memory: dict[str, Any] = profile_step_memory(step, built.device)
     release_free_memory()  # the profile's pages: otherwise kept for the rest of the run
-    with_exact_optimizer_bytes(memory, optimizer_state_bytes(built.optimizer))
+    states = optimizer_state_bytes(built.optimizer)
+    if "allocated_in_step" in memory:  # no breakdown: what lived before, plus the step's most
+        params = {id(p): local_tensor(p) for p in built.model.parameters()}.values()
+        before = sum(p.untyped_storage().nbytes() for p in params) + states
+        memory["peak"] = before + memory["allocated_in_step"]
+        memory["kind"] = "parameters and optimizer states + the allocator's most during the step"
+        memory["params"], memory["optimizer"] = before - states, states
+    else:
+        with_exact_optimizer_bytes(memory, states)
     # micro-batches have equal shapes, so each saves the same bytes
     memory["saved_activations_per_micro_batch"] = counter.bytes // built.step.n_micro
     return outputs[0], memory
