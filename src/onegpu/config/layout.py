@@ -118,11 +118,40 @@ def check_layout(cfg: Config) -> None:
     if d.tp > 1:
         _check_tensor_parallel(cfg)
     if d.pp > 1:
-        _require(
-            d.pp <= m.n_layer,
-            "dist.pp",
-            f"{d.pp} stages but the model has {m.n_layer} blocks; use at most {m.n_layer}",
-        )
+        _check_pipeline(cfg)
+
+
+def _check_pipeline(cfg: Config) -> None:
+    d, m = cfg.dist, cfg.model
+    stages = d.pp * (2 if d.pp_schedule == "interleaved-1f1b" else 1)
+    _require(
+        stages <= m.n_layer,
+        "dist.pp",
+        f"{stages} stages ({d.pp_schedule}) but the model has {m.n_layer} blocks; use at "
+        f"most {m.n_layer // (stages // d.pp)}",
+    )
+    _require(
+        d.tp == 1,
+        "dist.pp",
+        "pipeline and tensor parallelism together are not supported yet; use one of them "
+        "with FSDP (dist.dp_shard)",
+    )
+    _require(
+        not m.tie_embeddings,
+        "model.tie_embeddings",
+        "a tied embedding lives on the first pipeline stage and the output layer on the "
+        "last; set it to false for pipeline parallelism",
+    )
+    _require(
+        cfg.memory.loss_chunk in (0, "auto"),
+        "memory.loss_chunk",
+        "a pipeline's last stage computes its loss from the logits it outputs; set it to 0",
+    )
+    _require(
+        not (cfg.memory.gelu_bits or cfg.memory.randomized_linear),
+        "memory.gelu_bits" if cfg.memory.gelu_bits else "memory.randomized_linear",
+        "is not supported with pipeline parallelism yet; turn it off",
+    )
 
 
 def _check_tensor_parallel(cfg: Config) -> None:

@@ -72,6 +72,20 @@ class DistContext:
     def dp_size(self) -> int:
         return self.layout.dp if self.enabled else 1
 
+    def stage_group(self) -> Any:
+        """The process group along the pipeline (None: no pipeline)."""
+        mesh = self.submesh("pp")
+        return mesh.get_group() if mesh is not None else None
+
+    def across_stages(self, norm: torch.Tensor) -> torch.Tensor:
+        """A gradient norm over every pipeline stage's parameters from this stage's (each
+        stage holds other weights: their squares add up)."""
+        if self.layout.pp == 1:
+            return norm
+        squared = norm.double() ** 2
+        dist.all_reduce(squared, group=self.stage_group())
+        return squared.sqrt().to(norm.dtype)
+
     def submesh(self, *dims: str) -> Any:
         """The mesh of those of `dims` above 1 (None: none of them, or no mesh)."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily

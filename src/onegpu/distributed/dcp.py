@@ -90,13 +90,24 @@ def load_full(
     set_optimizer_state_dict(model, optimizer, by_name, options=full)
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's tensors on rank 0's host (collective; other ranks get {})."""
+def full_model_state(model: nn.Module, stages: Any = None) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on rank 0's host (collective; other ranks get {}). `stages`:
+    the pipeline's process group, whose stages each hold part of the model: each stage's
+    tensors, gathered whole within the stage, are sent to the group's first process."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    if stages is None:
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    mine = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    mine = {k: v.detach().cpu() for k, v in mine.items()}
+    parts: list[Any] = [None] * stages.size() if stages.rank() == 0 else None
+    dist.gather_object(mine, parts, group_dst=0, group=stages)
+    if dist.get_rank() != 0:
+        return {}
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def load_model(folder: Path, model: nn.Module) -> None:

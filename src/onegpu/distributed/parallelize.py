@@ -55,7 +55,7 @@ def apply_fsdp(
     The root keeps its parameters gathered from forward to backward (embeddings and output
     layer are used again first thing in backward, as torchtitan does), and `hidden` is a forward
     method too, so the chunked loss, which calls `model.hidden` and then the output layer's
-    weight itself, sees gathered parameters."""
+    weight itself, sees gathered parameters (and `embed`, `head`: a pipeline stage's ends)."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         OffloadPolicy,
@@ -76,7 +76,9 @@ def apply_fsdp(
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    register_fsdp_forward_method(model, "hidden")
+    for method in ("hidden", "embed", "head"):  # the chunked loss's, a pipeline stage's
+        if getattr(model, method, None) is not None:
+            register_fsdp_forward_method(model, method)
     return model
 
 
@@ -86,6 +88,8 @@ def materialize_sharded(
     device: torch.device,
     ctx: DistContext,
     reference: Callable[[], nn.Module],
+    *,
+    whole: bool = True,
 ) -> nn.Module:
     """Allocate this process's shards on `device` and fill them with exactly the weights a
     single-process run starts from: rank 0 builds and initialises the whole model on the host
@@ -103,11 +107,12 @@ def materialize_sharded(
     set_model_state_dict(
         model,
         get_model_state_dict(full) if full is not None else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        # a pipeline stage (`whole` false) takes only its own modules' weights
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=whole),
     )
     # Buffers (rotary frequencies, ...) are not sharded and not all in the state dict.
     ref_buffers = dict(full.named_buffers()) if full is not None else {}
-    for name, buf in model.named_buffers():
+    for name, buf in model.named_buffers():  # (onegpu's GPT has none: no stage differs)
         src = ref_buffers[name].to(buf.device, buf.dtype) if full is not None else buf
         dist.broadcast(src, src=0)
         buf.copy_(src)

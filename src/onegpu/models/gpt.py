@@ -180,23 +180,35 @@ class GPT(nn.Module):
         if not self.cfg.tie_embeddings:
             self.lm_head.weight[self.vocab_size :].zero_()
 
+    def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings (dropped out): the residual stream's start."""
+        pos_T = torch.arange(idx_BT.shape[1], device=idx_BT.device)
+        return self.drop(self.wte(idx_BT) + self.wpe(pos_T))
+
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states; the loss applies the output layer (maybe in chunks)."""
-        T = idx_BT.shape[1]
-        pos_T = torch.arange(T, device=idx_BT.device)
-        x_BTD = self.drop(self.wte(idx_BT) + self.wpe(pos_T))
+        x_BTD = self.embed(idx_BT)
         for block in self.blocks:
             x_BTD = block(x_BTD)
         return self.norm_f(x_BTD)
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        """Logits over the padded vocabulary, the padding masked to -inf (softmax gives them
-        exactly 0, so loss and gradients are those of the unpadded model)."""
-        logits_BTV = self.lm_head(self.hidden(idx_BT))
+    def output(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits over the padded vocabulary from final-normed hidden states, the padding
+        masked to -inf (softmax gives them exactly 0, so loss and gradients are those of the
+        unpadded model)."""
+        logits_BTV = self.lm_head(h_BTD)
         # (a vocabulary-parallel output layer masks its own shard: tensor_parallel.py)
         if self.padded_vocab > self.vocab_size and not getattr(self.lm_head, "masks_padding", 0):
             logits_BTV[..., self.vocab_size :] = float("-inf")
         return logits_BTV
+
+    def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The residual stream's end: final norm, then the output layer (a pipeline's last
+        stage)."""
+        return self.output(self.norm_f(x_BTD))
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden(idx_BT))
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         return None  # dense: no auxiliary term

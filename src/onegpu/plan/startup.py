@@ -62,7 +62,11 @@ def _plan(cfg: Config, target: str, world_size: int) -> dict[str, int]:
     from onegpu.config import resolve_strategy
     from onegpu.offload.weights import with_offload_params
     from onegpu.plan.depth import plan_extrapolated
+    from onegpu.plan.ranks import needs_rank_plans, rank_needs
     from onegpu.plan.targets import process_share, rank_memory
+
+    if needs_rank_plans(cfg, world_size):  # a mesh: each stage's rank followed as itself
+        return max(rank_needs(cfg, target, world_size).values(), key=lambda n: n["peak"])
 
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     share = plan_extrapolated(process_share(cfg, world_size), target)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from onegpu.config import Config, ConfigError, DistConfig, check_batch_split
+from onegpu.config.layout import resolve_layout
 from onegpu.distributed.shares import per_rank_memory
 from onegpu.offload.pricing import offload_costs
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
@@ -34,14 +35,15 @@ GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def process_share(cfg: Config, world_size: int) -> Config:
-    """The config one of `world_size` processes runs, as one process: its share of the global
-    batch."""
-    check_batch_split(cfg.train, world_size)
+    """The config one of `world_size` processes runs, as one process: its data-parallel share
+    of the global batch."""
+    dp = resolve_layout(cfg.dist, world_size).dp if world_size > 0 else world_size
+    check_batch_split(cfg.train, dp)
     t = cfg.train
     # planned as one process: rank_memory adds what sharding and dist.cpu_offload change
     return dataclasses.replace(
         cfg,
-        train=dataclasses.replace(t, batch_size=t.batch_size // world_size),
+        train=dataclasses.replace(t, batch_size=t.batch_size // dp),
         dist=DistConfig(),
     )
 

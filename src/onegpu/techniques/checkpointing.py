@@ -121,7 +121,8 @@ def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> nn.Module:
     """Wrap the sub-modules `mode` names in every block (after any layer swaps inside them)."""
     if mode.kind == "none":
         return model
-    for i, block in enumerate(model.blocks):
+    for name, block in model.blocks.named_children():  # a pipeline stage's keep their indices
+        i = int(name)
         if mode.kind in ("attn", "attn+mlp"):
             checkpoint_module(block_branch(block, "attn"))
         if mode.kind in ("mlp", "attn+mlp"):

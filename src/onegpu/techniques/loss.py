@@ -19,16 +19,20 @@ def token_loss_sum(
     model: nn.Module, idx_BT: torch.Tensor, targets_BT: torch.Tensor
 ) -> torch.Tensor:
     """Sum of cross-entropy over targets != IGNORE_INDEX, in fp32."""
-    logits_BTV = model(idx_BT)
+    return with_auxiliary(model, logits_loss_sum(model(idx_BT), targets_BT), targets_BT)
+
+
+def logits_loss_sum(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy of these logits over targets != IGNORE_INDEX, in fp32 (what a
+    pipeline's last stage computes from the logits it made)."""
     if logits_BTV.dtype in (torch.float16, torch.bfloat16):
         logits_BTV = logits_BTV.float()
-    loss = F.cross_entropy(
+    return F.cross_entropy(
         logits_BTV.flatten(0, 1),
         targets_BT.flatten(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-    return with_auxiliary(model, loss, targets_BT)
 
 
 def with_auxiliary(

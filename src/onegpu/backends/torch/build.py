@@ -125,6 +125,8 @@ def build(
         model = applied.model
         optimizer = _optimizer(model, cfg, resolved, device, ctx, fake)
     step = _train_step(cfg, applied, optimizer, resolved, device, ctx)
+    whole = model if not applied.pipeline else _whole_model(cfg)
+
     return Built(
         cfg=resolved.config,
         resolved=resolved,
@@ -133,14 +135,21 @@ def build(
         loss_fn=applied.loss_fn,
         step=step,
         data=data,
-        n_params=count_params(model),
-        flops_per_token=flops_per_token(model, cfg.train_seq_len),
+        n_params=count_params(whole),
+        flops_per_token=flops_per_token(whole, cfg.train_seq_len),
         classes=model.lm_head.out_features if model.is_classifier else 0,
         fake_mode=fake_mode,
         dist=ctx,
         compile_trial=applied.compile_trial,
         asked=asked,
     )
+
+
+def _whole_model(cfg: Config) -> LanguageModel:
+    """The whole architecture on the meta device (a pipeline stage holds only part of it):
+    what the parameter count and the FLOPs per token describe."""
+    with torch.device("meta"):
+        return make_model(cfg.model)
 
 
 def _train_step(
@@ -163,6 +172,7 @@ def _train_step(
         dist=ctx,
         no_sync=applied.no_sync,
         loss_context=applied.loss_context,
+        pipeline=applied.pipeline,
     )
 
 

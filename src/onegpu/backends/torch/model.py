@@ -23,6 +23,14 @@ from onegpu.distributed.parallelize import (
     fsdp_mixed_precision,
     materialize_sharded,
 )
+from onegpu.distributed.pipeline import (
+    Pipeline,
+    build_pipeline,
+    prune,
+    split_blocks,
+    stage_indices,
+    stages_per_process,
+)
 from onegpu.distributed.tensor_parallel import (
     apply_tensor_parallel,
     loss_parallel_context,
@@ -37,7 +45,7 @@ from onegpu.techniques import compile as compile_
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum
-from onegpu.techniques.loss import classification_loss_sum, token_loss_sum
+from onegpu.techniques.loss import classification_loss_sum, logits_loss_sum, token_loss_sum
 
 
 @dataclass(slots=True)
@@ -51,6 +59,8 @@ class Applied:
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """What each micro-batch's forward and backward run in (tensor parallelism's
     `loss_parallel`, whose cross-entropy reads vocabulary-sharded logits both ways)."""
+    pipeline: Pipeline | None = None
+    """Pipeline parallelism: the schedule a step runs instead of its micro-batch loop."""
     compile: str = "none"
     """What `train.compile` ran as ('auto' decided)."""
     compile_trial: compile_.CompileTrial | None = None
@@ -76,6 +86,11 @@ def apply_techniques(
     # 1b. Tensor parallelism splits the layers by their names, before checkpointing wraps them
     #     (torchtitan's order: TP, activation checkpointing, compile, FSDP).
     model = split_tensors(model, ctx)
+    #     Pipeline parallelism keeps this process's stages' modules, under their own names.
+    ranges, stages = pipeline_stages(cfg, ctx)
+    if stages:
+        blocks = {i for stage in stages for i in ranges[stage]}
+        model = prune(model, blocks, first=0 in stages, last=len(ranges) - 1 in stages)
     # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).
     model = apply_checkpointing(model, resolved.checkpointing)
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for (under tensor
@@ -118,7 +133,8 @@ def apply_techniques(
         mode, trial = compile_.decide(cfg, model, eager, candidates, autocast, device)
         chosen = candidates[mode].enter() if mode != "none" else eager
         return Applied(model, chosen, compile=mode, compile_trial=trial)
-    return Applied(model, loss_fn, compile=mode, loss_context=loss_context)
+    pipeline = make_pipeline(model, cfg, resolved, device, ctx, ranges, stages) if stages else None
+    return Applied(model, loss_fn, compile=mode, loss_context=loss_context, pipeline=pipeline)
 
 
 def shard(
@@ -156,7 +172,7 @@ def shard(
     if planned:
         return model.to_empty(device=torch.device("cpu"))
     shard_device = torch.device("cpu") if d.cpu_offload else device
-    return materialize_sharded(model, shard_device, ctx, reference)
+    return materialize_sharded(model, shard_device, ctx, reference, whole=ctx.layout.pp == 1)
 
 
 def split_tensors(model: LanguageModel, ctx: DistContext) -> LanguageModel:
@@ -178,6 +194,45 @@ def split_loss(
     return vocab_parallel_loss(loss_fn), loss_parallel_context()
 
 
+def pipeline_stages(cfg: Config, ctx: DistContext) -> tuple[list[range], list[int]]:
+    """Every stage's blocks and the stages this process runs ([] without pipeline parallelism)."""
+    d = cfg.dist
+    if ctx.layout.pp == 1:
+        return [], []
+    n_stages = ctx.layout.pp * stages_per_process(d.pp_schedule)
+    ranges = split_blocks(cfg.model, cfg.train_seq_len, n_stages)
+    return ranges, stage_indices(ctx.coordinate("pp"), ctx.layout.pp, d.pp_schedule)
+
+
+def make_pipeline(
+    model: LanguageModel,
+    cfg: Config,
+    resolved: Resolved,
+    device: torch.device,
+    ctx: DistContext,
+    ranges: list[range],
+    stages: list[int],
+) -> Pipeline:
+    """The schedule over this process's stages, its micro-batches cut from its share."""
+    d, t = cfg.dist, cfg.train
+    rows = t.batch_size // ctx.dp_size
+    n_micro = d.pp_microbatches or rows // t.micro_batch_size
+    with outside_fake_mode():
+        return build_pipeline(
+            model,
+            ranges,
+            stages,
+            schedule=d.pp_schedule,
+            n_microbatches=n_micro,
+            micro_batch=rows // n_micro,
+            seq_len=cfg.train_seq_len,
+            activation_dtype=resolved.precision.param_dtype,
+            device=device,
+            group=ctx.submesh("pp").get_group(),
+            loss_sum=logits_loss_sum,
+        )
+
+
 def planning() -> bool:
     """Whether this build runs under the planner's FakeTensorMode."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
@@ -193,9 +248,9 @@ def outside_fake_mode() -> contextlib.AbstractContextManager:
 
 def reference_template(model: LanguageModel, cfg: Config) -> LanguageModel:
     """The meta model rank 0 materialises whole, as one process would: a copy of `model`, or
-    under tensor parallelism (whose split layers a copy would keep) the model built anew
+    under tensor or pipeline parallelism (split or pruned in `model`) the model built anew
     (checkpoint wrappers do not change the weights' names in a state dict)."""
-    if cfg.dist.tp == 1:
+    if cfg.dist.tp == 1 and cfg.dist.pp == 1:
         return copy.deepcopy(model)  # meta: costs no memory
     with torch.device("meta"):
         return make_model(cfg.model)

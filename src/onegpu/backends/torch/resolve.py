@@ -84,8 +84,10 @@ def resolve(
         cfg.train.micro_batch_size * cfg.train_seq_len,
         policy.compute_dtype,
         device,
-        # under tensor parallelism the vocabulary-parallel loss keeps 1/tp of the logits
-        chunkable=(chunkable_loss(model_cfg) if cfg.model.hf else True) and cfg.dist.tp == 1,
+        # tensor parallelism's vocabulary-parallel loss keeps 1/tp of the logits; a pipeline's
+        # last stage computes its loss from the logits it outputs
+        chunkable=(chunkable_loss(model_cfg) if cfg.model.hf else True)
+        and cfg.dist.tp == cfg.dist.pp == 1,
         timed=timed and caps_given is None,
     )
     config = dataclasses.replace(

@@ -28,6 +28,7 @@ from onegpu.backends.torch.loader import count_targets
 from onegpu.config import OptimConfig
 from onegpu.distributed import DistContext, single_process
 from onegpu.distributed.parallelize import full_tensor
+from onegpu.distributed.pipeline import Pipeline
 from onegpu.models.protocol import LossFn
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim import lr_at, set_lr
@@ -76,11 +77,13 @@ class TrainStep:
         dist: DistContext | None = None,
         no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
         loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        pipeline: Pipeline | None = None,
     ):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.dist = dist or single_process()
         self.no_sync = no_sync
         self.loss_context = loss_context
+        self.pipeline = pipeline
         self.policy, self.device = policy, device
         self.optim, self.max_steps, self.n_micro = optim, max_steps, n_micro
         # A disabled scaler (every precision but fp16) passes values through unchanged.
@@ -115,9 +118,22 @@ class TrainStep:
         self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int
     ) -> torch.Tensor:
         """Accumulate the batch's gradients over the micro-batches; returns its mean loss."""
-        total: torch.Tensor | None = None
         dp = self.dist.dp_size  # processes that split the batch (tensor-parallel ones share it)
         denom = max(n_tokens, 1) / dp
+        if self.pipeline is not None:
+            total = self._through_pipeline(inputs_BT, targets_BT, denom)
+        else:
+            total = self._micro_batches(inputs_BT, targets_BT, denom)
+        world = self.dist.world_size
+        if world > 1:  # the mean over processes of their (dp-scaled) shares: the batch's loss
+            dist.all_reduce(total)  # (a tensor-parallel group's processes hold the same; a
+            total = total / (world // self.dist.layout.pp)  # pipeline's last stage alone)
+        return total
+
+    def _micro_batches(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, denom: float
+    ) -> torch.Tensor:
+        total: torch.Tensor | None = None
         micro = list(
             zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True)
         )
@@ -130,20 +146,24 @@ class TrainStep:
                     self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None  # n_micro >= 1
-        world = self.dist.world_size
-        if world > 1:  # the mean over processes of their (dp-scaled) shares: the batch's loss
-            dist.all_reduce(total)  # (the processes of one tensor-parallel group hold the same)
-            total = total / world
         return total
+
+    def _through_pipeline(
+        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, denom: float
+    ) -> torch.Tensor:
+        """The schedule runs every micro-batch's forward and backward over the stages."""
+        self.pipeline.denominator = denom
+        autocast = self.policy.autocast(inputs_BT.device)
+        with record_function("forward_backward"), self.loss_context(), autocast:
+            return self.pipeline.forward_backward(inputs_BT, targets_BT)
 
     def _clip_and_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         params = self._gradients()
         self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = self.dist.across_stages(full_tensor(norm))  # every shard's, every stage's
         if self.optim.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.optim.grad_clip, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        norm = full_tensor(norm)  # FSDP: the norm over every shard (one all-reduce)
+            torch.nn.utils.clip_grads_with_norm_(params, self.optim.grad_clip, norm, foreach=True)
         if self.scaler.is_enabled():
             # The scaler skips the update iff some gradient is inf/nan, i.e. iff the global norm
             # is not finite: the same test, kept on the device (get_scale() would sync).
@@ -203,6 +223,9 @@ class TrainStep:
             n += count_targets(y)
             x, y = x.to(self.device), y.to(self.device)
             with self.policy.autocast(self.device), self.loss_context():
-                total += self.loss_fn(self.model, x, y).double()
+                if self.pipeline is not None:
+                    total += self.pipeline.evaluate(x, y).double()
+                else:
+                    total += self.loss_fn(self.model, x, y).double()
         self.model.train(was_training)
         return total.item() / max(n, 1)

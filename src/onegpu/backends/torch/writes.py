@@ -96,7 +96,8 @@ def write_final_weights(built: Built, path: Path) -> None:
     model on rank 0's host (a collective), or DDP's replica."""
     model = built.model
     if built.dist.strategy == "fsdp" or built.dist.layout.splits_model:
-        full = dcp.full_model_state(model)  # the tensors land on rank 0's host
+        # the tensors land on rank 0's host (a pipeline's stages send theirs)
+        full = dcp.full_model_state(model, built.dist.stage_group())
         if not built.dist.is_main:
             return
         with torch.device("meta"):
