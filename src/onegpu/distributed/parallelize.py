@@ -48,6 +48,7 @@ def apply_fsdp(
     pin_memory: bool,
     mixed_precision=None,
     mesh=None,
+    forward_methods: tuple[str, ...] = ("hidden",),
 ) -> nn.Module:
     """`fully_shard` every block, then the root (on the meta device: nothing is allocated),
     over `mesh` (None: every process; a 2-D replicate x shard mesh: HSDP).
@@ -55,7 +56,8 @@ def apply_fsdp(
     The root keeps its parameters gathered from forward to backward (embeddings and output
     layer are used again first thing in backward, as torchtitan does), and `hidden` is a forward
     method too, so the chunked loss, which calls `model.hidden` and then the output layer's
-    weight itself, sees gathered parameters (and `embed`, `head`: a pipeline stage's ends)."""
+    weight itself, sees gathered parameters (a pipeline stage calls `stage` instead:
+    `forward_methods`, so the root, gathered first, initialises FSDP)."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         OffloadPolicy,
@@ -76,9 +78,8 @@ def apply_fsdp(
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    for method in ("hidden", "embed", "head"):  # the chunked loss's, a pipeline stage's
-        if getattr(model, method, None) is not None:
-            register_fsdp_forward_method(model, method)
+    for method in forward_methods:
+        register_fsdp_forward_method(model, method)
     return model
 
 

@@ -102,14 +102,7 @@ class StageView(nn.Module):
         self.blocks, self.first, self.last = blocks, first, last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        if self.first:
-            x = m.embed(x)
-        for i in self.blocks:
-            x = m.blocks._modules[str(i)](x)
-        if self.last:
-            x = m.head(x)
-        return x
+        return self.model.stage(x, self.blocks, self.first, self.last)
 
 
 @dataclasses.dataclass

@@ -210,6 +210,16 @@ class GPT(nn.Module):
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         return self.output(self.hidden(idx_BT))
 
+    def stage(self, x: torch.Tensor, blocks: range, first: bool, last: bool) -> torch.Tensor:
+        """A pipeline stage's part of the forward: token ids (`first`) or the residual stream
+        through `blocks` to the residual stream, or (`last`) to the logits. One method of the
+        root, so FSDP gathers the root's weights before any block runs."""
+        if first:
+            x = self.embed(x)
+        for i in blocks:
+            x = self.blocks._modules[str(i)](x)
+        return self.head(x) if last else x
+
     def auxiliary_loss(self) -> torch.Tensor | None:
         return None  # dense: no auxiliary term
 

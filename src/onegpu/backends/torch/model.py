@@ -157,6 +157,7 @@ def shard(
                 pin_memory=device.type == "cuda",
                 mixed_precision=fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype),
                 mesh=ctx.submesh("dp_replicate", "dp_shard"),
+                forward_methods=("stage",) if ctx.layout.pp > 1 else ("hidden",),
             )
 
     def reference() -> nn.Module:  # only rank 0 calls it
