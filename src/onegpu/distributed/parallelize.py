@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from onegpu.distributed import compression as compressed_allreduce
 from onegpu.distributed.context import DistContext
 from onegpu.models.protocol import LossFn
 
@@ -134,22 +136,29 @@ class LossModule(nn.Module):
 
 
 def apply_ddp(
-    model: nn.Module, loss_fn: LossFn, device: torch.device
-) -> tuple[LossFn, Callable[[], contextlib.AbstractContextManager]]:
-    """DDP over the model and its loss. Returns the loss function the step calls and the
-    `no_sync` context for the micro-batches before the last (one all-reduce per step)."""
+    model: nn.Module, loss_fn: LossFn, device: torch.device, compression: str = "none"
+) -> tuple[LossFn, Callable[[], contextlib.AbstractContextManager], Any]:
+    """DDP over the model and its loss, its all-reduce compressed as `compression` says
+    (distributed/compression.py). Returns the loss function the step calls, the `no_sync`
+    context for the micro-batches before the last (one all-reduce per step) and the
+    compression hook's state to checkpoint (None: none)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(
         LossModule(model, loss_fn),
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # gradients are views into the buckets: no second copy
+        # PowerSGD's error feedback is laid out as the buckets are: DDP must not re-cut them
+        # after the first step (it does not while it looks for unused parameters), or a
+        # resumed run's first step would read the saved errors in another order
+        find_unused_parameters=compression.startswith("powersgd"),
     )
+    comm_state = compressed_allreduce.register(ddp, compression)
 
     def ddp_loss(_model: nn.Module, idx_BT: torch.Tensor, targets_BT: torch.Tensor):
         return ddp(idx_BT, targets_BT)
 
-    return ddp_loss, ddp.no_sync
+    return ddp_loss, ddp.no_sync, comm_state
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

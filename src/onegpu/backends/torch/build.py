@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,6 +72,8 @@ class Built:
     """The eager-vs-compiled timing `train.compile auto` decided from (None: not timed)."""
     asked: Config | None = None
     """The config as given, its `auto` values unresolved."""
+    comm_state: Any = None
+    """DDP's gradient compression state (PowerSGD's), checkpointed per process."""
 
     @property
     def device(self) -> torch.device:
@@ -142,6 +145,7 @@ def build(
         dist=ctx,
         compile_trial=applied.compile_trial,
         asked=asked,
+        comm_state=applied.comm_state,
     )
 
 
@@ -228,7 +232,7 @@ def _model_with_techniques(
     # directly (moving meta parameters into a FakeTensorMode cannot swap them), but a plan of
     # a sharded or split rank on the meta device too: FSDP and the mesh work outside the fake
     # mode, on weights that allocate nothing, and then its shards become fake tensors
-    sharded = ctx.strategy == "fsdp" or ctx.layout.splits_model
+    sharded = ctx.strategy == "fsdp" or ctx.layout.tp > 1
     with torch.device("cpu" if fake and not sharded else "meta"):
         model = make_model(cfg.model)
     return apply_techniques(model, cfg, resolved, device, ctx)

@@ -25,7 +25,7 @@ import torch
 
 from onegpu.backends.torch.build import Built
 from onegpu.config import ConfigError
-from onegpu.distributed import dcp
+from onegpu.distributed import compression, dcp
 from onegpu.runs import checkpoints
 from onegpu.runs.checkpoints import FOLDER_STATE, Checkpoint
 
@@ -70,14 +70,15 @@ def state_of(built: Built, common: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_state_of(
-    built: Built, common: dict[str, Any], rngs: list[dict[str, Any]]
+    built: Built, common: dict[str, Any], rngs: list[dict[str, Any]], comms: list[Any]
 ) -> dict[str, Any]:
     """A sharded checkpoint's train_state.pt: all but model and optimizer, with every
-    process's RNG states (rank order)."""
+    process's RNG states and gradient compression state (rank order)."""
     return {
         **common,
         "scaler": built.step.scaler.state_dict(),
         "rng": rngs,
+        "grad_compression": comms,
         "world_size": built.dist.world_size,
         "strategy": built.dist.strategy,
         "layout": built.dist.layout.sizes(),
@@ -102,6 +103,9 @@ def load_state(built: Built, previous: Checkpoint) -> None:
         ) from None
     if state["scaler"]:
         built.step.scaler.load_state_dict(state["scaler"])
+    comms = state.get("grad_compression") or []
+    if built.comm_state is not None and len(comms) == built.dist.world_size:
+        compression.load_state_dict(built.comm_state, comms[built.dist.rank], built.device)
 
 
 def start_rng(built: Built, previous: Checkpoint | None) -> None:

@@ -9,6 +9,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +62,8 @@ class Applied:
     `loss_parallel`, whose cross-entropy reads vocabulary-sharded logits both ways)."""
     pipeline: Pipeline | None = None
     """Pipeline parallelism: the schedule a step runs instead of its micro-batch loop."""
+    comm_state: Any = None
+    """DDP's gradient compression state (PowerSGD's error feedback), saved with checkpoints."""
     compile: str = "none"
     """What `train.compile` ran as ('auto' decided)."""
     compile_trial: compile_.CompileTrial | None = None
@@ -122,8 +125,8 @@ def apply_techniques(
         eager, loss_fn = with_offload(eager, device), with_offload(loss_fn, device)
     # 7. DDP around the model and its whole loss (its all-reduce follows what runs in forward).
     if ctx.strategy == "ddp":
-        loss_fn, no_sync = apply_ddp(model, loss_fn, device)
-        return Applied(model, loss_fn, no_sync, compile=mode)
+        loss_fn, no_sync, comm = apply_ddp(model, loss_fn, device, cfg.dist.grad_compression)
+        return Applied(model, loss_fn, no_sync, compile=mode, comm_state=comm)
     # 8. `train.compile auto`: eager or a compile mode, whichever the (cached) timing says
     #    saves the most over the run.
     if timed:
@@ -170,8 +173,9 @@ def shard(
             init_from=cfg.model.init_from,
         )
 
-    if planned:
-        return model.to_empty(device=torch.device("cpu"))
+    if planned:  # (meta where FSDP or the mesh sharded it, else fake already)
+        meta = any(p.is_meta for p in model.parameters())
+        return model.to_empty(device=torch.device("cpu")) if meta else model
     shard_device = torch.device("cpu") if d.cpu_offload else device
     return materialize_sharded(model, shard_device, ctx, reference, whole=ctx.layout.pp == 1)
 

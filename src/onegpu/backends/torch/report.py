@@ -12,6 +12,7 @@ import torch
 
 from onegpu.backends.torch.build import Built
 from onegpu.config import to_dict
+from onegpu.distributed import compression
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.memory.measure import peak_bytes, peak_kind
 from onegpu.optim.state_bytes import optimizer_state_bytes
@@ -156,7 +157,21 @@ def distributed_summary(built: Built, memory: dict[str, Any] | None = None) -> d
         "backend": ctx.backend,
         "reshard_after_forward": built.cfg.dist.reshard_after_forward,
         "cpu_offload": built.cfg.dist.cpu_offload,
+        **compression_summary(built, params),
         "per_rank": ctx.gather(mine),
+    }
+
+
+def compression_summary(built: Built, params: list[torch.Tensor]) -> dict[str, Any]:
+    """DDP's gradient bytes each process puts into the all-reduce per step, compressed and not
+    (the ring sends 2 (N - 1) / N times that)."""
+    spec = built.cfg.dist.grad_compression
+    if built.dist.strategy != "ddp":
+        return {}
+    return {
+        "grad_compression": spec,
+        "allreduce_bytes_per_step": compression.sent_bytes(params, spec),
+        "uncompressed_bytes_per_step": compression.sent_bytes(params, "none"),
     }
 
 

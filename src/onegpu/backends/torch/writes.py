@@ -21,7 +21,7 @@ import torch
 from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.backends.torch.build import Built
 from onegpu.backends.torch.model import make_model
-from onegpu.distributed import dcp
+from onegpu.distributed import compression, dcp
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.runs import checkpoints
 from onegpu.runs.atomic import file_mode
@@ -67,7 +67,8 @@ def write_checkpoint(
         checkpoints.remove_partial(path.parent)  # a killed save's leftovers, this one too
     ctx.barrier()
     rngs = ctx.gather(ckpt.rng_state())
-    state = ckpt.train_state_of(built, common, rngs) if ctx.is_main else None
+    comms = ctx.gather(compression.state_dict(built.comm_state))  # PowerSGD's, per process
+    state = ckpt.train_state_of(built, common, rngs, comms) if ctx.is_main else None
 
     def commit() -> None:
         ctx.barrier()  # every process's shards are written

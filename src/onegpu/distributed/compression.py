@@ -1,0 +1,127 @@
+"""Compressed gradient all-reduce for DDP, through PyTorch's own communication hooks.
+
+- `bf16` / `fp16`: each gradient bucket is cast to 16 bits for the all-reduce and back
+  (`default_hooks.bf16_compress_hook` / `fp16_compress_hook`): half the bytes, the rounding of
+  a 16-bit sum.
+- `powersgd:RANK` (Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression", 2019;
+  `powerSGD_hook`): each gradient matrix n x m is sent as two rank-RANK factors, (n + m) x RANK
+  numbers, with error feedback (what compression lost is added to the next step's gradient) and
+  warm start. Vectors (biases, norms) and matrices too small to gain are all-reduced as they
+  are. The first step runs the plain all-reduce (PowerSGD's own start-up). The hook's state
+  (error feedback, warm-start factors, its step count) lives on each process and is saved with
+  every checkpoint, so a resumed run continues the same compression exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+POWERSGD_MIN_COMPRESSION_RATE = 2  # PowerSGD compresses a matrix only where it gains this much
+POWERSGD_START_ITER = 2  # the plain all-reduce before, as PowerSGD starts (its minimum)
+
+
+def parse(spec: str) -> tuple[str, int]:
+    """'powersgd:4' -> ('powersgd', 4); 'bf16' -> ('bf16', 0)."""
+    kind, _, rank = spec.partition(":")
+    return kind, int(rank or 0)
+
+
+def register(ddp: nn.Module, spec: str) -> Any:
+    """Install the hook `spec` names on a DDP module; the state to checkpoint (PowerSGD's) or
+    None."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    kind, rank = parse(spec)
+    if kind == "none":
+        return None
+    if kind == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if kind == "bf16":
+        ddp.register_comm_hook(None, bf16_allreduce_hook)
+        return None
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=POWERSGD_START_ITER,
+        min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE,
+        use_error_feedback=True,
+        warm_start=True,
+    )
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return state
+
+
+def bf16_allreduce_hook(group, bucket):  # unannotated: DDP checks hooks' annotations
+    """torch's bf16 compression (`default_hooks._compress_hook`) under a name DDP lets gloo
+    run: its own `bf16_compress_hook` is refused off NCCL, though gloo sums bf16 too."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, group, bucket)
+
+
+def state_dict(state: Any) -> dict[str, Any] | None:
+    """PowerSGD's state without its process group, tensors on the host."""
+    if state is None:
+        return None
+    saved = {k: _to_host(getattr(state, k)) for k in state.__slots__ if k != "process_group"}
+    # its numpy generator (which draws the warm-start factors) as tensors and numbers: a
+    # checkpoint holds nothing but those (loaded with weights_only)
+    _, keys, pos, has_gauss, cached = state.rng.get_state()
+    saved["rng"] = {
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached": float(cached),
+    }
+    return saved
+
+
+def load_state_dict(state: Any, saved: dict[str, Any] | None, device: torch.device) -> None:
+    """A saved state back into the live hook's (its tensors onto the gradients' device)."""
+    if state is None or saved is None:
+        return
+    for k, v in saved.items():
+        if k != "rng":
+            setattr(state, k, _moved(v, device))
+    rng = saved["rng"]
+    keys = rng["keys"].numpy().astype("uint32")
+    state.rng.set_state(("MT19937", keys, rng["pos"], rng["has_gauss"], rng["cached"]))
+
+
+def _to_host(value: Any) -> Any:
+    return _moved(value, torch.device("cpu"))
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
+
+
+def sent_bytes(params: list[torch.Tensor], spec: str) -> int:
+    """Bytes of gradient each process puts into the all-reduce per step (before the ring's
+    2 (N - 1) / N): fp32 gradients as they are, half of them in 16 bits, or PowerSGD's
+    factors (P and Q, fp32) for the matrices it compresses plus the rest as they are."""
+    kind, rank = parse(spec)
+    grads = [p for p in params if p.requires_grad]
+    if kind in ("bf16", "fp16"):
+        return sum(p.numel() for p in grads) * 2
+    if kind != "powersgd":
+        return sum(p.numel() * p.element_size() for p in grads)
+    total = 0
+    for p in grads:
+        if p.dim() < 2:
+            total += p.numel() * p.element_size()
+            continue
+        n, m = p.shape[0], math.prod(p.shape[1:])
+        compressed = (n + m) * rank
+        worth = n * m > compressed * POWERSGD_MIN_COMPRESSION_RATE
+        total += (compressed if worth else n * m) * p.element_size()
+    return total
