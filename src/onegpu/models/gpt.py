@@ -192,20 +192,20 @@ class GPT(nn.Module):
             x_BTD = block(x_BTD)
         return self.norm_f(x_BTD)
 
-    def output(self, h_BTD: torch.Tensor) -> torch.Tensor:
+    def output(self, h_BTD: torch.Tensor, *, in_place: bool = True) -> torch.Tensor:
         """Logits over the padded vocabulary from final-normed hidden states, the padding
         masked to -inf (softmax gives them exactly 0, so loss and gradients are those of the
-        unpadded model)."""
+        unpadded model). `in_place` false: into a new tensor (a pipeline stage's output must
+        stay the tensor the layer made)."""
         logits_BTV = self.lm_head(h_BTD)
         # (a vocabulary-parallel output layer masks its own shard: tensor_parallel.py)
         if self.padded_vocab > self.vocab_size and not getattr(self.lm_head, "masks_padding", 0):
+            if not in_place:
+                padding_V = torch.arange(self.padded_vocab, device=h_BTD.device) >= self.vocab_size
+                return logits_BTV.masked_fill(padding_V, float("-inf"))
             logits_BTV[..., self.vocab_size :] = float("-inf")
         return logits_BTV
 
-    def head(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The residual stream's end: final norm, then the output layer (a pipeline's last
-        stage)."""
-        return self.output(self.norm_f(x_BTD))
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         return self.output(self.hidden(idx_BT))
@@ -218,7 +218,7 @@ class GPT(nn.Module):
             x = self.embed(x)
         for i in blocks:
             x = self.blocks._modules[str(i)](x)
-        return self.head(x) if last else x
+        return self.output(self.norm_f(x), in_place=False) if last else x
 
     def auxiliary_loss(self) -> torch.Tensor | None:
         return None  # dense: no auxiliary term
