@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from onegpu.config import Config
+from onegpu.plan.links import INTERCONNECTS
 from onegpu.runs.atomic import write_text_atomic
 from onegpu.runs.sinks import strict
 
@@ -144,7 +145,9 @@ def _plan(ns, env: Env) -> int:
         )
         print(json.dumps(found, indent=1) if ns.json else format_largest(found))
         return 0
-    report = plan_report(env.load(), ns.gpu, ns.memory, ns.world_size, ns.host_memory)
+    report = plan_report(
+        env.load(), ns.gpu, ns.memory, ns.world_size, ns.host_memory, ns.interconnect
+    )
     print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
     best = next((f["best_toml"] for f in report.get("fixes", []) if "best_toml" in f), None)
     if ns.best_toml and best:
@@ -237,7 +240,8 @@ WORLD_SIZE = _a(
     type=int,
     default=1,
     metavar="N",
-    help="plan one of N processes under torchrun (--dist.strategy fsdp|ddp; auto: fsdp)",
+    help="plan one of N processes under torchrun (--dist.strategy fsdp|ddp, or a mesh of "
+    "--dist.dp_replicate/dp_shard/tp/pp; auto: fsdp)",
 )
 GRID_HELP = (
     "all, or a comma-separated list of: hf-guide (HF's single-GPU guide on the GPT), "
@@ -290,6 +294,13 @@ COMMANDS: tuple[Command, ...] = (
                 help="where the fix list finds a configuration that fits: write it here",
             ),
             WORLD_SIZE,
+            _a(
+                "--interconnect",
+                choices=sorted(INTERCONNECTS),
+                default="nvlink",
+                help="the link between the GPUs of a mesh (--dist.tp/pp/dp_*): what each "
+                "dimension's sends cost (default nvlink)",
+            ),
         ),
     ),
     Command(

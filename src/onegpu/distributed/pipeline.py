@@ -105,6 +105,62 @@ class StageView(nn.Module):
         return self.model.stage(x, self.blocks, self.first, self.last)
 
 
+def schedule_order(
+    schedule: str, stages: list[int], pp: int, n_micro: int
+) -> list[tuple[str, int, int]]:
+    """The forwards ('F') and backwards ('B') of (stage, micro-batch) one process runs, in the
+    order its schedule runs them: GPipe every forward first; 1F1B as many forwards as stages
+    remain before the first backward, then one of each; interleaved 1F1B in rounds of `pp`
+    micro-batches through its two stages (torch.distributed.pipelining's own orders). What
+    matters for memory is how many forwards wait for their backward at once."""
+    rank = stages[0] % pp
+    if schedule == "interleaved-1f1b":
+        rounds = [range(r, min(r + pp, n_micro)) for r in range(0, n_micro, pp)]
+        forwards = [(s, mb) for mbs in rounds for s in stages for mb in mbs]
+        backwards = [(s, mb) for mbs in rounds for s in reversed(stages) for mb in mbs]
+        warmup = min((pp - rank - 1) * 2 + (len(stages) - 1) * pp, len(forwards))
+    else:
+        forwards = [(stages[0], mb) for mb in range(n_micro)]
+        backwards = list(forwards)
+        warmup = n_micro if schedule == "gpipe" else min(n_micro, pp - rank)
+    order = [("F", *f) for f in forwards[:warmup]]
+    for f, b in zip(forwards[warmup:], backwards, strict=False):
+        order += [("F", *f), ("B", *b)]
+    done_b = len(forwards) - warmup
+    order += [("B", *b) for b in backwards[done_b:]]
+    return order
+
+
+class LocalSchedule:
+    """A schedule's forwards and backwards for this process's stages, run here alone: what
+    the neighbouring stages would send (activations, gradients) arrives as tensors of its
+    shape. The planner follows it on fake tensors to see a stage's memory with its micro-batches
+    in flight, without a schedule's start-up talk between processes."""
+
+    def __init__(self, views, order, n_micro, loss_fn, shape, dtype, last_stage):
+        self.views, self.order, self.n_micro = views, order, n_micro
+        self.loss_fn, self.shape, self.dtype, self.last_stage = loss_fn, shape, dtype, last_stage
+
+    def step(self, *args, target=None, losses=None):
+        inputs = args[0].tensor_split(self.n_micro) if args else None
+        targets = target.tensor_split(self.n_micro) if target is not None else None
+        waiting = {}
+        for op, stage, mb in self.order:
+            if op == "F":
+                if stage == 0:
+                    x = inputs[mb]
+                else:
+                    x = torch.empty(self.shape, dtype=self.dtype, requires_grad=True)
+                out = self.views[stage](x)
+                if stage == self.last_stage:
+                    out = self.loss_fn(out, targets[mb])
+                    losses.append(out)
+                waiting[(stage, mb)] = out
+            else:
+                out = waiting.pop((stage, mb))
+                out.backward(None if stage == self.last_stage else torch.ones_like(out))
+
+
 @dataclasses.dataclass
 class Pipeline:
     """What a TrainStep runs instead of its micro-batch loop under pipeline parallelism."""
@@ -171,37 +227,48 @@ def build_pipeline(
     device: torch.device,
     group: dist.ProcessGroup,
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    planned: bool = False,
 ) -> Pipeline:
-    """The schedule over this process's stages of the (pruned, already sharded) model."""
+    """The schedule over this process's stages of the (pruned, already sharded) model;
+    `planned`: the order of its schedule run here alone, for the planner's fake step."""
     from torch.distributed import pipelining
 
     n_stages = len(ranges)
-    views = []
-    for index in stages:
-        first, last = index == 0, index == n_stages - 1
-        example = (
-            torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-            if first
-            else torch.empty(micro_batch, seq_len, model.cfg.d_model, dtype=activation_dtype)
-        )
-        view = StageView(model, ranges[index], first, last)
-        views.append(
-            pipelining.PipelineStage(
-                view, index, n_stages, device, input_args=example.to("meta"), group=group
-            )
-        )
+    views = {i: StageView(model, ranges[i], i == 0, i == n_stages - 1) for i in stages}
     pipe = Pipeline(
         schedule=None,
         first=0 in stages,
         last=n_stages - 1 in stages,
         group=group,
         loss_sum=loss_sum,
-        views={index: stage.submod for index, stage in zip(stages, views, strict=True)},
+        views=views,
         n_stages=n_stages,
         d_model=model.cfg.d_model,
         activation_dtype=activation_dtype,
     )
+    if planned:  # a plan follows the schedule's order here alone (LocalSchedule)
+        pipe.schedule = LocalSchedule(
+            pipe.views,
+            schedule_order(schedule, stages, group.size(), n_microbatches),
+            n_microbatches,
+            pipe.loss,
+            (micro_batch, seq_len, model.cfg.d_model),
+            activation_dtype,
+            n_stages - 1,
+        )
+        return pipe
+    piped = []
+    for index, view in views.items():
+        shape, dtype = (
+            ((micro_batch, seq_len), torch.long)
+            if index == 0
+            else ((micro_batch, seq_len, model.cfg.d_model), activation_dtype)
+        )
+        example = torch.empty(shape, dtype=dtype, device="meta")  # no shape inference talk
+        piped.append(
+            pipelining.PipelineStage(view, index, n_stages, device, input_args=example, group=group)
+        )
     kind = getattr(pipelining, SCHEDULES[schedule])
-    one = views if stages_per_process(schedule) > 1 else views[0]
+    one = piped if stages_per_process(schedule) > 1 else piped[0]
     pipe.schedule = kind(one, n_microbatches=n_microbatches, loss_fn=pipe.loss, scale_grads=False)
     return pipe

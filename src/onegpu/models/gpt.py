@@ -206,7 +206,6 @@ class GPT(nn.Module):
             logits_BTV[..., self.vocab_size :] = float("-inf")
         return logits_BTV
 
-
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         return self.output(self.hidden(idx_BT))
 

@@ -24,6 +24,8 @@ def _by_block(by_block: dict[str, int]) -> str:
 def format_report(r: dict[str, Any], gpu: str | None) -> str:
     """The report as the terminal shows it."""
     lines = _memory_lines(r) + [""] + _analytic_lines(r, gpu)
+    if "ranks" in r.get("dist", {}):
+        lines += [""] + _mesh_lines(r["dist"], gpu)
     if "capacity_bytes" in r:
         lines += [""] + _capacity_lines(r, gpu)
     return "\n".join(lines)
@@ -40,7 +42,12 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         "",
         "memory at the step's peak                  MiB    bytes/param",
     ]
-    if "dist" in r:
+    if "ranks" in r.get("dist", {}):
+        d = r["dist"]
+        shape = " x ".join(f"{k} {v}" for k, v in d["layout"].items() if v > 1)
+        lines[0] += f"; per process of {d['world_size']} on the mesh {shape}"
+        lines.insert(2, f"  rank {d['largest_rank']}'s (the largest; every stage's below)")
+    elif "dist" in r:
         d = r["dist"]
         lines[0] += f"; per process of {d['world_size']} under {d['strategy']}"
         lines.insert(
@@ -110,6 +117,35 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         )
         lines.append(
             f"  offloaded: compute {r['predicted_compute_s'] * 1e3:,.0f} ms, {link}{host_step}"
+        )
+    return lines
+
+
+def _mesh_lines(d: dict[str, Any], gpu: str | None) -> list[str]:
+    """Each stage's peak, what each mesh dimension sends, and the predicted step."""
+    mib = 2**20
+    lines = ["per pipeline stage (a rank of each; the others of a stage hold the same):"]
+    for row in d["ranks"]:
+        m = row["memory"]
+        lines.append(
+            f"  stage {row['stage']} (rank {row['rank']}): peak {m['peak'] / mib:,.1f} MiB "
+            f"(weights {m['params'] / mib:,.1f}, grads {m['grads'] / mib:,.1f}, optimizer "
+            f"{m['optimizer'] / mib:,.1f}, activations {m['activations'] / mib:,.1f})"
+        )
+    lines.append(
+        f"sent per process per step ({d['micro_batches']} micro-batches, ring collectives):"
+    )
+    seconds = d.get("seconds_per_step_sending", {})
+    for dim, n in d["bytes_per_step"].items():
+        at = f", {seconds[dim] * 1e3:,.1f} ms over {d['interconnect']}" if dim in seconds else ""
+        lines.append(f"  {dim:<13} {n / mib:12,.1f} MiB{at}")
+    if "predicted_step_time_s" in d:
+        lines.append(
+            f"step on {gpu or 'this CPU'}: {d['predicted_step_time_s'] * 1e3:,.0f} ms, "
+            f"{d['predicted_tokens_per_s']:,.0f} tokens/s (prediction: compute "
+            f"{d['compute_s'] * 1e3:,.0f} ms at {d['efficiency_assumed']:.0%} of peak, "
+            f"pipeline bubble {d['bubble']:.0%}, links at {d['link_efficiency_assumed']:.0%} of "
+            "their datasheet rate; FSDP's gathers overlap compute, the other sends wait)"
         )
     return lines
 

@@ -29,7 +29,7 @@ from onegpu.config import Config, resolve_strategy, to_toml
 from onegpu.config.layout import Layout, resolve_layout
 from onegpu.distributed import DistContext
 from onegpu.distributed.context import device_mesh
-from onegpu.plan.memory import MemoryPlan, Unplannable, plan_memory
+from onegpu.plan.memory import MemoryPlan, plan_memory
 from onegpu.techniques.precision import DeviceCaps
 
 
@@ -59,22 +59,10 @@ def fake_processes(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def check_plannable(cfg: Config) -> None:
-    """Unplannable where the fake step cannot follow the layout: a pipeline's schedule talks
-    between stages before it runs (its warm-up reads values fake tensors lack)."""
-    if cfg.dist.pp > 1:
-        raise Unplannable(
-            "dist.pp",
-            "the planner does not follow pipeline schedules yet; `onegpu plan` shows the "
-            "layouts without pipeline stages",
-        )
-
-
 def plan_rank(
     cfg: Config, target: str, caps: DeviceCaps | None, world_size: int, rank: int
 ) -> MemoryPlan:
     """The plan of process `rank` of `world_size` (in this process: no group may be open)."""
-    check_plannable(cfg)
     layout = resolve_layout(cfg.dist, world_size)
     with fake_processes(world_size, rank):
         ctx = DistContext(
@@ -99,7 +87,6 @@ def plan_ranks(
 def rank_needs(cfg: Config, target: str, world_size: int) -> dict[int, dict[str, int]]:
     """{rank: {'peak', 'host'}} for one rank of each stage; in a child process when this one
     has a process group already (torchrun's)."""
-    check_plannable(cfg)
     if not dist.is_initialized():
         plans = plan_ranks(cfg, target, None, world_size)
         return {r: _need(p) for r, p in plans.items()}

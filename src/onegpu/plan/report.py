@@ -17,6 +17,8 @@ from onegpu.perf.devices import GPUS
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import fixes_for
 from onegpu.plan.memory import MemoryPlan, plan_memory
+from onegpu.plan.mesh import mesh_plans, mesh_section
+from onegpu.plan.ranks import needs_rank_plans
 from onegpu.plan.targets import (
     CUDA_OVERHEAD_BYTES,
     GPU_COUNTS,
@@ -52,15 +54,20 @@ def plan_report(
     memory_bytes: int | None,
     world_size: int = 1,
     host_memory: int | None = None,
+    interconnect: str = "nvlink",
 ) -> dict[str, Any]:
     """The plan of one process (of `world_size`) on `gpu` (None: this CPU, with an optional
     budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes. What it keeps in
-    host memory must fit `host_memory` (default: this machine's RAM) too."""
+    host memory must fit `host_memory` (default: this machine's RAM) too. A device mesh (tensor
+    or pipeline parallelism, HSDP) plans each stage's rank as itself, with the bytes each
+    dimension sends over `interconnect`."""
     _check_budgets(gpu, memory_bytes, host_memory)
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
     check_distributed(cfg, strategy, world_size)  # what training would refuse, refused here
+    if needs_rank_plans(cfg, world_size):
+        return _mesh_report(cfg, gpu, memory_bytes, world_size, host_memory, interconnect)
     plan = plan_memory(process_share(cfg, world_size), target, caps)
     distributed = strategy != "none"
     mem = rank_memory(cfg.dist, plan, world_size, strategy) if distributed else plan.memory
@@ -99,6 +106,35 @@ def plan_report(
                 gpu=gpu,
                 host_budget=host,
             )
+    return report
+
+
+def _mesh_report(
+    cfg: Config,
+    gpu: str | None,
+    memory_bytes: int | None,
+    world_size: int,
+    host_memory: int | None,
+    interconnect: str,
+) -> dict[str, Any]:
+    """The largest rank's plan as the report's memory, each stage's beside it, the bytes each
+    mesh dimension sends and the predicted step (plan/mesh.py)."""
+    target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
+    plans, largest = mesh_plans(cfg, target, caps, world_size)
+    plan = plans[largest]
+    report = _memory_report(cfg, plan, plan.memory)
+    report["dist"] = mesh_section(cfg, plans, gpu, world_size, interconnect)
+    report["dist"]["largest_rank"] = largest
+    capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
+    if capacity:
+        need = plan.memory["peak"] + (CUDA_OVERHEAD_BYTES if gpu else 0)
+        host = host_memory or machine_ram()
+        report.update(
+            capacity_bytes=capacity,
+            fits=need <= capacity and plan.memory.get("host", 0) * world_size <= host,
+            headroom_bytes=capacity - need,
+            host_memory_bytes=host,
+        )
     return report
 
 

@@ -222,6 +222,7 @@ def make_pipeline(
     d, t = cfg.dist, cfg.train
     rows = t.batch_size // ctx.dp_size
     n_micro = d.pp_microbatches or rows // t.micro_batch_size
+    planned = planning()
     with outside_fake_mode():
         return build_pipeline(
             model,
@@ -235,6 +236,7 @@ def make_pipeline(
             device=device,
             group=ctx.submesh("pp").get_group(),
             loss_sum=logits_loss_sum,
+            planned=planned,
         )
 
 

@@ -1,0 +1,99 @@
+"""`onegpu plan --world-size N` for a device mesh (tensor or pipeline parallelism, HSDP): each
+pipeline stage's rank planned as itself (plan/ranks.py), the bytes each mesh dimension sends,
+and the step time on the named GPU and interconnect (plan/links.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from onegpu.config import Config, resolve_strategy
+from onegpu.config.layout import resolve_layout
+from onegpu.distributed import compression
+from onegpu.perf.devices import GPUS
+from onegpu.plan import links
+from onegpu.plan.memory import MemoryPlan
+from onegpu.plan.ranks import plan_ranks, stage_ranks
+from onegpu.plan.targets import EFFICIENCY, cpu_peak_flops
+
+
+def mesh_plans(
+    cfg: Config, target: str, caps: Any, world_size: int
+) -> tuple[dict[int, MemoryPlan], int]:
+    """{rank: plan} for one rank per stage, and the rank with the highest peak."""
+    plans = plan_ranks(cfg, target, caps, world_size)
+    largest = max(plans, key=lambda r: plans[r].memory["peak"])
+    return plans, largest
+
+
+def mesh_section(
+    cfg: Config,
+    plans: dict[int, MemoryPlan],
+    gpu: str | None,
+    world_size: int,
+    interconnect: str,
+) -> dict[str, Any]:
+    """The report's `dist` part: the layout, each stage's memory, the bytes per dimension and
+    the predicted step."""
+    layout = resolve_layout(cfg.dist, world_size)
+    plan = next(iter(plans.values()))
+    shape = links.step_shape(
+        cfg, layout, plan.n_params, torch.empty((), dtype=plan.compute_dtype).element_size()
+    )
+    ddp_sent = plan.n_params * 4
+    if cfg.dist.grad_compression != "none":
+        ddp_sent = compression.sent_bytes(_param_like(plan), cfg.dist.grad_compression)
+    sent = links.bytes_per_step(
+        layout,
+        shape,
+        reshard=cfg.dist.reshard_after_forward,
+        ddp_sent=ddp_sent,
+        interleaved=cfg.dist.pp_schedule == "interleaved-1f1b",
+    )
+    ranks = [
+        {"rank": r, "stage": r // (world_size // layout.pp), "memory": plans[r].memory}
+        for r in stage_ranks(layout)
+    ]
+    section: dict[str, Any] = {
+        "strategy": resolve_strategy(cfg.dist, world_size, "--world-size"),
+        "world_size": world_size,
+        "layout": layout.sizes(),
+        "ranks": ranks,
+        "bytes_per_step": sent,
+        "micro_batches": shape.micro_batches,
+        "interconnect": interconnect,
+        "reshard_after_forward": cfg.dist.reshard_after_forward,
+        "cpu_offload": cfg.dist.cpu_offload,
+    }
+    section.update(_speed(cfg, plan, gpu, world_size, layout, shape, sent, interconnect))
+    return section
+
+
+def _param_like(plan: MemoryPlan) -> list[torch.Tensor]:
+    """Meta tensors of the plan's parameter shapes (what PowerSGD's count reads)."""
+    return [torch.empty(p.shape, device="meta") for p in plan.param_shapes]
+
+
+def _speed(cfg, plan, gpu, world_size, layout, shape, sent, interconnect) -> dict[str, Any]:
+    if gpu:
+        spec = GPUS[gpu]
+        peak = spec.peak.get(plan.peak_key, spec.peak["fp32"])
+    else:
+        peak = cpu_peak_flops(plan.compute_dtype)
+    if not peak:
+        return {}
+    tokens = cfg.train.batch_size * cfg.train_seq_len
+    compute_s = plan.flops_per_token * tokens / (peak * EFFICIENCY * world_size)
+    bubble = links.bubble(layout, cfg.dist.pp_schedule, shape.micro_batches)
+    sent_s = links.seconds(sent, interconnect)
+    step_s = links.step_seconds(compute_s, sent_s, bubble)
+    return {
+        "compute_s": compute_s,
+        "bubble": bubble,
+        "seconds_per_step_sending": sent_s,
+        "predicted_step_time_s": step_s,
+        "predicted_tokens_per_s": tokens / step_s,
+        "efficiency_assumed": EFFICIENCY,
+        "link_efficiency_assumed": links.LINK_EFFICIENCY,
+    }
