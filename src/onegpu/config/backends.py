@@ -74,3 +74,11 @@ def validate_backend(cfg: Config) -> None:
         "dist.strategy",
         f"(several processes) {none_yet}; the JAX backend trains on one process",
     )
+    d = cfg.dist
+    split = [f"dist.{k}" for k in ("dp_replicate", "tp", "pp") if getattr(d, k) > 1]
+    split += ["dist.dp_shard"] if d.dp_shard > 1 else []
+    _refuse(
+        bool(split),
+        split[0] if split else "dist",
+        f"(a device mesh) {none_yet}; the JAX backend trains on one process",
+    )

@@ -53,6 +53,15 @@ class Layout:
         return " x ".join(f"{k} {n}" for k, n in self.sizes().items() if n > 1) or "one process"
 
 
+def bubble(layout: Layout, schedule: str, micro_batches: int) -> float:
+    """A pipeline's idle share: (pp - 1) / (m + pp - 1) for m micro-batches; with v stages per
+    process (interleaved: 2) (pp - 1) / (v m + pp - 1)."""
+    if layout.pp == 1:
+        return 0.0
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    return (layout.pp - 1) / (v * micro_batches + layout.pp - 1)
+
+
 def resolve_layout(d: DistConfig, world_size: int) -> Layout:
     """The mesh of `world_size` processes; ConfigError naming the field when `[dist]` does not
     multiply to it. `dist.strategy` is the shorthand for the data-parallel dimension that takes

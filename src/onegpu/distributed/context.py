@@ -224,7 +224,12 @@ def device_mesh(layout: Layout, device_type: str) -> Any:
     dims = {name: n for name, n in layout.sizes().items() if n > 1}
     if not layout.splits_model and len(dims) < 2:
         return None
-    return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    names = tuple(dims)
+    for width in range(2, len(names) + 1):  # flattened runs of dimensions: a norm or a
+        for first in range(len(names) - width + 1):  # gather over several is one collective
+            mesh[names[first : first + width]]._flatten()
+    return mesh
 
 
 def _attempt_store() -> dict:

@@ -125,7 +125,7 @@ def schedule_order(
         warmup = n_micro if schedule == "gpipe" else min(n_micro, pp - rank)
     order = [("F", *f) for f in forwards[:warmup]]
     for f, b in zip(forwards[warmup:], backwards, strict=False):
-        order += [("F", *f), ("B", *b)]
+        order += [("B", *b), ("F", *f)]  # torch's steady phase: one backward, then one forward
     done_b = len(forwards) - warmup
     order += [("B", *b) for b in backwards[done_b:]]
     return order
@@ -171,6 +171,8 @@ class Pipeline:
     group: dist.ProcessGroup
     loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     views: dict[int, StageView] = dataclasses.field(default_factory=dict)
+    ranges: list[range] = dataclasses.field(default_factory=list)
+    micro_batches: int = 1
     n_stages: int = 1
     d_model: int = 0
     activation_dtype: torch.dtype = torch.float32
@@ -242,6 +244,8 @@ def build_pipeline(
         group=group,
         loss_sum=loss_sum,
         views=views,
+        ranges=ranges,
+        micro_batches=n_microbatches,
         n_stages=n_stages,
         d_model=model.cfg.d_model,
         activation_dtype=activation_dtype,

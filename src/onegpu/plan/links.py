@@ -110,15 +110,6 @@ def seconds(sent: dict[str, int], interconnect: str) -> dict[str, float]:
     return {dim: n / rate for dim, n in sent.items()}
 
 
-def bubble(layout: Layout, schedule: str, micro_batches: int) -> float:
-    """The pipeline's idle share: (pp - 1) / (m + pp - 1), with v stages per process
-    (interleaved) (pp - 1) / (v m + pp - 1)."""
-    if layout.pp == 1:
-        return 0.0
-    v = 2 if schedule == "interleaved-1f1b" else 1
-    return (layout.pp - 1) / (v * micro_batches + layout.pp - 1)
-
-
 def step_seconds(compute_s: float, sent_s: dict[str, float], bubble_share: float) -> float:
     """Compute stretched by the bubble, plus the sends the step waits on; FSDP's traffic only
     where it outlasts the compute it overlaps."""

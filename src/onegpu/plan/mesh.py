@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from onegpu.config import Config, resolve_strategy
-from onegpu.config.layout import resolve_layout
+from onegpu.config.layout import bubble, resolve_layout
 from onegpu.distributed import compression
 from onegpu.perf.devices import GPUS
 from onegpu.plan import links
@@ -85,12 +85,12 @@ def _speed(cfg, plan, gpu, world_size, layout, shape, sent, interconnect) -> dic
         return {}
     tokens = cfg.train.batch_size * cfg.train_seq_len
     compute_s = plan.flops_per_token * tokens / (peak * EFFICIENCY * world_size)
-    bubble = links.bubble(layout, cfg.dist.pp_schedule, shape.micro_batches)
+    idle = bubble(layout, cfg.dist.pp_schedule, shape.micro_batches)
     sent_s = links.seconds(sent, interconnect)
-    step_s = links.step_seconds(compute_s, sent_s, bubble)
+    step_s = links.step_seconds(compute_s, sent_s, idle)
     return {
         "compute_s": compute_s,
-        "bubble": bubble,
+        "bubble": idle,
         "seconds_per_step_sending": sent_s,
         "predicted_step_time_s": step_s,
         "predicted_tokens_per_s": tokens / step_s,

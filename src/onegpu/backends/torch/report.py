@@ -12,6 +12,7 @@ import torch
 
 from onegpu.backends.torch.build import Built
 from onegpu.config import to_dict
+from onegpu.config.layout import bubble
 from onegpu.distributed import compression
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.memory.measure import peak_bytes, peak_kind
@@ -158,7 +159,24 @@ def distributed_summary(built: Built, memory: dict[str, Any] | None = None) -> d
         "reshard_after_forward": built.cfg.dist.reshard_after_forward,
         "cpu_offload": built.cfg.dist.cpu_offload,
         **compression_summary(built, params),
+        **pipeline_summary(built),
         "per_rank": ctx.gather(mine),
+    }
+
+
+def pipeline_summary(built: Built) -> dict[str, Any]:
+    """A pipeline's stages (their blocks), micro-batches and idle share."""
+    pipe = built.step.pipeline
+    if pipe is None:
+        return {}
+    d = built.cfg.dist
+    return {
+        "pipeline": {
+            "schedule": d.pp_schedule,
+            "stages": [[r.start, r.stop] for r in pipe.ranges],
+            "micro_batches": pipe.micro_batches,
+            "bubble": bubble(built.dist.layout, d.pp_schedule, pipe.micro_batches),
+        }
     }
 
 
