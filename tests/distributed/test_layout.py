@@ -109,3 +109,9 @@ def test_stages_are_cut_by_cost_the_output_layer_weighs_on_the_last():
     even = load_config("tiny", overrides={"model.n_layer": "8"}).model
     assert [len(r) for r in split_blocks(even, 64, 2)] == [4, 4]
     assert stage_indices(1, 2, "interleaved-1f1b") == [1, 3]
+
+
+def test_the_jax_backend_refuses_a_mesh_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides={"train.backend": "jax", "dist.tp": "2"})
+    assert e.value.field_name == "dist.tp" and "one process" in str(e.value)

@@ -10,6 +10,9 @@ weight, and its padding columns are masked per shard) and a 4-block untied one f
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,13 +117,24 @@ def test_a_tensor_parallel_run_resumes_exactly_and_at_other_layouts(runs, tmp_pa
         assert max(abs(resumed[s] - after[s]) / after[s] for s in after) <= 1e-6
 
 
-def test_a_pipeline_resumes_on_one_process(runs, tmp_path):
+def test_a_pipeline_resumes_on_one_process_and_exports(runs, tmp_path):
+    """PP 2 x FSDP 2's checkpoint (each stage's processes wrote their own weights): resumed on
+    one process, and `onegpu export` of the run makes the one process's weights."""
     folder = runs["pp_fsdp"] / "checkpoints" / ckpt.checkpoint_name(5, sharded=True)
     launch(tmp_path / "one", 1, **{**UNTIED, "train.resume": str(folder)})
     after = {s: v for s, v in losses(runs["pp_fsdp"]).items() if s > 5}
     resumed = losses(tmp_path / "one")
     assert resumed.keys() == after.keys()
     assert max(abs(resumed[s] - after[s]) / after[s] for s in after) <= 1e-6
+    run = tmp_path / "exported-run"
+    shutil.copytree(runs["pp_fsdp"], run)
+    (run / "model.safetensors").unlink()  # export reads the newest sharded checkpoint
+    out = tmp_path / "hf"
+    subprocess.run(
+        [sys.executable, "-m", "onegpu", "export", str(run), "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert (out / "config.json").is_file()
 
 
 def test_powersgd_sends_less_and_resumes_exactly(tmp_path):

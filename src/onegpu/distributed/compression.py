@@ -5,11 +5,12 @@
   a 16-bit sum.
 - `powersgd:RANK` (Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression", 2019;
   `powerSGD_hook`): each gradient matrix n x m is sent as two rank-RANK factors, (n + m) x RANK
-  numbers, with error feedback (what compression lost is added to the next step's gradient) and
-  warm start. Vectors (biases, norms) and matrices too small to gain are all-reduced as they
-  are. The first step runs the plain all-reduce (PowerSGD's own start-up). The hook's state
-  (error feedback, warm-start factors, its step count) lives on each process and is saved with
-  every checkpoint, so a resumed run continues the same compression exactly.
+  numbers, with error feedback (what compression lost is added to the next step's gradient)
+  and warm start (last step's factors start this step's). Vectors (biases, norms) and matrices
+  too small to gain are all-reduced as they are. The first step runs the plain all-reduce
+  (PowerSGD's own start-up). The hook's state (error feedback, warm-start factors, random
+  generator, step count) lives on each process and is saved with every checkpoint, and every
+  run cuts DDP's buckets alike, so a resumed run continues the same compression exactly.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def parse(spec: str) -> tuple[str, int]:
 def register(ddp: nn.Module, spec: str) -> Any:
     """Install the hook `spec` names on a DDP module; the state to checkpoint (PowerSGD's) or
     None."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     kind, rank = parse(spec)
     if kind == "none":
@@ -44,6 +45,8 @@ def register(ddp: nn.Module, spec: str) -> Any:
     if kind == "bf16":
         ddp.register_comm_hook(None, bf16_allreduce_hook)
         return None
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
     state = powerSGD_hook.PowerSGDState(
         process_group=None,
         matrix_approximation_rank=rank,
@@ -52,8 +55,20 @@ def register(ddp: nn.Module, spec: str) -> Any:
         use_error_feedback=True,
         warm_start=True,
     )
+    # PowerSGD keeps its error feedback and warm-start factors per bucket, laid out as the
+    # bucket is; DDP re-cuts its buckets after a run's first step, in the order gradients came,
+    # so a resumed run's first step would see other buckets than the saved state. Cut once,
+    # from the parameters' own order, before the first step: every run has the same buckets.
+    ddp.reducer._push_all_rebuilt_params()
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return state
+
+
+def bucket_cap_mb(spec: str, backend: str) -> float | None:
+    """DDP's bucket size: one bucket for PowerSGD on gloo, whose chained all-reduces of two
+    buckets at once can reach the processes in different orders (a collective mismatch that
+    gloo aborts on); None (DDP's 25 MB) otherwise."""
+    return 1e9 if parse(spec)[0] == "powersgd" and backend == "gloo" else None
 
 
 def bf16_allreduce_hook(group, bucket):  # unannotated: DDP checks hooks' annotations
@@ -65,12 +80,12 @@ def bf16_allreduce_hook(group, bucket):  # unannotated: DDP checks hooks' annota
 
 
 def state_dict(state: Any) -> dict[str, Any] | None:
-    """PowerSGD's state without its process group, tensors on the host."""
+    """PowerSGD's state without its process group, tensors on the host, its numpy generator
+    (which draws the factors' starting values) as tensors and numbers: a checkpoint holds
+    nothing else (it is loaded with weights_only)."""
     if state is None:
         return None
-    saved = {k: _to_host(getattr(state, k)) for k in state.__slots__ if k != "process_group"}
-    # its numpy generator (which draws the warm-start factors) as tensors and numbers: a
-    # checkpoint holds nothing but those (loaded with weights_only)
+    saved = {k: _moved(getattr(state, k), "cpu") for k in state.__slots__ if k != "process_group"}
     _, keys, pos, has_gauss, cached = state.rng.get_state()
     saved["rng"] = {
         "keys": torch.from_numpy(keys.astype("int64")),
@@ -93,11 +108,7 @@ def load_state_dict(state: Any, saved: dict[str, Any] | None, device: torch.devi
     state.rng.set_state(("MT19937", keys, rng["pos"], rng["has_gauss"], rng["cached"]))
 
 
-def _to_host(value: Any) -> Any:
-    return _moved(value, torch.device("cpu"))
-
-
-def _moved(value: Any, device: torch.device) -> Any:
+def _moved(value: Any, device: torch.device | str) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to(device)
     if isinstance(value, dict):

@@ -148,10 +148,7 @@ def apply_ddp(
         LossModule(model, loss_fn),
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # gradients are views into the buckets: no second copy
-        # PowerSGD's error feedback is laid out as the buckets are: DDP must not re-cut them
-        # after the first step (it does not while it looks for unused parameters), or a
-        # resumed run's first step would read the saved errors in another order
-        find_unused_parameters=compression.startswith("powersgd"),
+        bucket_cap_mb=compressed_allreduce.bucket_cap_mb(compression, dist.get_backend()),
     )
     comm_state = compressed_allreduce.register(ddp, compression)
 
