@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onegpu.cli.arguments import GRID_HELP, INTERCONNECT, WORLD_SIZE, Arg, _a
 from onegpu.config import Config
-from onegpu.plan.links import INTERCONNECTS
 from onegpu.runs.atomic import write_text_atomic
 from onegpu.runs.sinks import strict
-
-Arg = tuple[tuple[str, ...], dict[str, Any]]
-"""An argparse argument: its flags and keyword arguments."""
 
 
 @dataclass(frozen=True)
@@ -231,25 +228,6 @@ def _info(ns, env: Env) -> int:
     return 0
 
 
-def _a(*flags: str, **kwargs: Any) -> Arg:
-    return flags, kwargs
-
-
-WORLD_SIZE = _a(
-    "--world-size",
-    type=int,
-    default=1,
-    metavar="N",
-    help="plan one of N processes under torchrun (--dist.strategy fsdp|ddp, or a mesh of "
-    "--dist.dp_replicate/dp_shard/tp/pp; auto: fsdp)",
-)
-GRID_HELP = (
-    "all, or a comma-separated list of: hf-guide (HF's single-GPU guide on the GPT), "
-    "hf-guide-bert (the guide's rows on a scaled-down BERT classifier, as the guide "
-    "measured), lippe (Lippe's profiling tutorial), training-loop (Optimising the "
-    "Training Loop); former names hf, hf-bert, seed000, seed003 still work"
-)
-
 COMMANDS: tuple[Command, ...] = (
     Command(
         "train",
@@ -294,13 +272,7 @@ COMMANDS: tuple[Command, ...] = (
                 help="where the fix list finds a configuration that fits: write it here",
             ),
             WORLD_SIZE,
-            _a(
-                "--interconnect",
-                choices=sorted(INTERCONNECTS),
-                default="nvlink",
-                help="the link between the GPUs of a mesh (--dist.tp/pp/dp_*): what each "
-                "dimension's sends cost (default nvlink)",
-            ),
+            INTERCONNECT,
         ),
     ),
     Command(

@@ -74,6 +74,11 @@ def validate_backend(cfg: Config) -> None:
         "dist.strategy",
         f"(several processes) {none_yet}; the JAX backend trains on one process",
     )
+    _refuse_mesh(cfg, none_yet)
+
+
+def _refuse_mesh(cfg: Config, none_yet: str) -> None:
+    """Any mesh dimension above 1 is one line, naming the first."""
     d = cfg.dist
     split = [f"dist.{k}" for k in ("dp_replicate", "tp", "pp") if getattr(d, k) > 1]
     split += ["dist.dp_shard"] if d.dp_shard > 1 else []

@@ -90,10 +90,7 @@ def apply_techniques(
     #     (torchtitan's order: TP, activation checkpointing, compile, FSDP).
     model = split_tensors(model, ctx)
     #     Pipeline parallelism keeps this process's stages' modules, under their own names.
-    ranges, stages = pipeline_stages(cfg, ctx)
-    if stages:
-        blocks = {i for stage in stages for i in ranges[stage]}
-        model = prune(model, blocks, first=0 in stages, last=len(ranges) - 1 in stages)
+    model, ranges, stages = keep_stages(model, cfg, ctx)
     # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).
     model = apply_checkpointing(model, resolved.checkpointing)
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for (under tensor
@@ -197,6 +194,18 @@ def split_loss(
     if ctx.submesh("tp") is None:
         return loss_fn, contextlib.nullcontext
     return vocab_parallel_loss(loss_fn), loss_parallel_context()
+
+
+def keep_stages(
+    model: LanguageModel, cfg: Config, ctx: DistContext
+) -> tuple[LanguageModel, list[range], list[int]]:
+    """The model pruned to this process's pipeline stages, every stage's blocks, and this
+    process's stages (the model as it is, [], [] without pipeline parallelism)."""
+    ranges, stages = pipeline_stages(cfg, ctx)
+    if stages:
+        blocks = {i for stage in stages for i in ranges[stage]}
+        model = prune(model, blocks, first=0 in stages, last=len(ranges) - 1 in stages)
+    return model, ranges, stages
 
 
 def pipeline_stages(cfg: Config, ctx: DistContext) -> tuple[list[range], list[int]]:
