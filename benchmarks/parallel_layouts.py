@@ -148,6 +148,13 @@ def run_table(steps: int, root: Path) -> list[str]:
             f"({abs(loss - single_loss) / single_loss:.1e}) |"
         )
         print(rows[-1], flush=True)
+    rows += [
+        "",
+        f"{summary['params']:,} parameters. Peak: `train.measure_memory`'s (the allocator's "
+        "own running total at the step's peak, plus what existed before it); planned: `onegpu "
+        "plan --world-size N` for the same config (one rank per pipeline stage). Sent: "
+        "plan/links.py's count.",
+    ]
     return rows
 
 
@@ -164,8 +171,10 @@ def planned_table() -> list[str]:
         r = plan_report(cfg, "H100-80", None, 8)
         d = r.get("dist", {})
         sent = d.get("bytes_per_step") or sent_per_step({**LLAMA_SIZED, **layout}, 8, r["params"])
-        step = d.get("predicted_step_time_s", r.get("predicted_step_time_s"))
-        tps = d.get("predicted_tokens_per_s", r.get("predicted_tokens_per_s"))
+        step = d.get("predicted_step_time_s")
+        if step is None:  # plain DDP / FSDP: compute, and what it sends, timed the same way
+            step = links.step_seconds(r["predicted_compute_s"], links.seconds(sent, "nvlink"), 0.0)
+        tps = cfg.train.batch_size * cfg.train_seq_len / step
         rows.append(
             f"| {name} | {r['memory']['peak'] / GIB:.1f} | {'yes' if r.get('fits') else 'no'} | "
             + " / ".join(
@@ -214,7 +223,7 @@ def main() -> None:
         f"Machine: {os.cpu_count()}-core CPU ({cpu}), gloo, torch processes of one thread each.",
         f"Command: `python benchmarks/parallel_layouts.py --steps {args.steps}`",
         "",
-        f"## Run on this CPU: a 4 x d256 GPT (3.4M parameters), batch 16 x 256, {args.steps} steps, fp32",
+        f"## Run on this CPU: a 4 x d256 GPT, batch 16 x 256, {args.steps} steps, fp32",
         "",
     ]
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ OPTIONS = {
         "host",
     ),
 }
-FAST = ("optimizer on host", "activations on host")  # the rest run in the slow suite
+FAST = ("activations on host",)  # the rest run in the slow suite
 NONE = {"optimizer": "device", "weights": "device", "activations": "device"}
 
 

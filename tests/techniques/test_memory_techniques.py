@@ -211,6 +211,7 @@ def test_train_reports_the_memory_breakdown(tmp_path):
     )
 
 
+@pytest.mark.slow  # three profiled runs (8 s)
 def test_breakdown_counts_states_the_profiler_does_not_recognise(tmp_path):
     """Adafactor's factored states are not labelled by the profiler: the exact count is used."""
     from onegpu.config import load_config

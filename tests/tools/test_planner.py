@@ -79,6 +79,7 @@ def test_gpt2_xl_plans_without_allocating_it(capsys):
     assert grown < 1 * 2**30
 
 
+@pytest.mark.slow  # several plans through the command (8 s)
 def test_plan_command_json_gpu_table_and_budgets(capsys):
     assert main(["plan", "--preset", "tiny", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -199,6 +200,7 @@ def test_every_fix_the_planner_offers_trains(name, change):
     assert torch.isfinite(out.loss) and not bool(out.skipped)
 
 
+@pytest.mark.slow  # times the CPU optimizer step (10 s)
 def test_offloaded_plans_count_the_link_and_the_cpu_step():
     """The predicted step of an offloaded run: compute beside the host-link copies (every
     micro-batch's gradients out, the weights back once), then the CPU's optimizer step."""

@@ -8,6 +8,7 @@ import pytest
 from onegpu.cli import main
 
 
+@pytest.mark.slow  # a profiled run (12 s): the fast suite stays under 5 minutes
 def test_profile_writes_trace_memory_timeline_and_summary(tmp_path, capsys):
     out = tmp_path / "prof"
     assert main(["profile", "--preset", "tiny", "--train.device", "cpu", "--out", str(out)]) == 0

@@ -82,7 +82,7 @@ GRID = {
 }  # fmt: skip
 
 
-FAST = {"fp32", "offload-optimizer"}  # the rest of the grid runs in the slow suite (CI runs both)
+FAST = {"fp32"}  # the rest of the grid runs in the slow suite (CI runs both)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from onegpu.config import Config, resolve_strategy
 from onegpu.config.layout import bubble, resolve_layout
 from onegpu.distributed import compression
 from onegpu.perf.devices import GPUS
+from onegpu.perf.flops import recompute_factor
 from onegpu.plan import links
 from onegpu.plan.memory import MemoryPlan
 from onegpu.plan.ranks import plan_ranks, stage_ranks
@@ -84,7 +85,8 @@ def _speed(cfg, plan, gpu, world_size, layout, shape, sent, interconnect) -> dic
     if not peak:
         return {}
     tokens = cfg.train.batch_size * cfg.train_seq_len
-    compute_s = plan.flops_per_token * tokens / (peak * EFFICIENCY * world_size)
+    recompute = recompute_factor(cfg.memory.checkpointing)
+    compute_s = plan.flops_per_token * recompute * tokens / (peak * EFFICIENCY * world_size)
     idle = bubble(layout, cfg.dist.pp_schedule, shape.micro_batches)
     sent_s = links.seconds(sent, interconnect)
     step_s = links.step_seconds(compute_s, sent_s, idle)
