@@ -33,7 +33,7 @@ TIED = {
     "model.pad_vocab_to": 96,  # 256 -> 288 columns: the padding is masked on its shard
     "checkpoint.every": 5,
 }
-UNTIED = {**TIED, "model.tie_embeddings": "false", "model.n_layer": 4}
+UNTIED = {**TIED, "model.tie_embeddings": "false", "model.n_layer": 4, "model.bias": "false"}
 
 
 def assert_close_losses(a: dict[int, float], b: dict[int, float], rel: float = REL) -> float:
