@@ -110,7 +110,8 @@ def planned_peaks(over: dict, nproc: int) -> dict[int, int]:
 def sent_per_step(over: dict, nproc: int, params: int) -> dict[str, int]:
     cfg = load_config("tiny", overrides={k: str(v) for k, v in over.items()})
     layout = resolve_layout(cfg.dist, nproc)
-    shape = links.step_shape(cfg, layout, params, 4)
+    compute_bytes = 2 if cfg.train.precision in ("bf16", "bf16-pure", "fp16") else 4
+    shape = links.step_shape(cfg, layout, params, compute_bytes)
     ddp = params * 4
     return links.bytes_per_step(layout, shape, reshard=True, ddp_sent=ddp, interleaved=False)
 

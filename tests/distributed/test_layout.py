@@ -115,3 +115,27 @@ def test_the_jax_backend_refuses_a_mesh_in_one_line():
     with pytest.raises(ConfigError) as e:
         load_config("tiny", overrides={"train.backend": "jax", "dist.tp": "2"})
     assert e.value.field_name == "dist.tp" and "one process" in str(e.value)
+
+
+def test_a_hugging_face_model_is_not_split_yet_and_says_so():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides={"model.hf": "llama-3-8b", "dist.tp": "2"})
+    assert e.value.field_name == "dist.tp" and "Hugging Face" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("over", "world", "says"),
+    [
+        ({"dist.pp": 2, "dist.dp_shard": 2}, 4, "at least 2 micro-batches"),
+        ({"dist.pp": 2, "train.batch_size": 16, "dist.pp_microbatches": 3}, 2, "do not split"),
+        ({"dist.pp": 2, "train.batch_size": 12, "model.n_layer": 4,
+          "dist.pp_schedule": "interleaved-1f1b"}, 2, "rounds of 2"),
+    ],
+)  # fmt: skip
+def test_a_pipeline_without_enough_micro_batches_is_refused_before_it_starts(over, world, says):
+    from onegpu.config import check_distributed
+
+    over = {"model.tie_embeddings": "false", **over}
+    cfg = load_config("tiny", overrides={k: str(v) for k, v in over.items()})
+    with pytest.raises(ConfigError, match=says):
+        check_distributed(cfg, resolve_strategy(cfg.dist, world), world)

@@ -97,6 +97,33 @@ def resolve_layout(d: DistConfig, world_size: int) -> Layout:
     return layout
 
 
+def check_pipeline_batches(cfg: Config, layout: Layout) -> None:
+    """A pipeline's micro-batches must split each data-parallel process's rows, and the 1F1B
+    schedules need at least one per stage (interleaved: whole rounds of pp)."""
+    if layout.pp == 1:
+        return
+    d, t = cfg.dist, cfg.train
+    rows = t.batch_size // layout.dp
+    n = d.pp_microbatches or rows // t.micro_batch_size
+    field = "dist.pp_microbatches" if d.pp_microbatches else "train.micro_batch_size"
+    _require(
+        n >= 1 and rows % n == 0,
+        field,
+        f"{n} pipeline micro-batches do not split this process's {rows} rows of the batch",
+    )
+    _require(
+        d.pp_schedule == "gpipe" or n >= layout.pp,
+        field,
+        f"{d.pp_schedule} needs at least {layout.pp} micro-batches a step (one per stage), this "
+        f"layout has {n}: raise train.batch_size, or set dist.pp_microbatches",
+    )
+    _require(
+        d.pp_schedule != "interleaved-1f1b" or n % layout.pp == 0,
+        field,
+        f"interleaved-1f1b runs micro-batches in rounds of {layout.pp} (pp); {n} is not a multiple",
+    )
+
+
 def check_layout(cfg: Config) -> None:
     """What `[dist]` asks of the model and the other sections, whatever the world size:
     checked when the config is loaded, before any process group exists."""

@@ -7,7 +7,7 @@ import math
 import warnings
 
 from onegpu.config.backends import validate_backend
-from onegpu.config.layout import check_layout, resolve_layout
+from onegpu.config.layout import check_layout, check_pipeline_batches, resolve_layout
 from onegpu.config.options import (
     Config,
     ConfigError,
@@ -315,7 +315,9 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         f"{cfg.optim.name} is not supported with several processes yet; use "
         f"{' or '.join(DIST_OPTIMIZERS)}",
     )
-    check_batch_split(cfg.train, resolve_layout(d, world_size).dp)
+    layout = resolve_layout(d, world_size)
+    check_batch_split(cfg.train, layout.dp)
+    check_pipeline_batches(cfg, layout)
 
 
 def check_batch_split(t: TrainConfig, world_size: int) -> None:

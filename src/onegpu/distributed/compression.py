@@ -7,8 +7,8 @@
   `powerSGD_hook`): each gradient matrix n x m is sent as two rank-RANK factors, (n + m) x RANK
   numbers, with error feedback (what compression lost is added to the next step's gradient)
   and warm start (last step's factors start this step's). Vectors (biases, norms) and matrices
-  too small to gain are all-reduced as they are. The first step runs the plain all-reduce
-  (PowerSGD's own start-up). The hook's state (error feedback, warm-start factors, random
+  too small to gain are all-reduced as they are. The first two steps run the plain all-reduce
+  (PowerSGD's own start-up, `start_powerSGD_iter`). The hook's state (error feedback, warm-start factors, random
   generator, step count) lives on each process and is saved with every checkpoint, and every
   run cuts DDP's buckets alike, so a resumed run continues the same compression exactly.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 POWERSGD_MIN_COMPRESSION_RATE = 2  # PowerSGD compresses a matrix only where it gains this much
-POWERSGD_START_ITER = 2  # the plain all-reduce before, as PowerSGD starts (its minimum)
+POWERSGD_START_ITER = 2  # steps of plain all-reduce first, as PowerSGD starts (its minimum)
 
 
 def parse(spec: str) -> tuple[str, int]:
@@ -100,12 +100,15 @@ def load_state_dict(state: Any, saved: dict[str, Any] | None, device: torch.devi
     """A saved state back into the live hook's (its tensors onto the gradients' device)."""
     if state is None or saved is None:
         return
-    for k, v in saved.items():
-        if k != "rng":
-            setattr(state, k, _moved(v, device))
+    for k in LEARNED:  # what the hook learned; its settings stay this run's
+        setattr(state, k, _moved(saved[k], device))
     rng = saved["rng"]
     keys = rng["keys"].numpy().astype("uint32")
     state.rng.set_state(("MT19937", keys, rng["pos"], rng["has_gauss"], rng["cached"]))
+
+
+LEARNED = ("error_dict", "p_memory_dict", "q_memory_dict", "iter")
+"""PowerSGD's state that a resumed run continues from (beside its generator)."""
 
 
 def _moved(value: Any, device: torch.device | str) -> Any:

@@ -268,7 +268,7 @@ def build_pipeline(
             if index == 0
             else ((micro_batch, seq_len, model.cfg.d_model), activation_dtype)
         )
-        example = torch.empty(shape, dtype=dtype, device="meta")  # no shape inference talk
+        example = torch.empty(shape, dtype=dtype, device="meta")  # what the stage takes in
         piped.append(
             pipelining.PipelineStage(view, index, n_stages, device, input_args=example, group=group)
         )

@@ -12,8 +12,8 @@ all-reduce twice that; a pipeline send is S):
   (resharded after it) again for backward, and its gradients reduce-scattered in fp32.
 - dp_replicate: HSDP all-reduces the shards' gradients between replicas per micro-batch; DDP
   all-reduces all gradients once per step (compressed as dist.grad_compression says).
-- pp: per micro-batch, the residual stream sent forward and its gradient back, over each stage
-  boundary a process has (two when interleaved).
+- pp: per micro-batch, a middle stage sends the residual stream on and its gradient back, an
+  end stage one of the two; twice that with two stages per process (interleaved).
 
 A prediction, labelled as one: rates are datasheet rates per direction at LINK_EFFICIENCY, and
 only the FSDP traffic is taken to overlap with compute (it prefetches); tensor-parallel and
@@ -99,9 +99,10 @@ def bytes_per_step(
             out["dp_replicate"] = int(s.micro_batches * weights / layout.dp_shard * 4 * share)
         else:  # DDP: once per step, as compressed
             out["dp_replicate"] = int(ddp_sent * share)
-    if layout.pp > 1:  # forward the activation, back its gradient, per stage boundary
-        boundaries = 2 if interleaved else 1
-        out["pp"] = int(s.micro_batches * 2 * act * s.param_bytes * boundaries)
+    if layout.pp > 1:  # a middle stage sends the activation on and the gradient back, the
+        sends = 2 if layout.pp > 2 else 1  # first and last stages one of the two
+        stages = 2 if interleaved else 1  # stages per process
+        out["pp"] = int(s.micro_batches * sends * stages * act * s.param_bytes)
     return out
 
 

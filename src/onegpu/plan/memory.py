@@ -195,6 +195,8 @@ def plan_memory(
     # Micro-batches after the second repeat it exactly (same shapes, gradients already
     # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
     n_micro = min(cfg.grad_accum_steps // dp, 2)
+    if cfg.dist.pp > 1:  # a pipeline's in-flight micro-batches depend on how many there are
+        n_micro = cfg.grad_accum_steps // dp
     B, T = cfg.train.micro_batch_size * n_micro, cfg.train_seq_len
     train = dataclasses.replace(cfg.train, batch_size=B * dp, max_steps=2)
     cfg = dataclasses.replace(cfg, train=train)
