@@ -166,6 +166,7 @@ def test_the_fix_list_reaches_for_host_memory_when_nothing_else_fits():
     assert all(s is not None for s in steps)
 
 
+@pytest.mark.slow  # a fix list of plans (7 s): the fast suite stays under 5 minutes
 def test_on_a_cpu_the_fix_list_offers_no_host_tier():
     """On a CPU the device and the host are one memory: moving state there saves nothing."""
     from onegpu.plan.fixes import HOST_TIERS, fixes_for

@@ -54,6 +54,7 @@ def test_the_search_returns_the_fastest_planned_candidate_that_fits():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="measures on a GPU here")
+@pytest.mark.slow  # a predicted search (7 s)
 def test_tune_for_a_gpu_that_is_not_here_writes_a_predicted_best_toml(tmp_path):
     import tomllib
 

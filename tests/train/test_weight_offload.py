@@ -34,6 +34,7 @@ def _weights(out):
     return load_file(out / "model.safetensors")
 
 
+@pytest.mark.slow  # two runs (6 s)
 def test_offloaded_weights_train_like_the_plain_run(tmp_path):
     plain = train(_cfg(tmp_path / "plain"))
     off = train(_cfg(tmp_path / "off", **{"memory.offload_params": "true"}))

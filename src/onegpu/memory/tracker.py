@@ -11,6 +11,7 @@ the profiler's memory timeline.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -26,14 +27,19 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 def holder(t: torch.Tensor) -> torch.Tensor:
     """The tensor that holds `t`'s memory: a DTensor's local shard, an asynchronous collective's
-    result (wrappers whose own storage is empty); `t` itself otherwise."""
-    while True:
-        inner = getattr(t, "_local_tensor", None)
-        if inner is None:
-            inner = getattr(t, "elem", None)
-        if not isinstance(inner, torch.Tensor):
-            return t
-        t = inner
+    result (wrappers whose own storage is empty); `t` itself otherwise. Called for every tensor
+    of every op the trackers follow: plain and fake tensors leave at the first test."""
+    while isinstance(t, _wrappers()):
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t.elem
+    return t
+
+
+@functools.cache
+def _wrappers() -> tuple[type, ...]:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor, AsyncCollectiveTensor
 
 
 class LiveTensorBytes(TorchDispatchMode):
