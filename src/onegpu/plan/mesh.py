@@ -11,12 +11,10 @@ import torch
 from onegpu.config import Config, resolve_strategy
 from onegpu.config.layout import bubble, resolve_layout
 from onegpu.distributed import compression
-from onegpu.perf.devices import GPUS
-from onegpu.perf.flops import recompute_factor
 from onegpu.plan import links
 from onegpu.plan.memory import MemoryPlan
 from onegpu.plan.ranks import plan_ranks, stage_ranks
-from onegpu.plan.targets import EFFICIENCY, cpu_peak_flops
+from onegpu.plan.targets import EFFICIENCY, compute_seconds
 
 
 def mesh_plans(
@@ -77,16 +75,10 @@ def _param_like(plan: MemoryPlan) -> list[torch.Tensor]:
 
 
 def _speed(cfg, plan, gpu, world_size, layout, shape, sent, interconnect) -> dict[str, Any]:
-    if gpu:
-        spec = GPUS[gpu]
-        peak = spec.peak.get(plan.peak_key, spec.peak["fp32"])
-    else:
-        peak = cpu_peak_flops(plan.compute_dtype)
-    if not peak:
+    compute_s = compute_seconds(cfg, plan, gpu, world_size)
+    if compute_s is None:
         return {}
     tokens = cfg.train.batch_size * cfg.train_seq_len
-    recompute = recompute_factor(cfg.memory.checkpointing)
-    compute_s = plan.flops_per_token * recompute * tokens / (peak * EFFICIENCY * world_size)
     idle = bubble(layout, cfg.dist.pp_schedule, shape.micro_batches)
     sent_s = links.seconds(sent, interconnect)
     step_s = links.step_seconds(compute_s, sent_s, idle)

@@ -70,21 +70,33 @@ def rank_memory(
     )
 
 
-def predicted_speed(
+def compute_seconds(
     cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int
-) -> dict[str, Any]:
-    """The predicted step time: counted FLOPs at EFFICIENCY of the peak for the compute dtype
-    (a GPU's datasheet, or this CPU's measured matmul peak); {} when the peak is unknown."""
+) -> float | None:
+    """A step's counted FLOPs (recomputation included) at EFFICIENCY of the peak for the
+    compute dtype, split over `world_size` devices; None when the peak is unknown."""
     if gpu:
         spec = GPUS[gpu]
         peak_flops = spec.peak.get(plan.peak_key, spec.peak["fp32"])
     else:
         peak_flops = cpu_peak_flops(plan.compute_dtype)
     if not peak_flops:
+        return None
+    tokens = cfg.train.batch_size * cfg.train_seq_len
+    recompute = recompute_factor(cfg.memory.checkpointing)
+    return plan.flops_per_token * recompute * tokens / (peak_flops * EFFICIENCY * world_size)
+
+
+def predicted_speed(
+    cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int
+) -> dict[str, Any]:
+    """The predicted step time: counted FLOPs at EFFICIENCY of the peak for the compute dtype
+    (a GPU's datasheet, or this CPU's measured matmul peak); {} when the peak is unknown."""
+    compute_s = compute_seconds(cfg, plan, gpu, world_size)
+    if compute_s is None:
         return {}
     tokens = cfg.train.batch_size * cfg.train_seq_len
     recompute = recompute_factor(cfg.memory.checkpointing)
-    compute_s = plan.flops_per_token * recompute * tokens / (peak_flops * EFFICIENCY * world_size)
     offload = offload_costs(cfg, plan, gpu, world_size)
     step_s = max(compute_s, offload.get("link_s", 0.0)) + offload.get("host_step_s", 0.0)
     return {
