@@ -27,6 +27,7 @@ def test_world_size_candidates_are_only_what_torchrun_runs():
         assert 8 % (int(change["train.micro_batch_size"]) * 2) == 0
     seen = {k: {c[k] for c in cands} for k in cands[0]}
     assert seen["dist.strategy"] == {"fsdp", "ddp"}
+    assert seen["dist.tp"] == {"1", "2"}  # tensor parallelism joins the mesh search
     assert seen["dist.cpu_offload"] == {"false", "true"}  # tried on a GPU, FSDP only
     assert all(c["dist.strategy"] == "fsdp" for c in cands if c["dist.cpu_offload"] == "true")
     assert seen["train.precision"] == {"bf16"}  # bf16-pure is refused under torchrun

@@ -147,6 +147,7 @@ def _plan(ns, env: Env) -> int:
     )
     print(json.dumps(report, indent=1) if ns.json else format_report(report, ns.gpu))
     best = next((f["best_toml"] for f in report.get("fixes", []) if "best_toml" in f), None)
+    best = best or (report.get("mesh_fixes", {}).get("best") or {}).get("best_toml")
     if ns.best_toml and best:
         write_text_atomic(Path(ns.best_toml), best)
         print(f"wrote {ns.best_toml} (onegpu train --config {ns.best_toml})")
@@ -159,14 +160,22 @@ def _tune(ns, env: Env) -> int:
     overrides = env.load(overrides_only=True)
     cfg = env.load()
     out = Path(ns.out or "tune")
-    if predicted_only(ns.gpu, ns.world_size, ns.memory):
+    if predicted_only(ns.gpu, ns.memory):
         from onegpu.tools.tune_plan import tune_predicted
 
-        tune_predicted(cfg, ns.gpu, ns.host_memory, out, log=lambda s: print(s, flush=True))
+        tune_predicted(
+            cfg,
+            ns.gpu,
+            ns.host_memory,
+            out,
+            world_size=ns.world_size,
+            interconnect=ns.interconnect,
+            log=lambda s: print(s, flush=True),
+        )
         print((out / "tune.md").read_text())
         print(
             f"wrote {out}/tune.md, {out}/tune.json, {out}/best.toml "
-            f"(onegpu train --config {out}/best.toml on a {ns.gpu})"
+            f"({launch_line(ns.world_size)} --config {out}/best.toml on {ns.gpu})"
         )
         return 0
     budget_bytes, target = budget(ns.gpu, ns.memory)
@@ -304,9 +313,11 @@ COMMANDS: tuple[Command, ...] = (
                 type=int,
                 default=1,
                 metavar="N",
-                help="tune one of N processes under torchrun: the strategy joins the search, "
-                "the budget is per process, trials launch N processes",
+                help="tune one of N processes under torchrun: the mesh (DDP, FSDP, HSDP, TP, PP "
+                "and their products) joins the search, the budget is per process; trials launch "
+                "N processes (with --gpu and no GPU here: predicted, not measured)",
             ),
+            INTERCONNECT,
         ),
     ),
     Command(

@@ -26,6 +26,11 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def state_bytes_per_param(optimizer: str) -> float:
+    """At least this many bytes of optimizer state per parameter (searches' lower bounds)."""
+    return {"adamw": 8.0, "adam": 8.0, "adamw8bit": 2.0, "sgd": 0.0}.get(optimizer, 0.0)
+
+
 QMAP_BYTES = 256 * 4  # torchao keeps its 256-entry fp32 code book with every 8-bit state
 
 

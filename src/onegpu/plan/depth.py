@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from onegpu.config import Config, parse_checkpointing
+from onegpu.config import Config, DistConfig, parse_checkpointing, with_overrides
 from onegpu.distributed.shares import ParamShape
 from onegpu.plan.memory import MemoryPlan, plan_memory
 from onegpu.plan.shapes import block_pattern, shape_of, with_depth
@@ -81,3 +81,20 @@ def plan_extrapolated(
         block_numels=[block] * depth,
         offloaded_per_micro_batch=line(pa.offloaded_per_micro_batch, pb.offloaded_per_micro_batch),
     )
+
+
+def saved_per_sequence(cfg: Config, target: str, caps: DeviceCaps | None) -> int:
+    """The saved activations of one sequence that grow with the micro-batch, one process
+    (searches' lower bounds): not autocast's copies of the weights (one per forward, whatever
+    the micro-batch) nor the logits (the chunked loss changes them)."""
+    one = with_overrides(
+        dataclasses.replace(cfg, dist=DistConfig()),
+        {
+            "train.micro_batch_size": "1",
+            "train.batch_size": "1",
+            "memory.offload_activations": "false",
+        },
+    )
+    plan = plan_extrapolated(one, target, caps)
+    per_forward = ("16-bit copies (autocast)", "logits / loss")
+    return sum(v for k, v in plan.saved_by_kind.items() if k not in per_forward)

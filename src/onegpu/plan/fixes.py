@@ -59,7 +59,7 @@ def resolved(cfg: Config, change: dict[str, str]) -> dict[str, str]:
     }
 
 
-def _differs(cfg: Config, key: str, value: str) -> bool:
+def differs(cfg: Config, key: str, value: str) -> bool:
     section, name = key.split(".")
     current = getattr(getattr(cfg, section), name)
     return (str(current).lower() if isinstance(current, bool) else str(current)) != value
@@ -184,7 +184,7 @@ class _Search:
                 together = self.confirmed(candidate, together)
                 fits = self.fits(together)
                 applied.update(
-                    {k: v for k, v in resolved(current, change).items() if _differs(current, k, v)}
+                    {k: v for k, v in resolved(current, change).items() if differs(current, k, v)}
                 )
                 current, current_peak = candidate, together.peak
                 found.append(self.entry(name, change, p, together, fits, found))
@@ -218,7 +218,7 @@ class _Search:
                     instead=True,
                     best_toml=to_toml(candidate),
                     best_overrides={
-                        k: v for k, v in resolved(cfg, change).items() if _differs(cfg, k, v)
+                        k: v for k, v in resolved(cfg, change).items() if differs(cfg, k, v)
                     },
                 )
                 break

@@ -24,7 +24,7 @@ def _by_block(by_block: dict[str, int]) -> str:
 def format_report(r: dict[str, Any], gpu: str | None) -> str:
     """The report as the terminal shows it."""
     lines = _memory_lines(r) + [""] + _analytic_lines(r, gpu)
-    if "ranks" in r.get("dist", {}):
+    if "bytes_per_step" in r.get("dist", {}):
         lines += [""] + _mesh_lines(r["dist"], gpu)
     if "capacity_bytes" in r:
         lines += [""] + _capacity_lines(r, gpu)
@@ -122,10 +122,12 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
 
 
 def _mesh_lines(d: dict[str, Any], gpu: str | None) -> list[str]:
-    """Each stage's peak, what each mesh dimension sends, and the predicted step."""
+    """Each stage's peak (a mesh), what each mesh dimension sends, and the predicted step."""
     mib = 2**20
-    lines = ["per pipeline stage (a rank of each; the others of a stage hold the same):"]
-    for row in d["ranks"]:
+    lines = []
+    if "ranks" in d:
+        lines.append("per pipeline stage (a rank of each; the others of a stage hold the same):")
+    for row in d.get("ranks", []):
         m = row["memory"]
         lines.append(
             f"  stage {row['stage']} (rank {row['rank']}): peak {m['peak'] / mib:,.1f} MiB "
@@ -188,6 +190,8 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         lines.append(f"  -> fits with: {flags} (--best-toml PATH writes the whole configuration)")
     if "gpus_needed" in r:
         lines += _gpus_needed_lines(r["gpus_needed"], gpu)
+    if "mesh_fixes" in r:
+        lines += _mesh_fix_lines(r["mesh_fixes"])
     short = [
         f
         for f in r.get("fixes", [])
@@ -205,6 +209,27 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             "  nothing in the list makes it fit: a smaller model, shorter sequences "
             "or a larger GPU (or FSDP across several) are left"
         )
+    return lines
+
+
+def _mesh_fix_lines(m: dict[str, Any]) -> list[str]:
+    """The layouts of N processes planned, fastest predicted first, and the one that fits."""
+    lines = [
+        f"  layouts of {m['world_size']} processes (TP, PP, HSDP, FSDP, DDP x checkpointing x "
+        f"micro-batch), fastest predicted step first, planned until one fits ({m['candidates']} "
+        f"candidates, {m['skipped_by_arithmetic']} too large by arithmetic):"
+    ]
+    for row in m["rows"]:
+        lines.append(
+            f"  + {row['label']:<48} largest rank {row['peak_bytes'] / GiB:6.2f} GiB"
+            f"{_ms(row['step_s'])}{'  FITS' if row['fits'] else ''}"
+        )
+    best = m["best"]
+    if best:
+        flags = " ".join(f"--{k} {v}" for k, v in best["overrides"].items())
+        lines.append(f"  -> fits with: {flags} (--best-toml PATH writes the whole configuration)")
+    else:
+        lines.append(f"  -> no layout of {m['world_size']} processes fits: more GPUs are needed")
     return lines
 
 

@@ -37,6 +37,36 @@ def mesh_section(
     the predicted step."""
     layout = resolve_layout(cfg.dist, world_size)
     plan = next(iter(plans.values()))
+    step = predicted_step(cfg, plan, gpu, world_size, interconnect)
+    ranks = [
+        {"rank": r, "stage": r // (world_size // layout.pp), "memory": plans[r].memory}
+        for r in stage_ranks(layout)
+    ]
+    section: dict[str, Any] = {
+        "strategy": resolve_strategy(cfg.dist, world_size, "--world-size"),
+        "world_size": world_size,
+        "layout": layout.sizes(),
+        "ranks": ranks,
+        "reshard_after_forward": cfg.dist.reshard_after_forward,
+        "cpu_offload": cfg.dist.cpu_offload,
+    }
+    section.update(step)
+    return section
+
+
+def _param_like(plan: MemoryPlan) -> list[torch.Tensor]:
+    """Meta tensors of the plan's parameter shapes (what PowerSGD's count reads)."""
+    return [torch.empty(p.shape, device="meta") for p in plan.param_shapes]
+
+
+def predicted_step(
+    cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int, interconnect: str
+) -> dict[str, Any]:
+    """The bytes each mesh dimension sends per step and, where the peak FLOP/s are known, the
+    step time: compute (recomputation included) stretched by the pipeline's bubble, plus the
+    sends it waits on. Any layout, plain DDP and FSDP included; `plan` gives the model's
+    parameters, FLOPs and compute dtype (any rank's or one process's plan)."""
+    layout = resolve_layout(cfg.dist, world_size)
     shape = links.step_shape(
         cfg, layout, plan.n_params, torch.empty((), dtype=plan.compute_dtype).element_size()
     )
@@ -50,44 +80,25 @@ def mesh_section(
         ddp_sent=ddp_sent,
         interleaved=cfg.dist.pp_schedule == "interleaved-1f1b",
     )
-    ranks = [
-        {"rank": r, "stage": r // (world_size // layout.pp), "memory": plans[r].memory}
-        for r in stage_ranks(layout)
-    ]
-    section: dict[str, Any] = {
-        "strategy": resolve_strategy(cfg.dist, world_size, "--world-size"),
-        "world_size": world_size,
-        "layout": layout.sizes(),
-        "ranks": ranks,
+    out: dict[str, Any] = {
         "bytes_per_step": sent,
         "micro_batches": shape.micro_batches,
         "interconnect": interconnect,
-        "reshard_after_forward": cfg.dist.reshard_after_forward,
-        "cpu_offload": cfg.dist.cpu_offload,
     }
-    section.update(_speed(cfg, plan, gpu, world_size, layout, shape, sent, interconnect))
-    return section
-
-
-def _param_like(plan: MemoryPlan) -> list[torch.Tensor]:
-    """Meta tensors of the plan's parameter shapes (what PowerSGD's count reads)."""
-    return [torch.empty(p.shape, device="meta") for p in plan.param_shapes]
-
-
-def _speed(cfg, plan, gpu, world_size, layout, shape, sent, interconnect) -> dict[str, Any]:
     compute_s = compute_seconds(cfg, plan, gpu, world_size)
     if compute_s is None:
-        return {}
+        return out
     tokens = cfg.train.batch_size * cfg.train_seq_len
     idle = bubble(layout, cfg.dist.pp_schedule, shape.micro_batches)
     sent_s = links.seconds(sent, interconnect)
     step_s = links.step_seconds(compute_s, sent_s, idle)
-    return {
-        "compute_s": compute_s,
-        "bubble": idle,
-        "seconds_per_step_sending": sent_s,
-        "predicted_step_time_s": step_s,
-        "predicted_tokens_per_s": tokens / step_s,
-        "efficiency_assumed": EFFICIENCY,
-        "link_efficiency_assumed": links.LINK_EFFICIENCY,
-    }
+    out.update(
+        compute_s=compute_s,
+        bubble=idle,
+        seconds_per_step_sending=sent_s,
+        predicted_step_time_s=step_s,
+        predicted_tokens_per_s=tokens / step_s,
+        efficiency_assumed=EFFICIENCY,
+        link_efficiency_assumed=links.LINK_EFFICIENCY,
+    )
+    return out

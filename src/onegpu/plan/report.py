@@ -17,7 +17,7 @@ from onegpu.perf.devices import GPUS
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import fixes_for
 from onegpu.plan.memory import MemoryPlan, plan_memory
-from onegpu.plan.mesh import mesh_plans, mesh_section
+from onegpu.plan.mesh import mesh_plans, mesh_section, predicted_step
 from onegpu.plan.ranks import needs_rank_plans
 from onegpu.plan.targets import (
     CUDA_OVERHEAD_BYTES,
@@ -73,13 +73,7 @@ def plan_report(
     mem = rank_memory(cfg.dist, plan, world_size, strategy) if distributed else plan.memory
     report = _memory_report(cfg, plan, mem)
     if distributed:
-        report["dist"] = {
-            "strategy": strategy,
-            "world_size": world_size,
-            "reshard_after_forward": cfg.dist.reshard_after_forward,
-            "cpu_offload": cfg.dist.cpu_offload,
-            "single_device_share": plan.memory,
-        }
+        report["dist"] = _data_parallel_section(cfg, plan, strategy, gpu, world_size, interconnect)
     if gpu and (distributed or not _fits(mem, GPUS[gpu].memory_bytes)):
         report["gpus_needed"] = gpus_needed(
             cfg, plan, world_size, GPUS[gpu].memory_bytes, target, caps
@@ -96,6 +90,8 @@ def plan_report(
             headroom_bytes=capacity - need,
             host_memory_bytes=host,
         )
+        if not report["fits"] and distributed and gpu:
+            report["mesh_fixes"] = _mesh_fixes(cfg, gpu, world_size, interconnect, host)
         if not report["fits"] and not distributed:
             report["fixes"] = fixes_for(
                 cfg,
@@ -107,6 +103,21 @@ def plan_report(
                 host_budget=host,
             )
     return report
+
+
+def _data_parallel_section(
+    cfg: Config, plan: MemoryPlan, strategy: str, gpu: str | None, world_size: int, link: str
+) -> dict[str, Any]:
+    """The report's `dist` part for plain DDP / FSDP: the strategy, the bytes sent per step
+    and the step time with them (plan/mesh.py)."""
+    return {
+        "strategy": strategy,
+        "world_size": world_size,
+        "reshard_after_forward": cfg.dist.reshard_after_forward,
+        "cpu_offload": cfg.dist.cpu_offload,
+        "single_device_share": plan.memory,
+        **predicted_step(cfg, plan, gpu, world_size, link),
+    }
 
 
 def _mesh_report(
@@ -135,7 +146,20 @@ def _mesh_report(
             headroom_bytes=capacity - need,
             host_memory_bytes=host,
         )
+        if not report["fits"] and gpu:
+            report["mesh_fixes"] = _mesh_fixes(cfg, gpu, world_size, interconnect, host)
     return report
+
+
+def _mesh_fixes(
+    cfg: Config, gpu: str, world_size: int, interconnect: str, host: int
+) -> dict[str, Any]:
+    """The fix list of N processes: the other layouts of the mesh (TP, PP, HSDP), with
+    checkpointing and micro-batch, fastest predicted first until one fits."""
+    from onegpu.plan.mesh_search import search_meshes
+
+    budget = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES
+    return search_meshes(cfg, gpu, gpu_caps(gpu), world_size, interconnect, budget, host)
 
 
 def gpu_table() -> str:

@@ -12,10 +12,12 @@
 4. The measured Pareto frontier (peak memory vs tokens/s) is printed and saved as tune.md,
    tune.json and tune.png; the winner is written as best.toml for `onegpu train --config`.
 
-With `--world-size N` the search is for one of N processes under torchrun: the strategy
-(FSDP2, DDP, FSDP2 with its shards on the host) joins the candidates, the budget is rank 0's
+With `--world-size N` the search is for one of N processes under torchrun: the mesh (every
+layout of N processes: DDP, FSDP, HSDP, tensor and pipeline parallelism and their products;
+FSDP2 with its shards on the host) joins the candidates, the budget is the largest rank's
 planned peak (`onegpu plan --world-size`), only what runs distributed is tried, and each trial
-is a real `torchrun --nproc-per-node N` launch whose highest per-rank peak is reported.
+is a real `torchrun --nproc-per-node N` launch whose highest per-rank peak is reported. With
+`--gpu NAME` and no GPU here the search is by prediction alone (plan/mesh_search.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from onegpu.config import (
 from onegpu.offload.weights import with_offload_params
 from onegpu.perf.flops import RECOMPUTE
 from onegpu.plan.memory import plan_memory
-from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, one_budget, process_share, rank_memory
+from onegpu.plan.mesh_search import largest_rank, layout_overrides, layouts
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, one_budget
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
 from onegpu.tools.tune_report import pareto, size_text, trial_label, write_results
 
@@ -70,14 +73,15 @@ def candidates(
         "memory.offload_params": ["false", "true"] if host_tiers else ["false"],
         "train.compile": ["none", "regional"] if with_compile else ["none"],
     }
-    if world_size > 1:
-        space["dist.strategy"] = ["fsdp", "ddp"]
+    meshes: list[dict[str, str]] = [{}]
+    if world_size > 1:  # every layout: DDP, FSDP, HSDP, TP, PP and their products
+        meshes = [layout_overrides(layout) for layout in layouts(world_size)]
         # host-resident shards cost a copy each way per step; worth it only where memory is short
         space["dist.cpu_offload"] = ["false", "true"] if device_type == "cuda" else ["false"]
     keys = list(space)
     out = []
-    for values in itertools.product(*(space[k] for k in keys)):
-        change = dict(zip(keys, values, strict=True))
+    for values, mesh in itertools.product(itertools.product(*(space[k] for k in keys)), meshes):
+        change = {**dict(zip(keys, values, strict=True)), **mesh}
         if change["memory.offload_params"] == "true" == change["memory.offload_optimizer"]:
             continue  # weights on the host take their optimizer with them: one candidate
         try:
@@ -94,12 +98,11 @@ def candidates(
 
 
 def planned_peak(cfg: Config, target: str, world_size: int) -> int:
-    """The planned peak of one process: the whole run, or rank 0's share of `world_size`."""
+    """The planned peak of one process: the whole run, or the largest rank's of `world_size`
+    (each pipeline stage's planned as itself)."""
     if world_size == 1:
         return plan_memory(cfg, target).memory["peak"]
-    strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
-    plan = plan_memory(process_share(cfg, world_size), target)
-    return rank_memory(cfg.dist, plan, world_size, strategy)["peak"]
+    return largest_rank(cfg, target, None, world_size)[0]
 
 
 def _vocab_size(m: ModelConfig) -> int:
@@ -134,7 +137,7 @@ def precisions(caps: DeviceCaps) -> list[str]:
     return [auto, "bf16-pure"] if auto == "bf16" else [auto]
 
 
-def predicted_only(gpu: str | None, world_size: int, memory: int | None = None) -> bool:
+def predicted_only(gpu: str | None, memory: int | None = None) -> bool:
     """Whether a search cannot measure: a GPU of the table was named and none is here (the
     search is then by prediction alone: tools/tune_plan.py)."""
     import torch
@@ -146,12 +149,6 @@ def predicted_only(gpu: str | None, world_size: int, memory: int | None = None) 
         return False
     if gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
-    if world_size > 1:
-        raise ConfigError(
-            "--world-size",
-            f"no {gpu} here to launch processes on; the "
-            "predicted search (--gpu without a GPU) is for one process",
-        )
     return True
 
 
@@ -191,6 +188,9 @@ def estimated_cost(change: dict[str, str], batch: int) -> float:
     cost *= 2.0 if change["memory.offload_params"] == "true" else 1.0
     # FSDP gathers every block's weights twice a step (DDP: one all-reduce), offload adds copies
     cost *= 1.1 if change.get("dist.strategy") == "fsdp" else 1.0
+    # tensor parallelism waits on its collectives, a pipeline on its bubble
+    cost *= 1.25 if change.get("dist.tp", "1") != "1" else 1.0
+    cost *= 1.3 if change.get("dist.pp", "1") != "1" else 1.0
     cost *= 1.3 if change.get("dist.cpu_offload") == "true" else 1.0
     return cost
 

@@ -28,6 +28,7 @@ from typing import Any
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
 from onegpu.offload.host_step import host_step_rate
 from onegpu.offload.pricing import LINK_EFFICIENCY
+from onegpu.optim.state_bytes import state_bytes_per_param
 from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
 from onegpu.perf.host_memory import machine_ram
@@ -44,11 +45,6 @@ class Bound:
     device: int  # bytes it must keep on the device at least
     host: int  # bytes it must keep on the host at least
     step_s: float  # seconds a step takes at least
-
-
-def state_bytes_per_param(optimizer: str) -> float:
-    """At least this many bytes of optimizer state per parameter."""
-    return {"adamw": 8.0, "adam": 8.0, "adamw8bit": 2.0, "sgd": 0.0}.get(optimizer, 0.0)
 
 
 def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_blocks: int) -> Bound:
@@ -80,26 +76,17 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
 def activation_floors(cfg: Config, gpu: str, cands: list[dict[str, str]]) -> dict[tuple, int]:
     """(checkpointing, precision) -> saved activations of one sequence that grow with the
     micro-batch, planned (two shallow copies each: a few plans in all)."""
-    from onegpu.plan.depth import plan_extrapolated
+    from onegpu.plan.depth import saved_per_sequence
 
-    floors = {}
-    for key in {(c["memory.checkpointing"], c["train.precision"]) for c in cands}:
-        one = with_overrides(
-            cfg,
-            {
-                "memory.checkpointing": key[0],
-                "train.precision": key[1],
-                "train.micro_batch_size": "1",
-                "train.batch_size": "1",
-                "memory.offload_activations": "false",
-            },
+    keys = {(c["memory.checkpointing"], c["train.precision"]) for c in cands}
+    return {
+        key: saved_per_sequence(
+            with_overrides(cfg, {"memory.checkpointing": key[0], "train.precision": key[1]}),
+            "cuda",
+            gpu_caps(gpu),
         )
-        plan = plan_extrapolated(one, "cuda", gpu_caps(gpu))
-        # per sequence: not autocast's copies of the weights (one per forward, whatever the
-        # micro-batch) nor the logits (the chunked loss changes them)
-        per_forward = ("16-bit copies (autocast)", "logits / loss")
-        floors[key] = sum(v for k, v in plan.saved_by_kind.items() if k not in per_forward)
-    return floors
+        for key in keys
+    }
 
 
 def _by_bound(
@@ -193,31 +180,73 @@ def _row(change: dict[str, str], p: Planned, fits: bool, c: Config) -> dict[str,
 
 
 def tune_predicted(
-    cfg: Config, gpu: str, host_memory: int | None, out_dir: Path, log=print
+    cfg: Config,
+    gpu: str,
+    host_memory: int | None,
+    out_dir: Path,
+    *,
+    world_size: int = 1,
+    interconnect: str = "nvlink",
+    log=print,
 ) -> dict[str, Any]:
-    """The predicted search for `gpu`; best.toml, tune.json and tune.md in `out_dir`."""
+    """The predicted search for `gpu` (one process, or `world_size` on a mesh over
+    `interconnect`: plan/mesh_search.py); best.toml, tune.json and tune.md in `out_dir`."""
     from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
     from onegpu.tools.tune import candidates
 
-    cands = candidates(cfg, "cuda", with_compile=False)
     budget = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES
-    result = search(cfg, cands, gpu, budget, host_memory or machine_ram(), log)
-    files = {
-        "tune.json": json.dumps(result, indent=1) + "\n",
-        "tune.md": predicted_table(result, budget),
-    }
+    host_budget = host_memory or machine_ram()
+    if world_size > 1:
+        from onegpu.plan.mesh_search import search_meshes
+
+        result = search_meshes(
+            cfg, gpu, gpu_caps(gpu), world_size, interconnect, budget, host_budget, log=log
+        )
+        result["host_budget"] = host_budget
+        table = mesh_table(result, budget)
+    else:
+        cands = candidates(cfg, "cuda", with_compile=False)
+        result = search(cfg, cands, gpu, budget, host_budget, log)
+        table = predicted_table(result, budget)
+    files = {"tune.json": json.dumps(result, indent=1) + "\n", "tune.md": table}
     if result["best"] is not None:
         files["best.toml"] = to_toml(with_overrides(cfg, result["best"]["change"]))
     write_together(out_dir, files)
     if result["best"] is None:
         (out_dir / "best.toml").unlink(missing_ok=True)  # an earlier search's: not this one's
+        where = f"{world_size} x {gpu}" if world_size > 1 else gpu
         raise ConfigError(
             "--gpu",
-            f"nothing in the search fits {gpu} with {result['host_budget'] / 2**30:.1f} GiB of "
+            f"nothing in the search fits {where} with {host_budget / 2**30:.1f} GiB of "
             "host memory; --host-memory BYTES plans for a larger host, or `onegpu plan "
             "--largest` says which size of this model fits",
         )
     return result
+
+
+def mesh_table(result: dict[str, Any], budget: int) -> str:
+    """tune.md of a mesh search: each candidate planned, fastest predicted first."""
+    lines = [
+        f"# onegpu tune for {result['world_size']} x {result['gpu']} over "
+        f"{result['interconnect']}: predicted, not measured (no such GPU here)",
+        "",
+        f"{result['candidates']} candidates (every mesh layout x checkpointing x micro-batch); "
+        f"{result['skipped_by_arithmetic']} skipped by arithmetic; {result['planned']} planned "
+        f"(fastest predicted step first, until one fit) in {result['seconds']:.0f} s. Budget "
+        f"{budget / 2**30:.1f} GiB per GPU.",
+        "",
+        "| layout, checkpointing, micro-batch | predicted tokens/s | largest rank | fits |",
+        "|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**30:,.2f} GiB | "
+            f"{'yes' if r['fits'] else 'no'} |"
+        )
+    if result["best"]:
+        flags = " ".join(f"--{k} {v}" for k, v in result["best"]["overrides"].items())
+        lines += ["", f"Fastest that fits: {result['best']['label']} ({flags}; best.toml)."]
+    return "\n".join(lines) + "\n"
 
 
 def predicted_table(result: dict[str, Any], budget: int) -> str:

@@ -45,10 +45,17 @@ def trial_label(change: dict[str, str]) -> str:
         "train.compile": "compile",
         "dist.strategy": "",
         "dist.cpu_offload": "shards on host",
+        "dist.dp_replicate": "replicas",
+        "dist.dp_shard": "shards",
+        "dist.tp": "tp",
+        "dist.pp": "pp",
     }
+    mesh = ("dist.dp_replicate", "dist.dp_shard", "dist.tp", "dist.pp")
     parts = []
     for k, v in change.items():
         if v in ("0", "false", "none") and k != "memory.checkpointing":
+            continue
+        if k in mesh and v == "1":
             continue
         parts.append(short[k] if v == "true" else f"{short[k]} {v}".strip())
     return ", ".join(parts)
