@@ -25,7 +25,9 @@ FAST_STATES = {("fp32", "adamw"), ("bf16", "adafactor"), ("bf16-pure", "sgd")}
     [(p, o) if (p, o) in FAST_STATES else pytest.param(p, o, marks=pytest.mark.slow)
      for p in ("fp32", "bf16", "bf16-pure") for o in ("adamw", "sgd", "adafactor")
      if (p, o) != ("bf16-pure", "adafactor")]  # refused combination (test_config)
-    + [pytest.param("fp32", "adamw8bit", marks=pytest.mark.slow)],  # compiles (~20 s on a CPU)
+    + [pytest.param("fp32", "adamw8bit", marks=pytest.mark.slow)]  # compiles (~20 s on a CPU)
+    + [pytest.param("bf16", "adamw4bit", marks=pytest.mark.slow)]
+    + [("fp32", "lamb"), pytest.param("bf16", "lars", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_planned_state_bytes_are_exact(precision, optimizer):
     cfg = _cfg(**{"train.precision": precision, "optim.name": optimizer})

@@ -58,9 +58,9 @@ def validate_backend(cfg: Config) -> None:
     _refuse(mem.gelu_bits != 0, "memory.gelu_bits", f"(few-bit GELU) {none_yet}")
     _refuse(mem.randomized_linear != 0, "memory.randomized_linear", none_yet)
     _refuse(
-        o.name == "adamw8bit",
+        o.name in ("adamw8bit", "adamw4bit", "lamb", "lars"),
         "optim.name",
-        f"adamw8bit (torchao) {none_yet}; adamw, adafactor and sgd come from optax",
+        f"{o.name} {none_yet}; adamw, adafactor and sgd come from optax",
     )
     _refuse(o.in_backward, "optim.in_backward", none_yet)
     _refuse(

@@ -155,12 +155,19 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    name: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
+    name: Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd", "lamb", "lars"] = "adamw"
     """Optimizer: 'adamw' (fused where available; 8 bytes of state per parameter), 'adamw8bit'
-    (torchao's block-wise 8-bit moments, ~2 bytes), 'adafactor' (factored second moment, no
-    first moment), 'sgd' (momentum optim.beta1; 4 bytes)."""
+    (torchao's block-wise 8-bit moments, ~2 bytes), 'adamw4bit' (torchao's 4-bit moments, ~1
+    byte), 'adafactor' (factored second moment, no first moment), 'sgd' (momentum optim.beta1;
+    4 bytes), 'lamb' (Adam with a per-tensor trust ratio, for large batches; 8 bytes) and
+    'lars' (momentum SGD with a per-tensor trust ratio; 4 bytes), both pytorch-optimizer's."""
     lr: float = 1e-3
-    """Peak learning rate, reached after warmup."""
+    """Peak learning rate, reached after warmup (at optim.base_batch when lr_scaling is on)."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale optim.lr with the global batch against optim.base_batch: linearly (Goyal et al.,
+    for SGD) or by the square root (the LAMB paper's rule for adaptive optimizers)."""
+    base_batch: int = 0
+    """The global batch (sequences) optim.lr was tuned at; required by lr_scaling."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms, embeddings)."""
     beta1: float = 0.9

@@ -3,9 +3,20 @@ the same on both backends."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from onegpu.config.options import OptimConfig
+from onegpu.config.options import Config, OptimConfig
+
+
+def scaled_optim(cfg: Config) -> OptimConfig:
+    """The optimizer settings a run steps with: optim.lr scaled from optim.base_batch to the
+    global batch as optim.lr_scaling says (linear: x batch/base; sqrt: x its square root)."""
+    o = cfg.optim
+    if o.lr_scaling == "none":
+        return o
+    ratio = cfg.train.batch_size / o.base_batch
+    return dataclasses.replace(o, lr=o.lr * (ratio if o.lr_scaling == "linear" else ratio**0.5))
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -138,6 +138,13 @@ def _validate_optim(cfg: Config) -> None:
     _require(
         o.eps > 0 and math.isfinite(o.eps), "optim.eps", f"must be a finite number > 0, got {o.eps}"
     )
+    _require(o.base_batch >= 0, "optim.base_batch", f"must be 0 or more, got {o.base_batch}")
+    _require(
+        o.lr_scaling == "none" or o.base_batch > 0,
+        "optim.base_batch",
+        f"optim.lr_scaling {o.lr_scaling} scales optim.lr from the batch it was tuned at: give "
+        "that batch (sequences), e.g. --optim.base_batch 16",
+    )
     _require(
         m.init_std > 0 and math.isfinite(m.init_std),
         "model.init_std",
@@ -187,10 +194,10 @@ def _validate_combinations(cfg: Config) -> None:
         "use block or attn+mlp checkpointing with compile, or --train.compile none (or auto)",
     )
     _require(
-        not (t.precision == "bf16-pure" and o.name == "adafactor"),
+        not (t.precision == "bf16-pure" and o.name in ("adafactor", "lamb", "lars")),
         "optim.name",
-        "adafactor has no bf16-weight variant (its updates would be rounded away in bf16); "
-        "with train.precision bf16-pure use adamw, adamw8bit or sgd",
+        f"{o.name} has no bf16-weight variant (its updates would be rounded away in bf16); "
+        "with train.precision bf16-pure use adamw, adamw8bit, adamw4bit or sgd",
     )
 
 

@@ -40,26 +40,41 @@ def _fused_ok(device: torch.device, params: list[torch.Tensor]) -> bool:
     return device.type in ("cuda", "cpu", "mps") and all(p.is_floating_point() for p in params)
 
 
-def _adamw8bit(
+def _low_bit_adamw(
     groups: list[dict], cfg: OptimConfig, *, stochastic_round: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW with block-wise 8-bit moments (torchao: runs on CPU and CUDA alike). For bf16
-    weights the update is rounded stochastically (unbiased), torchao's counterpart of Kahan."""
+    """AdamW with block-wise 8- or 4-bit moments (torchao: runs on CPU and CUDA alike). For
+    bf16 weights the update is rounded stochastically (unbiased), torchao's Kahan."""
     library_notes_off()
     try:
-        from torchao.optim import AdamW8bit
+        from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as e:
         raise ConfigError(
             "optim.name",
-            f"adamw8bit needs torchao ({e}); pip install 'onegpu[lowbit]' or choose adamw/adafactor",
+            f"{cfg.name} needs torchao ({e}); pip install 'onegpu[lowbit]' or choose adamw",
         ) from None
-    return AdamW8bit(
+    return (AdamW8bit if cfg.name == "adamw8bit" else AdamW4bit)(
         groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         bf16_stochastic_round=stochastic_round,
     )
+
+
+def _trust_ratio(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """LAMB (Adam's update scaled per tensor by |w| / |update|) or LARS (momentum SGD scaled
+    the same way), pytorch-optimizer's: the large-batch optimizers of the memory survey."""
+    try:
+        import pytorch_optimizer
+    except ImportError as e:
+        raise ConfigError(
+            "optim.name",
+            f"{cfg.name} needs pytorch-optimizer ({e}); pip install 'onegpu[optimizers]'",
+        ) from None
+    if cfg.name == "lamb":
+        return pytorch_optimizer.Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return pytorch_optimizer.LARS(groups, lr=cfg.lr, momentum=cfg.beta1)
 
 
 def build_optimizer(
@@ -107,8 +122,10 @@ def _make(
             fused=fused or None,
             foreach=None if fused else True,
         )
-    if cfg.name == "adamw8bit":
-        return _adamw8bit(groups, cfg)
+    if cfg.name in ("adamw8bit", "adamw4bit"):
+        return _low_bit_adamw(groups, cfg)
+    if cfg.name in ("lamb", "lars"):
+        return _trust_ratio(groups, cfg)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
     if cfg.name == "adafactor":
@@ -122,7 +139,7 @@ def _make_for_bf16_weights(groups: list[dict], cfg: OptimConfig) -> torch.optim.
         return KahanAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.name == "sgd":
         return KahanSGD(groups, lr=cfg.lr, momentum=cfg.beta1)
-    if cfg.name == "adamw8bit":
-        return _adamw8bit(groups, cfg, stochastic_round=True)
+    if cfg.name in ("adamw8bit", "adamw4bit"):
+        return _low_bit_adamw(groups, cfg, stochastic_round=True)
     # config validation refuses adafactor with bf16-pure
     raise ValueError(f"{cfg.name} has no bf16-weight variant")

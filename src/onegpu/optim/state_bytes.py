@@ -28,7 +28,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def state_bytes_per_param(optimizer: str) -> float:
     """At least this many bytes of optimizer state per parameter (searches' lower bounds)."""
-    return {"adamw": 8.0, "adam": 8.0, "adamw8bit": 2.0, "sgd": 0.0}.get(optimizer, 0.0)
+    per_param = {"adamw": 8.0, "adam": 8.0, "lamb": 8.0, "lars": 4.0, "adamw8bit": 2.0}
+    return {**per_param, "adamw4bit": 1.0}.get(optimizer, 0.0)
 
 
 QMAP_BYTES = 256 * 4  # torchao keeps its 256-entry fp32 code book with every 8-bit state
@@ -54,6 +55,16 @@ def predicted_state_bytes(name: str, params: list[torch.Tensor], block_size: int
                 total += 2 * (p.numel() + p.numel() // block_size * 4 + QMAP_BYTES)
             else:
                 total += 2 * p.numel() * p.element_size()
+        elif name == "adamw4bit":  # torchao: two 4-bit codes a byte, a scale per 128, 16 codes
+            total += 4
+            if p.numel() >= 4096 and p.numel() % 128 == 0:
+                total += 2 * (p.numel() // 2 + p.numel() // 128 * 4 + 16 * 4)
+            else:
+                total += 2 * p.numel() * p.element_size()
+        elif name == "lamb":  # pytorch-optimizer: two moments, and the step's three norms kept
+            total += (2 * p.numel() + 3) * p.element_size()
+        elif name == "lars":  # pytorch-optimizer: a momentum buffer
+            total += p.numel() * p.element_size()
         else:
             raise ValueError(f"no allocation rule for {name!r}")
     return total

@@ -37,6 +37,7 @@ FIXES: list[tuple[str, dict[str, str]]] = [
         {"optim.in_backward": "true", "optim.grad_clip": "0"},
     ),
     ("8-bit AdamW", {"optim.name": "adamw8bit"}),
+    ("4-bit AdamW", {"optim.name": "adamw4bit"}),
     ("selective checkpointing", {"memory.checkpointing": "selective"}),
     ("bf16-pure weights", {"train.precision": "bf16-pure"}),
     ("activations in host memory", {"memory.offload_activations": "true"}),

@@ -19,7 +19,7 @@ from onegpu.backends.jax import checkpoint as ckpt
 from onegpu.backends.jax.build import JaxBuilt, build
 from onegpu.backends.jax.totals import HostTotals, Out, peak_rss_bytes
 from onegpu.config import Config, ConfigError, to_dict
-from onegpu.config.schedule import lr_at
+from onegpu.config.schedule import lr_at, scaled_optim
 from onegpu.data.windows import IGNORE_INDEX, eval_windows, train_windows
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.host_memory import available_host_bytes
@@ -121,7 +121,7 @@ class JaxBackend:
     def step(self, step: int) -> Stepped:
         b = self.built
         x, y, n_tokens = next(self._batches)
-        lr = lr_at(step, b.cfg.optim, b.cfg.train.max_steps)
+        lr = lr_at(step, scaled_optim(b.cfg), b.cfg.train.max_steps)
         key = jax.random.fold_in(self._key, step)
         b.params, b.opt_state, out = b.step(
             b.params, b.opt_state, x, y, n_tokens, jnp.float32(lr), key

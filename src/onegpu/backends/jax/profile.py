@@ -24,7 +24,7 @@ def profile_jax(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, An
 
     from onegpu.backends.jax.backend import batches, xla_memory
     from onegpu.backends.jax.build import build
-    from onegpu.config.schedule import lr_at
+    from onegpu.config.schedule import lr_at, scaled_optim
 
     out = resolve_out_dir(cfg.out)
     try:
@@ -34,7 +34,7 @@ def profile_jax(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, An
 
         def one_step(step: int) -> None:
             x, y, n = next(stream)
-            lr = jnp.float32(lr_at(step, cfg.optim, cfg.train.max_steps))
+            lr = jnp.float32(lr_at(step, scaled_optim(cfg), cfg.train.max_steps))
             built.params, built.opt_state, got = built.step(
                 built.params, built.opt_state, x, y, n, lr, jax.random.fold_in(key, step)
             )

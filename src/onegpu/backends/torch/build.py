@@ -26,6 +26,7 @@ from onegpu.backends.torch.model import Applied, apply_techniques, make_model, m
 from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
 from onegpu.backends.torch.step import TrainStep
 from onegpu.config import Config, check_distributed
+from onegpu.config.schedule import scaled_optim
 from onegpu.data.tokens import TokenSplits
 from onegpu.distributed import DistContext, init_distributed, single_process
 from onegpu.memory.saved import SavedTensorCounter
@@ -44,7 +45,7 @@ from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, apply_preci
 
 # Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the
 # planner counts their states from their allocation rules (optim/state_bytes.py).
-FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit")
+FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit", "adamw4bit", "lamb", "lars")
 
 
 @dataclass(slots=True)
@@ -170,7 +171,7 @@ def _train_step(
         optimizer=optimizer,
         policy=resolved.precision,
         device=device,
-        optim=cfg.optim,
+        optim=scaled_optim(cfg),
         max_steps=cfg.train.max_steps,
         n_micro=cfg.grad_accum_steps // ctx.dp_size,
         dist=ctx,
