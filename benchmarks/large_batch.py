@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from records import bf16_kind, new_result_file
 
 from onegpu.config import load_config
 from onegpu.train import train
@@ -71,17 +72,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2_000_000)
     ap.add_argument("--optimizers", default="adamw,lamb,lars")
     args = ap.parse_args()
-    cpu = subprocess.run(
-        "grep -o -E 'avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\\n' ' '",
-        shell=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
     names = args.optimizers.split(",")
     lines = [
         f"# Large-batch training at equal tokens ({datetime.date.today()})",
         "",
-        f"Machine: {os.cpu_count()}-core CPU ({cpu or 'avx2 only'}), fp32. Model: 4 x d128 GPT, "
+        f"Machine: {os.cpu_count()}-core CPU ({bf16_kind()}), fp32. Model: 4 x d128 GPT, "
         f"seq 128, byte tokens; {args.tokens:,} training tokens per run, the same data order. "
         "Learning rate scaled by sqrt(batch / 16) from the base (AdamW 1e-3, LAMB 1e-2, LARS "
         "1.0); warmup over 320 sequences.",
@@ -100,11 +95,7 @@ def main() -> None:
                 cells.append(f"{s.get('val_loss', s['loss']):.4f}")
                 print(name, batch, cells[-1], f"{s['seconds']:.0f} s", flush=True)
             lines.append(f"| {batch} | {steps} | " + " | ".join(cells) + " |")
-    out = Path(__file__).parent / "results" / f"large-batch-{datetime.date.today()}.md"
-    n = 2
-    while out.exists():
-        out = out.with_name(f"large-batch-{datetime.date.today()}-{n}.md")
-        n += 1
+    out = new_result_file("large-batch")
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"wrote {out}")

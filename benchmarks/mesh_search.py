@@ -17,7 +17,9 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from pathlib import Path
+
+from parallel_layouts import LLAMA_SIZED as PLANNED_MODEL
+from records import new_result_file
 
 from onegpu.config import load_config
 from onegpu.perf.devices import GPUS
@@ -25,19 +27,7 @@ from onegpu.plan.mesh import predicted_step
 from onegpu.plan.mesh_search import largest_rank, model_facts, search_meshes
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, gpu_caps
 
-LLAMA_SIZED = {
-    "model.n_layer": 32,
-    "model.d_model": 4096,
-    "model.n_head": 32,
-    "model.vocab_size": 128256,
-    "model.seq_len": 2048,
-    "model.tie_embeddings": "false",
-    "model.dropout": 0,
-    "train.batch_size": 32,
-    "train.micro_batch_size": 1,
-    "train.precision": "bf16",
-    "dist.strategy": "fsdp",
-}
+LLAMA_SIZED = {**PLANNED_MODEL, "memory.checkpointing": "none", "dist.strategy": "fsdp"}
 CASES = [
     ("H100-80", 8, "nvlink"),
     ("A100-40", 8, "nvlink3"),
@@ -90,11 +80,7 @@ def main() -> None:
             f"{r['skipped_by_arithmetic']} / {r['planned']} | {seconds:.0f} |"
         )
         print(lines[-1], flush=True)
-    out = Path(__file__).parent / "results" / f"mesh-search-{datetime.date.today()}.md"
-    n = 2
-    while out.exists():
-        out = out.with_name(f"mesh-search-{datetime.date.today()}-{n}.md")
-        n += 1
+    out = new_result_file("mesh-search")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 

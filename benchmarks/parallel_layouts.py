@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from records import bf16_kind, new_result_file
+
 from onegpu.config import load_config
 from onegpu.config.layout import resolve_layout
 from onegpu.plan import links
@@ -214,10 +216,7 @@ def main() -> None:
     ap.add_argument("--skip-planned", action="store_true")
     ap.add_argument("--skip-powersgd", action="store_true")
     args = ap.parse_args()
-    cpu = subprocess.run(
-        "grep -o -E 'avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\\n' ' '",
-        shell=True, capture_output=True, text=True,
-    ).stdout.strip() or "avx2 only"  # fmt: skip
+    cpu = bf16_kind()
     lines = [
         f"# Parallel layouts ({datetime.date.today()})",
         "",
@@ -236,11 +235,7 @@ def main() -> None:
         if not args.skip_powersgd:
             lines += ["", "## PowerSGD against DDP's plain all-reduce, 2 processes, 200 steps", ""]
             lines += powersgd_table(Path(tmp))
-    out = Path(__file__).parent / "results" / f"parallel-layouts-{datetime.date.today()}.md"
-    n = 2
-    while out.exists():
-        out = out.with_name(f"parallel-layouts-{datetime.date.today()}-{n}.md")
-        n += 1
+    out = new_result_file("parallel-layouts")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 

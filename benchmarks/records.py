@@ -1,0 +1,28 @@
+"""What every benchmark's result file needs: which bf16 kind the CPU has (every result names
+it) and a name of its own (a result file is a record: a rerun writes beside it, never over it)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+from onegpu.perf.cpu import read_cpuinfo
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def bf16_kind() -> str:
+    """'amx_bf16', 'avx512_bf16' (both where both are), or 'avx2 only' (bf16 emulated)."""
+    flags = set(read_cpuinfo().get("flags", "").split())
+    return " ".join(f for f in ("amx_bf16", "avx512_bf16") if f in flags) or "avx2 only"
+
+
+def new_result_file(stem: str) -> Path:
+    """results/<stem>-<date>.md, or -2, -3, ... after it where that exists already."""
+    today = datetime.date.today()
+    out = RESULTS / f"{stem}-{today}.md"
+    n = 2
+    while out.exists():
+        out = RESULTS / f"{stem}-{today}-{n}.md"
+        n += 1
+    return out
