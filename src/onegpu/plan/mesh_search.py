@@ -168,8 +168,10 @@ def search_meshes(
         c = with_overrides(cfg, change)
         step = predicted_step(c, model.plan, gpu, world_size, interconnect)
         layout = resolve_layout(c.dist, world_size)
-        rank = -int(change["train.micro_batch_size"]), layout.tp + layout.pp
-        scored.append((step["predicted_step_time_s"], rank, change, c, layout, step))
+        # at equal predicted time: the larger micro-batch (GPUs run it faster than counted),
+        # then the fewer model-splitting processes
+        tie_break = -int(change["train.micro_batch_size"]), layout.tp + layout.pp
+        scored.append((step["predicted_step_time_s"], tie_break, change, c, layout, step))
     scored.sort(key=lambda s: (s[0], s[1]))
     rows, best, skipped = [], None, 0
     log(f"mesh search: {len(cands)} candidates for {world_size} x {gpu}, fastest predicted first")
