@@ -19,6 +19,7 @@ from onegpu.config.loading import (
     with_overrides,
 )
 from onegpu.config.options import (
+    BLOCK_POLICIES,
     CHECKPOINTING_MODES,
     HF_FIXED_FIELDS,
     SECTIONS,
@@ -34,6 +35,7 @@ from onegpu.config.options import (
     OutConfig,
     TrainConfig,
     parse_checkpointing,
+    per_block_mode,
     to_dict,
 )
 from onegpu.config.validation import (
@@ -45,6 +47,7 @@ from onegpu.config.validation import (
 )
 
 __all__ = [
+    "BLOCK_POLICIES",
     "CHECKPOINTING_MODES",
     "HF_FIXED_FIELDS",
     "SECTIONS",
@@ -70,6 +73,7 @@ __all__ = [
     "load_config",
     "load_toml",
     "parse_checkpointing",
+    "per_block_mode",
     "preset_names",
     "preset_values",
     "to_dict",

@@ -64,6 +64,12 @@ def validate_backend(cfg: Config) -> None:
     )
     _refuse(o.in_backward, "optim.in_backward", none_yet)
     _refuse(
+        mem.checkpointing.startswith(("budget:", "blocks:")),
+        "memory.checkpointing",
+        f"a per-block plan (budget:, blocks:) {none_yet}; use none, selective, dots, block or "
+        "attn+mlp",
+    )
+    _refuse(
         m.scan_layers and mem.checkpointing.startswith("every:"),
         "memory.checkpointing",
         "every:K rematerialises some blocks, but scanned blocks are all one: use block, "

@@ -183,11 +183,10 @@ def _validate_combinations(cfg: Config) -> None:
             "fp16 loss scaling must check all gradients for inf before any step, which "
             "optim.in_backward cannot wait for; use bf16, bf16-pure or fp32",
         )
+    ck = parse_checkpointing(cfg.memory.checkpointing)
+    selective = ck.kind in ("selective", "dots") or "selective" in ck.per_block
     _require(
-        not (
-            cfg.memory.checkpointing in ("selective", "dots")
-            and t.compile in ("regional", "default", "max-autotune")
-        ),
+        not (selective and t.compile in ("regional", "default", "max-autotune")),
         "memory.checkpointing",
         f"selective checkpointing is not traced by torch.compile here (dynamo: checkpoint not "
         f"implemented for its policy context), so train.compile {t.compile} cannot take it; "
@@ -315,6 +314,12 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         "bf16-pure's Kahan-compensated optimizer states do not go through sharded "
         "checkpoints yet; use bf16 (under FSDP: bf16 compute on fp32 master shards, each "
         "process holding 1/N of them)",
+    )
+    _require(
+        parse_checkpointing(cfg.memory.checkpointing).kind != "budget",
+        "memory.checkpointing",
+        "budget:BYTES plans one process; with several processes use block, selective, "
+        "every:K or a per-block plan (blocks:...)",
     )
     _require(
         cfg.optim.name in DIST_OPTIMIZERS,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from onegpu.config import parse_checkpointing
+
 
 def matmul_params(model: nn.Module) -> int:
     """Weights that take part in a matmul (a tied output layer counts: it is a matmul);
@@ -53,4 +55,7 @@ def recompute_factor(checkpointing: str) -> float:
     """RECOMPUTE for a `memory.checkpointing` value (`every:K`: one block in K recomputed)."""
     if checkpointing.startswith("every:"):
         return 1.0 + (RECOMPUTE["block"] - 1.0) / int(checkpointing.split(":")[1])
+    if checkpointing.startswith("blocks:"):  # each block's share of its policy's recompute
+        policies = parse_checkpointing(checkpointing).per_block
+        return 1.0 + sum(RECOMPUTE[p] - 1.0 for p in policies) / len(policies)
     return RECOMPUTE[checkpointing]

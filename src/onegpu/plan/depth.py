@@ -41,7 +41,8 @@ def plan_extrapolated(
     """`plan_memory(cfg, ...)`, from two shallow plans where the model is deep enough."""
     depth = shape_of(cfg).n_layer
     a, b = shallow_depths(cfg)
-    if depth <= b + (b - a):
+    per_block = parse_checkpointing(cfg.memory.checkpointing).kind == "blocks"
+    if depth <= b + (b - a) or per_block:  # a per-block plan has no shallow copy
         return plan_memory(cfg, target, caps)
     pa = plan_memory(with_depth(cfg, a), target, caps, by_segment=True)
     pb = plan_memory(with_depth(cfg, b), target, caps, by_segment=True)

@@ -33,7 +33,8 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
 
 def _memory_lines(r: dict[str, Any]) -> list[str]:
     mib, n, mem, c = 2**20, r["params"], r["memory"], r["config"]
-    lines = [
+    lines = _budget_lines(r.get("checkpointing_budget"))
+    lines += [
         f"onegpu plan (a prediction: one training step followed on fake tensors, "
         f"{r['plan_seconds']:.1f} s)",
         f"  {n:,} parameters, {c['precision']}, batch {c['batch']} x {c['seq_len']} in "
@@ -150,6 +151,20 @@ def _mesh_lines(d: dict[str, Any], gpu: str | None) -> list[str]:
             "their datasheet rate; FSDP's gathers overlap compute, the other sends wait)"
         )
     return lines
+
+
+def _budget_lines(b: dict[str, Any] | None) -> list[str]:
+    """What `budget:BYTES` decided, above the plan of what it decided."""
+    if not b:
+        return []
+    uniform = ", ".join(f"{p} {v / 2**20:,.1f}" for p, v in b["uniform_peaks"].items())
+    return [
+        f"checkpointing by budget ({b['budget'] / 2**20:,.1f} MiB): {b['checkpointing']}, "
+        f"planned peak {b['planned_peak'] / 2**20:,.1f} MiB, "
+        f"{b['recompute_factor'] - 1:.1%} of a step recomputed",
+        f"  each policy on every block, planned peak MiB: {uniform}",
+        "",
+    ]
 
 
 def _ms(seconds: float | None) -> str:

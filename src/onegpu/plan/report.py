@@ -10,11 +10,13 @@ from onegpu.config import (
     Config,
     ConfigError,
     check_distributed,
+    parse_checkpointing,
     resolve_strategy,
 )
 from onegpu.offload.weights import with_offload_params
 from onegpu.perf.devices import GPUS
 from onegpu.perf.host_memory import machine_ram
+from onegpu.plan.budget import plan_budget
 from onegpu.plan.fixes import fixes_for
 from onegpu.plan.memory import MemoryPlan, plan_memory
 from onegpu.plan.mesh import mesh_plans, mesh_section, predicted_step
@@ -66,12 +68,18 @@ def plan_report(
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
     check_distributed(cfg, strategy, world_size)  # what training would refuse, refused here
+    budgeted = None
+    if parse_checkpointing(cfg.memory.checkpointing).kind == "budget":
+        capacity = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES if gpu else memory_bytes
+        cfg, budgeted = plan_budget(cfg, target, caps, capacity)
     if needs_rank_plans(cfg, world_size):
         return _mesh_report(cfg, gpu, memory_bytes, world_size, host_memory, interconnect)
     plan = plan_memory(process_share(cfg, world_size), target, caps)
     distributed = strategy != "none"
     mem = rank_memory(cfg.dist, plan, world_size, strategy) if distributed else plan.memory
     report = _memory_report(cfg, plan, mem)
+    if budgeted:
+        report["checkpointing_budget"] = budgeted
     if distributed:
         report["dist"] = _data_parallel_section(cfg, plan, strategy, gpu, world_size, interconnect)
     if gpu and (distributed or not _fits(mem, GPUS[gpu].memory_bytes)):

@@ -103,21 +103,28 @@ def check_memory(
     except Exception as e:  # the planner's limit, not the run's
         first = next(iter(str(e).strip().splitlines()), "")
         return _skipped(f"could not plan this configuration ({type(e).__name__}: {first})")
-    host_free = available_host_bytes() // max(per_machine, 1)
+    device_free, host_free = free_bytes(device, per_machine)
     if target == "cuda":
-        from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
-
-        free, _ = torch.cuda.mem_get_info(device)
-        device_free = free - CUDA_OVERHEAD_BYTES
         short = need["peak"] > device_free or need["host"] > host_free
     else:  # one memory: the device's peak and what is "offloaded" share it
-        device_free = host_free
         short = need["peak"] + need["host"] > host_free
     if short:
         raise ConfigError(
             "train.skip_memory_check", _refusal(cfg, need, device_free, host_free, target)
         )
     return {"need": need, "device_free": device_free, "host_free": host_free}
+
+
+def free_bytes(device: torch.device, per_machine: int = 1) -> tuple[int, int]:
+    """(device, host) bytes free now for one of `per_machine` processes: on a GPU its free
+    memory less the CUDA context, on a CPU the host's available memory (one memory: both)."""
+    host_free = available_host_bytes() // max(per_machine, 1)
+    if device.type != "cuda":
+        return host_free, host_free
+    from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return free - CUDA_OVERHEAD_BYTES, host_free
 
 
 def _skipped(why: str) -> dict[str, Any]:

@@ -318,10 +318,10 @@ def load(
 
 
 def keep_decisions(saved: dict[str, Any] | None, cfg: Config) -> Config:
-    """`cfg` with every field it leaves `auto` set to what the checkpoint's run decided for it:
-    a resumed `auto` continues the run as it was, whatever this run would decide afresh (a
-    shorter `train.max_steps` must not turn `train.compile auto` from compiled to eager and so
-    refuse the resume). `cfg` itself is untouched."""
+    """`cfg` with every field it leaves `auto` (or to a budget) set to what the checkpoint's
+    run decided for it: a resumed `auto` continues the run as it was, whatever this run would
+    decide afresh (a shorter `train.max_steps` must not turn `train.compile auto` from compiled
+    to eager and so refuse the resume). `cfg` itself is untouched."""
     now = to_dict(cfg)
     decided: dict[str, Any] = {}
     for section, fields in (saved or {}).items():
@@ -329,7 +329,11 @@ def keep_decisions(saved: dict[str, Any] | None, cfg: Config) -> Config:
             continue
         for name, old in fields.items():
             key = f"{section}.{name}"
-            if key not in MAY_CHANGE and now[section].get(name) == "auto" and old != "auto":
+            value = now[section].get(name)
+            undecided = value == "auto" or (
+                key == "memory.checkpointing" and str(value).startswith("budget:")
+            )
+            if key not in MAY_CHANGE and undecided and old != "auto":
                 decided[key] = old
     if not decided:
         return cfg

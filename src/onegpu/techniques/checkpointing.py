@@ -121,15 +121,27 @@ def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> nn.Module:
     """Wrap the sub-modules `mode` names in every block (after any layer swaps inside them)."""
     if mode.kind == "none":
         return model
+    if mode.kind == "budget":  # planned into blocks:... before a build (plan/budget.py)
+        raise ConfigError(
+            "memory.checkpointing",
+            "budget:BYTES is decided by `onegpu train` and `onegpu plan`; here give a per-block "
+            "plan (blocks:...: `onegpu plan --best-toml` writes it) or a uniform policy",
+        )
+    n_blocks = len(model.blocks)
+    if mode.kind == "blocks" and len(mode.per_block) != n_blocks:
+        raise ConfigError(
+            "memory.checkpointing",
+            f"the per-block plan names {len(mode.per_block)} blocks, the model has {n_blocks}",
+        )
     for name, block in model.blocks.named_children():  # a pipeline stage's keep their indices
-        i = int(name)
-        if mode.kind in ("attn", "attn+mlp"):
+        policy = mode.policy_of(int(name))
+        if policy in ("attn", "attn+mlp"):
             checkpoint_module(block_branch(block, "attn"))
-        if mode.kind in ("mlp", "attn+mlp"):
+        if policy in ("mlp", "attn+mlp"):
             checkpoint_module(block_branch(block, "mlp"))
-        if mode.kind == "block" or (mode.kind == "every" and i % mode.every == 0):
+        if policy == "block":
             checkpoint_module(block)
-        if mode.kind in ("selective", "dots"):
+        if policy in ("selective", "dots"):
             block._selective_contexts = SelectiveContexts()
             checkpoint_module(block, context_fn=block._selective_contexts)
     return model

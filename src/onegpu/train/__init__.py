@@ -26,12 +26,13 @@ def train(cfg: Config) -> dict[str, Any]:
 
 
 def torch_backend() -> Backend:
-    """The torch backend, with the planner's start-up memory check (the planner sits above the
-    backends: it builds on fake tensors through the torch build)."""
+    """The torch backend, with the planner's start-up memory check and checkpointing by budget
+    (the planner sits above the backends: it builds on fake tensors through the torch build)."""
     from onegpu.backends.torch.backend import TorchBackend
+    from onegpu.plan.budget import budget_for_run
     from onegpu.plan.startup import check_memory
 
-    return TorchBackend(memory_check=check_memory)
+    return TorchBackend(memory_check=check_memory, plan_checkpointing=budget_for_run)
 
 
 def jax_backend() -> Backend:

@@ -36,13 +36,22 @@ from onegpu.runs.meter import Meter
 MemoryCheck = Callable[[Config, torch.device, int, int], object]
 """Plans a configuration before it allocates: (config, device, world size, processes on this
 machine) (plan/startup.py; the planner sits above the backends, so the caller hands it in)."""
+CheckpointingPlan = Callable[[Config, torch.device], Config]
+"""Decides `memory.checkpointing budget:BYTES` per block on the run's device (plan/budget.py,
+handed in for the same reason)."""
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, memory_check: MemoryCheck | None = None):
+    def __init__(
+        self,
+        memory_check: MemoryCheck | None = None,
+        plan_checkpointing: CheckpointingPlan | None = None,
+    ):
         self._memory_check = memory_check
+        self._plan_checkpointing = plan_checkpointing
+        self._planned: tuple[Config, Config] | None = None  # (as given, as decided)
         self.ctx: DistContext | None = None
         self.built: Built | None = None
         self.tokenizer: Any = None
@@ -66,8 +75,19 @@ class TorchBackend:
     def checkpoint_suffix(self) -> str:
         return "" if self.ctx is not None and self.ctx.enabled else ckpt.SUFFIX
 
+    def _decided(self, cfg: Config) -> Config:
+        """`cfg` with its checkpointing budget decided, once per run (one process: several
+        are refused by the build in one line)."""
+        if self._plan_checkpointing is None or self.ctx.enabled:
+            return cfg
+        if self._planned is None or self._planned[0] is not cfg:
+            device = resolve_device(cfg.train.device)
+            self._planned = (cfg, self._plan_checkpointing(cfg, device))
+        return self._planned[1]
+
     def check_memory(self, cfg: Config) -> None:
         # each process its own share, rank 0 first (the others read its cached plan)
+        cfg = self._decided(cfg)
         if self._memory_check is None:
             return
         ctx = self.ctx
@@ -85,7 +105,7 @@ class TorchBackend:
             )
 
     def build(self, cfg: Config) -> Config:
-        self.built = build(cfg, dist_ctx=self.ctx)
+        self.built = build(self._decided(cfg), dist_ctx=self.ctx)
         self.tokenizer = self.built.data.tokenizer
         return self.built.cfg
 

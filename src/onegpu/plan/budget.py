@@ -1,0 +1,222 @@
+"""Checkpointing by budget: `memory.checkpointing budget:BYTES` picks, per block, what to save
+and what to recompute so that the step's planned peak fits BYTES at the least recomputation.
+
+Rotor (Beaumont et al., "Optimal checkpointing for heterogeneous chains: how to train deep
+neural networks with limited memory", 2019) finds the fastest schedule for a memory budget by
+dynamic programming over each stage's saved bytes and recompute time. Here the stages are the
+blocks and the choices per block are onegpu's policies (none, selective, attn, mlp, attn+mlp,
+block):
+
+1. The planner follows the step once per uniform policy: each block's saved bytes under each
+   policy (`saved_by_block`) and the peak of each.
+2. The peak of a mix is modelled as what the step holds besides the blocks' saved activations,
+   plus each block's weight under its policy: its saved bytes and an even share of what that
+   policy's peak holds beyond them (the block being recomputed, selective's cached outputs),
+   so that the model gives each uniform policy's planned peak exactly. A recompute costs the
+   share of a block's forward its policy redoes (perf/flops.py's RECOMPUTE).
+3. A multiple-choice knapsack (numpy) gives the least recompute whose modelled peak fits; the
+   planner then follows the chosen mix in full. Where the model was optimistic the knapsack
+   runs again with the budget lowered by the overshoot, so what is returned was planned within
+   the budget.
+
+The result is written as `blocks:P,P,...` (the run folder's config.toml records it), and a
+budget below the leanest policy's planned peak is refused with that minimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from onegpu.config import (
+    BLOCK_POLICIES,
+    Config,
+    ConfigError,
+    parse_checkpointing,
+    per_block_mode,
+    with_overrides,
+)
+from onegpu.perf.flops import RECOMPUTE
+from onegpu.plan.depth import plan_extrapolated
+from onegpu.plan.memory import MemoryPlan, plan_memory
+from onegpu.techniques.precision import DeviceCaps
+
+STEPS = 4000
+"""Resolution of the knapsack's byte axis: the budget in this many steps."""
+TRIES = 4
+"""Knapsacks run before the leanest uniform policy that fits is taken instead."""
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Per policy: each block's saved bytes, and the step's planned peak under it."""
+
+    saved: dict[str, list[int]]
+    peaks: dict[str, int]
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.saved["none"])
+
+    def rest(self) -> int:
+        """What the step holds at its peak besides the blocks' saved activations (from the
+        plain step, whose peak holds them all)."""
+        return self.peaks["none"] - sum(self.saved["none"])
+
+    def weight(self, policy: str, block: int) -> int:
+        """What `block` under `policy` adds to the peak: its saved bytes, and an even share of
+        what the policy's planned peak holds beyond the saved bytes and the rest (a recomputed
+        block's rebuilt activations, selective's cached outputs). Summed over the blocks of a
+        uniform policy, it is that policy's planned peak less the rest: the model is exact
+        where the planner has measured it."""
+        beyond = self.peaks[policy] - self.rest() - sum(self.saved[policy])
+        return max(0, self.saved[policy][block] + beyond // self.n_blocks)
+
+
+def block_costs(cfg: Config, target: str, caps: DeviceCaps | None) -> BlockCosts:
+    """Each uniform policy planned (two shallow copies each where the model is deep); the
+    policies the model or the configuration cannot take (no attn module, selective under
+    compile) are left out."""
+    saved: dict[str, list[int]] = {}
+    peaks: dict[str, int] = {}
+    for policy in BLOCK_POLICIES:
+        try:
+            plan = plan_extrapolated(
+                with_overrides(cfg, {"memory.checkpointing": policy}), target, caps
+            )
+        except ConfigError:
+            if policy == "none":
+                raise
+            continue
+        n = sum(1 for k in plan.saved_by_block if k.startswith("blocks."))
+        saved[policy] = [plan.saved_by_block.get(f"blocks.{i}", 0) for i in range(n)]
+        peaks[policy] = plan.memory["peak"]
+    return BlockCosts(saved, peaks)
+
+
+def cheapest_mix(costs: BlockCosts, budget: int) -> list[str] | None:
+    """The per-block policies of least total recompute whose modelled peak (the rest plus each
+    block's weight) is within `budget`; None where no mix is. A multiple-choice knapsack over
+    the bytes, each byte count rounded up to the axis' steps so that a choice never holds more
+    than it counts."""
+    policies = list(costs.saved)
+    room = budget - costs.rest()
+    if room < 0:
+        return None
+    unit = max(1, math.ceil(room / STEPS))
+    cap = room // unit
+    best = np.full(cap + 1, np.inf)
+    best[0] = 0.0  # best[w]: least recompute with the blocks so far holding w units
+    picks = np.zeros((costs.n_blocks, cap + 1), dtype=np.int8)
+    for i in range(costs.n_blocks):
+        nxt = np.full(cap + 1, np.inf)
+        for k, p in enumerate(policies):
+            w = math.ceil(costs.weight(p, i) / unit)
+            if w > cap:
+                continue
+            moved = np.full(cap + 1, np.inf)
+            moved[w:] = best[: cap + 1 - w] + (RECOMPUTE[p] - 1.0)
+            better = moved < nxt
+            nxt[better], picks[i][better] = moved[better], k
+        best = nxt
+    if not np.isfinite(best).any():
+        return None
+    w = int(np.argmin(best))  # the least recompute, and of equals the fewest bytes
+    choice = []
+    for i in reversed(range(costs.n_blocks)):
+        p = policies[picks[i][w]]
+        choice.append(p)
+        w -= math.ceil(costs.weight(p, i) / unit)
+    return choice[::-1]
+
+
+def plan_budget(
+    cfg: Config, target: str, caps: DeviceCaps | None, capacity: int | None
+) -> tuple[Config, dict[str, Any]]:
+    """`cfg` with its `budget:` checkpointing replaced by the per-block plan it resolves to,
+    and what was decided. `capacity`: the device's bytes, which `budget:auto` takes."""
+    mode = parse_checkpointing(cfg.memory.checkpointing)
+    budget = mode.budget or capacity
+    if budget is None:
+        raise ConfigError(
+            "memory.checkpointing",
+            "budget:auto takes the device's memory, and none is given here: name the bytes "
+            "(budget:8000000000), or plan for a device (--gpu NAME or --memory BYTES)",
+        )
+    costs = block_costs(cfg, target, caps)
+    floor = min(costs.peaks.values())
+    if budget < floor:
+        leanest = min(costs.peaks, key=costs.peaks.__getitem__)
+        raise ConfigError(
+            "memory.checkpointing",
+            f"budget:{budget} is below what this step needs whatever it recomputes: at least "
+            f"{floor:,} bytes ({floor / 2**30:.2f} GiB, every block '{leanest}'); raise the "
+            "budget, or lower the micro-batch or the precision",
+        )
+    chosen, plan = _fitted(cfg, costs, budget, target, caps)
+    recompute = 1.0 + sum(RECOMPUTE[p] - 1.0 for p in chosen) / len(chosen)
+    decided = {
+        "budget": budget,
+        "checkpointing": per_block_mode(chosen),
+        "planned_peak": plan.memory["peak"],
+        "recompute_factor": recompute,
+        "uniform_peaks": costs.peaks,
+    }
+    resolved = dataclasses.replace(
+        cfg, memory=dataclasses.replace(cfg.memory, checkpointing=decided["checkpointing"])
+    )
+    return resolved, decided
+
+
+def _fitted(
+    cfg: Config, costs: BlockCosts, budget: int, target: str, caps: DeviceCaps | None
+) -> tuple[list[str], MemoryPlan]:
+    """The cheapest mix whose full plan fits `budget`: the knapsack's, its budget lowered by
+    each overshoot; else the uniform policy of least recompute that fits."""
+    room = budget
+    for _ in range(TRIES):
+        chosen = cheapest_mix(costs, room)
+        if chosen is None:
+            break
+        plan = plan_memory(_with(cfg, chosen), target, caps)
+        if plan.memory["peak"] <= budget:
+            return chosen, plan
+        room -= plan.memory["peak"] - budget
+    fitting = [p for p in costs.peaks if costs.peaks[p] <= budget]
+    for policy in sorted(fitting, key=lambda p: RECOMPUTE[p]):
+        chosen = [policy] * costs.n_blocks
+        plan = plan_memory(_with(cfg, chosen), target, caps)
+        if plan.memory["peak"] <= budget:
+            return chosen, plan
+    raise ConfigError(
+        "memory.checkpointing",
+        f"no per-block plan was planned within budget:{budget} (the leanest policy's peak "
+        f"is {min(costs.peaks.values()):,} bytes when extrapolated, more in full); raise it",
+    )
+
+
+def _with(cfg: Config, chosen: list[str]) -> Config:
+    return with_overrides(cfg, {"memory.checkpointing": per_block_mode(chosen)})
+
+
+def budget_for_run(cfg: Config, device: torch.device) -> Config:
+    """A run's `budget:` checkpointing decided on its device (budget:auto: the memory free
+    there now), said in one line; any other checkpointing as it is."""
+    if parse_checkpointing(cfg.memory.checkpointing).kind != "budget":
+        return cfg
+    from onegpu.plan.startup import free_bytes
+
+    target = "cuda" if device.type == "cuda" else "cpu"
+    resolved, decided = plan_budget(cfg, target, None, free_bytes(device)[0])
+    print(
+        f"onegpu: checkpointing {cfg.memory.checkpointing} -> {decided['checkpointing']} "
+        f"(planned peak {decided['planned_peak'] / 2**20:,.1f} MiB, "
+        f"{decided['recompute_factor'] - 1:.1%} of a step recomputed)",
+        flush=True,
+    )
+    return resolved
