@@ -46,7 +46,7 @@ def reference(batch):
     return _step(_built(), *batch)
 
 
-@pytest.mark.parametrize("mode", MODES[1:])
+@pytest.mark.parametrize("mode", [*MODES[1:], "blocks:selective,attn+mlp,none,block"])
 def test_checkpointing_keeps_gradients_with_dropout(mode, batch, reference):
     loss, grads, saved = _step(_built(**{"memory.checkpointing": mode}), *batch)
     ref_loss, ref_grads, ref_saved = reference
@@ -178,6 +178,10 @@ def test_chunked_loss_under_bf16_tracks_the_plain_path():
     [
         ("memory.checkpointing", "blocks"),
         ("memory.checkpointing", "every:0"),
+        ("memory.checkpointing", "budget:-5"),
+        ("memory.checkpointing", "budget:"),
+        ("memory.checkpointing", "blocks:none*0"),
+        ("memory.checkpointing", "blocks:fast,block"),
         ("memory.loss_chunk", "-1"),
     ],
 )
