@@ -14,8 +14,9 @@ block):
    policy's peak holds beyond them (the block being recomputed, selective's cached outputs),
    so that the model gives each uniform policy's planned peak exactly. A recompute costs the
    share of a block's forward its policy redoes (perf/flops.py's RECOMPUTE).
-3. A multiple-choice knapsack (numpy) gives the least recompute whose modelled peak fits; the
-   planner then follows the chosen mix in full. Where the model was optimistic the knapsack
+3. A multiple-choice knapsack (numpy) gives the least recompute whose modelled peak fits (or
+   a uniform policy that fits, where that recomputes less); the planner then follows the
+   chosen mix in full. Where the model was optimistic the knapsack
    runs again with the budget lowered by the overshoot, so what is returned was planned within
    the budget.
 
@@ -101,13 +102,22 @@ def block_costs(cfg: Config, target: str, caps: DeviceCaps | None) -> BlockCosts
 
 def cheapest_mix(costs: BlockCosts, budget: int) -> list[str] | None:
     """The per-block policies of least total recompute whose modelled peak (the rest plus each
-    block's weight) is within `budget`; None where no mix is. A multiple-choice knapsack over
-    the bytes, each byte count rounded up to the axis' steps so that a choice never holds more
-    than it counts."""
-    policies = list(costs.saved)
+    block's weight) is within `budget`; None where none is. The knapsack's mix, or a uniform
+    policy planned within the budget where that recomputes less (at a budget equal to a
+    uniform policy's peak, the knapsack's rounding up can miss it by a step)."""
+    options = [[p] * costs.n_blocks for p in costs.saved if costs.peaks[p] <= budget]
     room = budget - costs.rest()
-    if room < 0:
+    mix = _knapsack(costs, list(costs.saved), room) if room >= 0 else None
+    options = ([mix] if mix else []) + options
+    if not options:
         return None
+    return min(options, key=lambda choice: sum(RECOMPUTE[p] for p in choice))
+
+
+def _knapsack(costs: BlockCosts, policies: list[str], room: int) -> list[str] | None:
+    """A multiple-choice knapsack over the bytes: the least total recompute with the blocks'
+    weights within `room`, each weight rounded up to the axis' steps so that a choice never
+    holds more than it counts."""
     unit = max(1, math.ceil(room / STEPS))
     cap = room // unit
     best = np.full(cap + 1, np.inf)
@@ -177,7 +187,8 @@ def _fitted(
     cfg: Config, costs: BlockCosts, budget: int, target: str, caps: DeviceCaps | None
 ) -> tuple[list[str], MemoryPlan]:
     """The cheapest mix whose full plan fits `budget`: the knapsack's, its budget lowered by
-    each overshoot; else the uniform policy of least recompute that fits."""
+    each overshoot (the uniform plans are extrapolated from shallow copies, the mix is planned
+    in full); else the uniform policy of least recompute that fits."""
     room = budget
     for _ in range(TRIES):
         chosen = cheapest_mix(costs, room)
@@ -186,7 +197,9 @@ def _fitted(
         plan = plan_memory(_with(cfg, chosen), target, caps)
         if plan.memory["peak"] <= budget:
             return chosen, plan
-        room -= plan.memory["peak"] - budget
+        # lower by the overshoot, and by what the knapsack's rounding could hide, so that the
+        # next mix is another one
+        room -= plan.memory["peak"] - budget + costs.n_blocks * math.ceil(room / STEPS)
     fitting = [p for p in costs.peaks if costs.peaks[p] <= budget]
     for policy in sorted(fitting, key=lambda p: RECOMPUTE[p]):
         chosen = [policy] * costs.n_blocks
