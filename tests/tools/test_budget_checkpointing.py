@@ -127,3 +127,54 @@ def test_a_run_records_its_decision_and_a_resume_keeps_it(tmp_path):
     saved = {"memory": {"checkpointing": written.memory.checkpointing}}
     kept = keep_decisions(saved, run_cfg)
     assert kept.memory.checkpointing == written.memory.checkpointing
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [
+        ({"memory.checkpointing": "budget-compiled:0.5"}, "--train.compile regional"),
+        (
+            {
+                "memory.checkpointing": "budget-compiled:0.5",
+                "train.compile": "regional",
+                "model.dropout": "0.1",
+            },
+            "#190758",
+        ),  # fmt: skip
+        ({"memory.checkpointing": "budget-compiled:2"}, "from 0 to 1"),
+    ],
+)
+def test_budget_compiled_is_refused_where_it_would_be_wrong(over, says, capsys):
+    args = ["train", "--preset", "tiny", "--model.dropout", "0"]
+    for k, v in over.items():
+        args += [f"--{k}", v]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("onegpu: error: memory.checkpointing:") and says in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.slow  # compiles twice (~1 min on a CPU)
+def test_budget_compiled_hands_the_choice_to_the_partitioner_and_keeps_the_losses(tmp_path):
+    import json
+
+    import torch._functorch.config as functorch_config
+
+    from onegpu.backends.torch.build import build
+
+    def losses(mode: str) -> list[float]:
+        over = {"train.compile": "regional", "memory.checkpointing": mode, "train.max_steps": "3",
+                "out.dir": str(tmp_path / mode.replace(":", "-")), "out.progress": "false",
+                "train.eval_every": "0", "train.log_every": "1"}  # fmt: skip
+        from onegpu.train import train
+
+        train(_cfg("tiny-6", **over))
+        rows = (tmp_path / mode.replace(":", "-") / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(r)["loss"] for r in rows if "loss" in json.loads(r)]
+
+    assert losses("budget-compiled:0.0") == pytest.approx(losses("none"), rel=1e-5)
+    build(_cfg("tiny-6", **{"memory.checkpointing": "budget-compiled:0.25",
+                            "train.compile": "regional"}), with_data=False)  # fmt: skip
+    assert functorch_config.activation_memory_budget == 0.25
+    build(_cfg("tiny-6"), with_data=False)
+    assert functorch_config.activation_memory_budget == 1.0

@@ -5,6 +5,13 @@ written, and raises `ConfigError` naming the field and a fix. Pure data: the bot
 `options.py` holds the sections, `loading.py` presets/TOML/overrides, `validation.py` the checks.
 """
 
+from onegpu.config.checkpointing import (
+    BLOCK_POLICIES,
+    CHECKPOINTING_MODES,
+    Checkpointing,
+    parse_checkpointing,
+    per_block_mode,
+)
 from onegpu.config.loading import (
     all_fields,
     all_keys,
@@ -19,12 +26,9 @@ from onegpu.config.loading import (
     with_overrides,
 )
 from onegpu.config.options import (
-    BLOCK_POLICIES,
-    CHECKPOINTING_MODES,
     HF_FIXED_FIELDS,
     SECTIONS,
     CheckpointConfig,
-    Checkpointing,
     Config,
     ConfigError,
     DataConfig,
@@ -34,8 +38,6 @@ from onegpu.config.options import (
     OptimConfig,
     OutConfig,
     TrainConfig,
-    parse_checkpointing,
-    per_block_mode,
     to_dict,
 )
 from onegpu.config.validation import (

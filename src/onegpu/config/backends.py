@@ -33,7 +33,7 @@ def validate_backend(cfg: Config) -> None:
             "--train.backend jax",
         )
         return
-    m, t, mem, o = cfg.model, cfg.train, cfg.memory, cfg.optim
+    m, t = cfg.model, cfg.train
     none_yet = "has no JAX counterpart yet: turn it off or use --train.backend torch"
     _refuse(bool(m.hf), "model.hf", f"(a Hugging Face model) {none_yet}")
     _refuse(
@@ -52,6 +52,18 @@ def validate_backend(cfg: Config) -> None:
         "XLA compiles every JAX step already; use auto, and --model.scan_layers true for "
         "what regional compile does on torch",
     )
+    _refuse_torch_memory_techniques(cfg, none_yet)
+    _refuse(
+        cfg.dist.strategy in ("fsdp", "ddp") or world_size_from_env() > 1,
+        "dist.strategy",
+        f"(several processes) {none_yet}; the JAX backend trains on one process",
+    )
+    _refuse_mesh(cfg, none_yet)
+
+
+def _refuse_torch_memory_techniques(cfg: Config, none_yet: str) -> None:
+    """The memory techniques and optimizers only the torch backend has."""
+    m, mem, o = cfg.model, cfg.memory, cfg.optim
     _refuse(mem.offload_activations, "memory.offload_activations", none_yet)
     _refuse(mem.offload_params, "memory.offload_params", none_yet)
     _refuse(mem.offload_optimizer, "memory.offload_optimizer", none_yet)
@@ -64,10 +76,10 @@ def validate_backend(cfg: Config) -> None:
     )
     _refuse(o.in_backward, "optim.in_backward", none_yet)
     _refuse(
-        mem.checkpointing.startswith(("budget:", "blocks:")),
+        mem.checkpointing.startswith(("budget", "blocks:")),
         "memory.checkpointing",
-        f"a per-block plan (budget:, blocks:) {none_yet}; use none, selective, dots, block or "
-        "attn+mlp",
+        f"a per-block plan (budget:, blocks:, budget-compiled:) {none_yet}; use none, "
+        "selective, dots, block or attn+mlp",
     )
     _refuse(
         m.scan_layers and mem.checkpointing.startswith("every:"),
@@ -75,12 +87,6 @@ def validate_backend(cfg: Config) -> None:
         "every:K rematerialises some blocks, but scanned blocks are all one: use block, "
         "attn+mlp or selective with model.scan_layers, or unroll the layers",
     )
-    _refuse(
-        cfg.dist.strategy in ("fsdp", "ddp") or world_size_from_env() > 1,
-        "dist.strategy",
-        f"(several processes) {none_yet}; the JAX backend trains on one process",
-    )
-    _refuse_mesh(cfg, none_yet)
 
 
 def _refuse_mesh(cfg: Config, none_yet: str) -> None:

@@ -7,6 +7,7 @@ import math
 import warnings
 
 from onegpu.config.backends import validate_backend
+from onegpu.config.checkpointing import parse_checkpointing
 from onegpu.config.layout import check_layout, check_pipeline_batches, resolve_layout
 from onegpu.config.options import (
     Config,
@@ -14,7 +15,6 @@ from onegpu.config.options import (
     DistConfig,
     MemoryConfig,
     TrainConfig,
-    parse_checkpointing,
 )
 
 
@@ -184,6 +184,18 @@ def _validate_combinations(cfg: Config) -> None:
             "optim.in_backward cannot wait for; use bf16, bf16-pure or fp32",
         )
     ck = parse_checkpointing(cfg.memory.checkpointing)
+    _require(
+        ck.kind != "budget-compiled" or t.compile in ("regional", "default", "max-autotune"),
+        "memory.checkpointing",
+        "budget-compiled is torch.compile's partitioner choosing what to recompute: set "
+        "--train.compile regional (or default), or use budget:BYTES without compile",
+    )
+    _require(
+        ck.kind != "budget-compiled" or cfg.model.dropout == 0,
+        "memory.checkpointing",
+        "budget-compiled recomputes random ops with other masks than forward drew (pytorch "
+        "#190758: wrong gradients with dropout); set model.dropout 0, or use budget:BYTES",
+    )
     selective = ck.kind in ("selective", "dots") or "selective" in ck.per_block
     _require(
         not (selective and t.compile in ("regional", "default", "max-autotune")),

@@ -68,10 +68,7 @@ def plan_report(
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
     check_distributed(cfg, strategy, world_size)  # what training would refuse, refused here
-    budgeted = None
-    if parse_checkpointing(cfg.memory.checkpointing).kind == "budget":
-        capacity = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES if gpu else memory_bytes
-        cfg, budgeted = plan_budget(cfg, target, caps, capacity)
+    cfg, budgeted = _decide_budget(cfg, gpu, memory_bytes)
     if needs_rank_plans(cfg, world_size):
         return _mesh_report(cfg, gpu, memory_bytes, world_size, host_memory, interconnect)
     plan = plan_memory(process_share(cfg, world_size), target, caps)
@@ -111,6 +108,18 @@ def plan_report(
                 host_budget=host,
             )
     return report
+
+
+def _decide_budget(
+    cfg: Config, gpu: str | None, memory_bytes: int | None
+) -> tuple[Config, dict[str, Any] | None]:
+    """`budget:` checkpointing decided for the planned device (budget:auto: its memory, less
+    the CUDA context on a GPU); other checkpointing as it is."""
+    if parse_checkpointing(cfg.memory.checkpointing).kind != "budget":
+        return cfg, None
+    target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
+    capacity = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES if gpu else memory_bytes
+    return plan_budget(cfg, target, caps, capacity)
 
 
 def _data_parallel_section(

@@ -8,6 +8,9 @@
               and Scaling Single-GPU Transformer Models"): keeps only the residual stream
   block       recompute whole blocks: keeps one [B, T, D] input per block
   every:K     whole-block checkpointing of every K-th block (0, K, 2K, ...): a memory/time dial
+  budget-compiled:F  nothing wrapped: torch.compile's min-cut partitioner keeps at most a
+              fraction F of what it would save (`activation_memory_budget`), recomputing the
+              rest by its own cost model
   selective   whole blocks, but matmul and attention outputs are saved and only the cheap
               element-wise ops (norms, GELU, dropout, casts) are recomputed: the analogue of
               JAX's `dots_saveable` policy, via PyTorch's selective checkpoint contexts
@@ -28,6 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -118,8 +122,13 @@ def block_branch(block: nn.Module, kind: str) -> nn.Module:
 
 
 def apply_checkpointing(model: nn.Module, mode: Checkpointing) -> nn.Module:
-    """Wrap the sub-modules `mode` names in every block (after any layer swaps inside them)."""
-    if mode.kind == "none":
+    """Wrap the sub-modules `mode` names in every block (after any layer swaps inside them);
+    for budget-compiled, set what torch.compile's partitioner may keep (process-wide, read when
+    a graph compiles; every build sets it, so one build's setting never outlives it)."""
+    functorch_config.activation_memory_budget = (
+        mode.fraction if mode.kind == "budget-compiled" else 1.0
+    )
+    if mode.kind in ("none", "budget-compiled"):
         return model
     if mode.kind == "budget":  # planned into blocks:... before a build (plan/budget.py)
         raise ConfigError(
