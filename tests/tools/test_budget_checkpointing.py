@@ -178,3 +178,28 @@ def test_budget_compiled_hands_the_choice_to_the_partitioner_and_keeps_the_losse
     assert functorch_config.activation_memory_budget == 0.25
     build(_cfg("tiny-6"), with_data=False)
     assert functorch_config.activation_memory_budget == 1.0
+
+
+def test_the_fix_list_offers_checkpointing_by_budget():
+    """With the states, the precision and the loss already lean and one sequence a
+    micro-batch, what is left between selective and block checkpointing is a per-block mix:
+    offered as budget:auto, which fits when planned in full."""
+    from onegpu.plan.fixes import fixes_for, planned
+
+    over = {"train.precision": "bf16-pure", "optim.name": "adamw4bit", "memory.loss_chunk": "64",
+            "train.micro_batch_size": "1", "train.batch_size": "4", "model.seq_len": "256"}  # fmt: skip
+    cfg = _cfg("tiny-6", **over)
+    peaks = {
+        p: plan_memory(with_overrides(cfg, {"memory.checkpointing": p})).memory["peak"]
+        for p in ("none", "selective", "block")
+    }
+    budget = (peaks["selective"] + peaks["block"]) // 2
+    found = fixes_for(cfg, budget, "cpu", base_peak=peaks["none"])
+    best = found[-1]
+    assert best["change"] == "checkpointing by budget" and best["fits_with_previous"]
+    assert best["best_overrides"]["memory.checkpointing"] == "budget:auto"
+    full = planned(
+        with_overrides(cfg, best["best_overrides"]), "cpu", None, None, fast=False, speed=False,
+        capacity=budget,
+    )  # fmt: skip
+    assert full.peak <= budget

@@ -195,7 +195,10 @@ def test_every_fix_the_planner_offers_trains(name, change):
     from onegpu.backends.torch.build import build
     from onegpu.plan.fixes import with_fix as _with
 
+    from onegpu.plan.startup import budget_for_run
+
     cfg = _with(_cfg(**{"train.batch_size": "4", "train.micro_batch_size": "4"}), change)
+    cfg = budget_for_run(cfg, torch.device("cpu"))  # budget:auto decided as a run decides it
     built = build(cfg, torch.device("cpu"), with_data=False)
     x = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
     for i in range(2):

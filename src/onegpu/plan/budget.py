@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from onegpu.config import (
     BLOCK_POLICIES,
@@ -59,6 +58,8 @@ class BlockCosts:
 
     saved: dict[str, list[int]]
     peaks: dict[str, int]
+    plain: MemoryPlan
+    """The step planned with no checkpointing (its parameters, FLOPs and host bytes)."""
 
     @property
     def n_blocks(self) -> int:
@@ -85,6 +86,7 @@ def block_costs(cfg: Config, target: str, caps: DeviceCaps | None) -> BlockCosts
     compile) are left out."""
     saved: dict[str, list[int]] = {}
     peaks: dict[str, int] = {}
+    plans: dict[str, MemoryPlan] = {}
     for policy in BLOCK_POLICIES:
         try:
             plan = plan_extrapolated(
@@ -97,7 +99,8 @@ def block_costs(cfg: Config, target: str, caps: DeviceCaps | None) -> BlockCosts
         n = sum(1 for k in plan.saved_by_block if k.startswith("blocks."))
         saved[policy] = [plan.saved_by_block.get(f"blocks.{i}", 0) for i in range(n)]
         peaks[policy] = plan.memory["peak"]
-    return BlockCosts(saved, peaks)
+        plans[policy] = plan
+    return BlockCosts(saved, peaks, plans["none"])
 
 
 def cheapest_mix(costs: BlockCosts, budget: int) -> list[str] | None:
@@ -143,6 +146,23 @@ def _knapsack(costs: BlockCosts, policies: list[str], room: int) -> list[str] | 
         choice.append(p)
         w -= math.ceil(costs.weight(p, i) / unit)
     return choice[::-1]
+
+
+def modelled_budget(
+    cfg: Config, target: str, caps: DeviceCaps | None, capacity: int | None
+) -> tuple[Config, int, MemoryPlan]:
+    """A search's quick look at `budget:` (the fix list plans many candidates): the knapsack's
+    mix without following it in full, its modelled peak, and the plain step's plan. ConfigError
+    where no mix is modelled to fit."""
+    budget = parse_checkpointing(cfg.memory.checkpointing).budget or capacity
+    if budget is None:
+        raise ConfigError("memory.checkpointing", "budget:auto needs a device budget here")
+    costs = block_costs(cfg, target, caps)
+    chosen = cheapest_mix(costs, budget)
+    if chosen is None:
+        raise ConfigError("memory.checkpointing", f"no per-block plan fits budget:{budget}")
+    peak = costs.rest() + sum(costs.weight(p, i) for i, p in enumerate(chosen))
+    return _with(cfg, chosen), peak, costs.plain
 
 
 def plan_budget(
@@ -215,21 +235,3 @@ def _fitted(
 
 def _with(cfg: Config, chosen: list[str]) -> Config:
     return with_overrides(cfg, {"memory.checkpointing": per_block_mode(chosen)})
-
-
-def budget_for_run(cfg: Config, device: torch.device) -> Config:
-    """A run's `budget:` checkpointing decided on its device (budget:auto: the memory free
-    there now), said in one line; any other checkpointing as it is."""
-    if parse_checkpointing(cfg.memory.checkpointing).kind != "budget":
-        return cfg
-    from onegpu.plan.startup import free_bytes
-
-    target = "cuda" if device.type == "cuda" else "cpu"
-    resolved, decided = plan_budget(cfg, target, None, free_bytes(device)[0])
-    print(
-        f"onegpu: checkpointing {cfg.memory.checkpointing} -> {decided['checkpointing']} "
-        f"(planned peak {decided['planned_peak'] / 2**20:,.1f} MiB, "
-        f"{decided['recompute_factor'] - 1:.1%} of a step recomputed)",
-        flush=True,
-    )
-    return resolved

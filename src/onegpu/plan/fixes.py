@@ -18,11 +18,13 @@ from onegpu.config import (
     Config,
     ConfigError,
     check_distributed,
+    parse_checkpointing,
     resolve_strategy,
     to_toml,
     with_overrides,
 )
 from onegpu.offload.weights import with_offload_params
+from onegpu.plan.budget import modelled_budget, plan_budget
 from onegpu.plan.depth import plan_extrapolated
 from onegpu.plan.memory import plan_memory
 from onegpu.techniques.precision import DeviceCaps
@@ -39,6 +41,8 @@ FIXES: list[tuple[str, dict[str, str]]] = [
     ("8-bit AdamW", {"optim.name": "adamw8bit"}),
     ("4-bit AdamW", {"optim.name": "adamw4bit"}),
     ("selective checkpointing", {"memory.checkpointing": "selective"}),
+    # a policy per block, the least recompute that fits the device (plan/budget.py)
+    ("checkpointing by budget", {"memory.checkpointing": "budget:auto"}),
     ("bf16-pure weights", {"train.precision": "bf16-pure"}),
     ("activations in host memory", {"memory.offload_activations": "true"}),
     (
@@ -91,12 +95,23 @@ def planned(
     *,
     fast: bool,
     speed: bool = True,
+    capacity: int | None = None,
 ) -> Planned:
     """Plan `cfg` as `onegpu plan` does for one process (weights on the host included); `fast`:
-    from two shallow copies of the model."""
+    from two shallow copies of the model. `budget:auto` checkpointing takes `capacity`
+    (decided in full, or `fast` as the knapsack models it)."""
     from onegpu.plan.targets import predicted_speed, process_share, rank_memory
 
     cfg = with_offload_params(cfg)
+    if parse_checkpointing(cfg.memory.checkpointing).kind == "budget":
+        if fast:
+            mixed, peak, plain = modelled_budget(cfg, target, caps, capacity)
+            step = predicted_speed(mixed, plain, gpu, 1) if speed else {}
+            host = plain.memory.get("host", 0)
+            return Planned(
+                peak, host, step.get("predicted_step_time_s"), plain.n_params, plain.flops_per_token
+            )
+        cfg, _ = plan_budget(cfg, target, caps, capacity)
     strategy = resolve_strategy(cfg.dist, 1)
     check_distributed(cfg, strategy, 1)
     share = process_share(cfg, 1)
@@ -139,7 +154,8 @@ class _Search:
     fast: bool
 
     def plan(self, cfg: Config, *, full: bool = False) -> Planned:
-        return planned(cfg, self.target, self.caps, self.gpu, fast=self.fast and not full)
+        fast = self.fast and not full
+        return planned(cfg, self.target, self.caps, self.gpu, fast=fast, capacity=self.budget)
 
     def fits(self, p: Planned) -> bool:
         return p.peak <= self.budget and p.host <= self.host_budget

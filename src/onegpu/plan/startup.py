@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from onegpu.cache import cached, has
-from onegpu.config import Config, ConfigError, to_dict
+from onegpu.config import Config, ConfigError, parse_checkpointing, to_dict
 from onegpu.perf.devices import GiB
 from onegpu.perf.host_memory import available_host_bytes
+from onegpu.plan.budget import plan_budget
 
 # What does not change a step's memory (left out of the cache key).
 _IRRELEVANT_SECTIONS = ("out", "checkpoint", "dist")
@@ -169,3 +170,19 @@ def _refusal(
         f"{device_free / GiB:.1f} GiB available; it {fix}; or start anyway with "
         "--train.skip_memory_check true"
     )
+
+
+def budget_for_run(cfg: Config, device: torch.device) -> Config:
+    """A run's `budget:` checkpointing decided on its device (budget:auto: the memory free
+    there now), said in one line; any other checkpointing as it is."""
+    if parse_checkpointing(cfg.memory.checkpointing).kind != "budget":
+        return cfg
+    target = "cuda" if device.type == "cuda" else "cpu"
+    resolved, decided = plan_budget(cfg, target, None, free_bytes(device)[0])
+    print(
+        f"onegpu: checkpointing {cfg.memory.checkpointing} -> {decided['checkpointing']} "
+        f"(planned peak {decided['planned_peak'] / 2**20:,.1f} MiB, "
+        f"{decided['recompute_factor'] - 1:.1%} of a step recomputed)",
+        flush=True,
+    )
+    return resolved

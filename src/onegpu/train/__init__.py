@@ -29,8 +29,7 @@ def torch_backend() -> Backend:
     """The torch backend, with the planner's start-up memory check and checkpointing by budget
     (the planner sits above the backends: it builds on fake tensors through the torch build)."""
     from onegpu.backends.torch.backend import TorchBackend
-    from onegpu.plan.budget import budget_for_run
-    from onegpu.plan.startup import check_memory
+    from onegpu.plan.startup import budget_for_run, check_memory
 
     return TorchBackend(memory_check=check_memory, plan_checkpointing=budget_for_run)
 
