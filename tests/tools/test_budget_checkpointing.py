@@ -180,6 +180,7 @@ def test_budget_compiled_hands_the_choice_to_the_partitioner_and_keeps_the_losse
     assert functorch_config.activation_memory_budget == 1.0
 
 
+@pytest.mark.slow  # ~25 s: the fix list plans its candidates, the budget's six policies each
 def test_the_fix_list_offers_checkpointing_by_budget():
     """With the states, the precision and the loss already lean and one sequence a
     micro-batch, what is left between selective and block checkpointing is a per-block mix:

@@ -194,7 +194,6 @@ def test_every_fix_the_planner_offers_trains(name, change):
 
     from onegpu.backends.torch.build import build
     from onegpu.plan.fixes import with_fix as _with
-
     from onegpu.plan.startup import budget_for_run
 
     cfg = _with(_cfg(**{"train.batch_size": "4", "train.micro_batch_size": "4"}), change)

@@ -39,6 +39,7 @@ from onegpu.config import (
     ConfigError,
     parse_checkpointing,
     per_block_mode,
+    to_toml,
     with_overrides,
 )
 from onegpu.perf.flops import RECOMPUTE
@@ -80,10 +81,22 @@ class BlockCosts:
         return max(0, self.saved[policy][block] + beyond // self.n_blocks)
 
 
+_COSTS: dict[tuple[str, str, str], BlockCosts] = {}
+"""block_costs per configuration (less its checkpointing), target and capabilities: a search
+asks again for the same step (the fix list: alone, in its chain, then in full)."""
+
+
 def block_costs(cfg: Config, target: str, caps: DeviceCaps | None) -> BlockCosts:
     """Each uniform policy planned (two shallow copies each where the model is deep); the
     policies the model or the configuration cannot take (no attn module, selective under
     compile) are left out."""
+    key = (to_toml(with_overrides(cfg, {"memory.checkpointing": "none"})), target, repr(caps))
+    if key not in _COSTS:
+        _COSTS[key] = _block_costs(cfg, target, caps)
+    return _COSTS[key]
+
+
+def _block_costs(cfg: Config, target: str, caps: DeviceCaps | None) -> BlockCosts:
     saved: dict[str, list[int]] = {}
     peaks: dict[str, int] = {}
     plans: dict[str, MemoryPlan] = {}
