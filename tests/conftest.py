@@ -27,6 +27,18 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_open():
+    """A process group a test leaves open stops every later test that opens one (the planner's
+    fake group too): the test that left it fails, not the next."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a process group open")
+
+
 @pytest.fixture
 def tiny_cfg():
     from onegpu.config import load_config

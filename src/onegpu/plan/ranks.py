@@ -52,6 +52,8 @@ def fake_processes(world_size: int, rank: int) -> Iterator[None]:
     """A default process group whose collectives move nothing: this process is `rank`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():  # planning happens before (or outside) a run's processes
+        raise RuntimeError("a process group is already open: plan ranks in a process of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield

@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from onegpu.backends.torch.batches import training_batches
-from onegpu.backends.torch.build import Built, build
+from onegpu.backends.torch.build import Built, build, processes
 from onegpu.backends.torch.floor import checked_floor
 from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline, profiling
@@ -60,11 +60,17 @@ def profile(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     if warmup < 0:
         raise ConfigError("--warmup", f"must be >= 0, got {warmup}")
     out = resolve_out_dir(cfg.out)
-    try:
-        built = build(cfg)
-    except BaseException:  # refused: the folder it made goes again
-        release_run_folder(out, unused=True)
-        raise
+    with processes(cfg) as ctx:
+        try:
+            built = build(cfg, dist_ctx=ctx)
+        except BaseException:  # refused: the folder it made goes again
+            release_run_folder(out, unused=True)
+            raise
+        return _profiled(built, out, steps, warmup)
+
+
+def _profiled(built: Built, out: Path, steps: int, warmup: int) -> dict[str, Any]:
+    """Profile the built run's steps and write the files into `out`."""
     batches = training_batches(built)
     cuda = built.device.type == "cuda"
     if cuda:

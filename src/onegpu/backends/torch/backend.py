@@ -16,17 +16,15 @@ from torch.profiler import record_function
 from onegpu.backends.torch import checkpoint as ckpt
 from onegpu.backends.torch import report, writes
 from onegpu.backends.torch.batches import training_batches, validation_batches
-from onegpu.backends.torch.build import Built, build, resolve_device
+from onegpu.backends.torch.build import Built, build, processes, resolve_device
 from onegpu.backends.torch.loader import DevicePrefetcher
 from onegpu.backends.torch.oom import out_of_memory_report
 from onegpu.backends.torch.step_memory import measure_step, measured_step
 from onegpu.backends.torch.totals import meter_for
 from onegpu.config import Config, ConfigError
 from onegpu.config.environment import local_world_size_from_env
-from onegpu.distributed import DistContext, init_distributed
-from onegpu.distributed.context import shutdown
+from onegpu.distributed import DistContext
 from onegpu.memory.measure import reset_peak
-from onegpu.offload.weights import with_offload_params
 from onegpu.perf import allocator
 from onegpu.runs.backend import Stepped
 from onegpu.runs.checkpoints import Checkpoint
@@ -63,13 +61,8 @@ class TorchBackend:
     @contextlib.contextmanager
     def processes(self, cfg: Config) -> Iterator[DistContext]:
         allocator.apply()  # library users get the tuned glibc malloc too (perf/allocator.py)
-        cfg = with_offload_params(cfg)  # weights on the host: FSDP2's CPU offload, one process
-        device_type = resolve_device(cfg.train.device).type
-        self.ctx = init_distributed(cfg.dist, device_type, alone=cfg.memory.offload_params)
-        try:
+        with processes(cfg) as self.ctx:
             yield self.ctx
-        finally:
-            shutdown(self.ctx)
 
     @property
     def checkpoint_suffix(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from onegpu.config import Config, check_distributed
 from onegpu.config.schedule import scaled_optim
 from onegpu.data.tokens import TokenSplits
 from onegpu.distributed import DistContext, init_distributed, single_process
+from onegpu.distributed.context import shutdown
 from onegpu.memory.saved import SavedTensorCounter
 from onegpu.models.gpt import count_params
 from onegpu.models.protocol import LanguageModel, LossFn
@@ -215,14 +217,28 @@ def _tensors(
     return contextlib.nullcontext(), device
 
 
+@contextlib.contextmanager
+def processes(cfg: Config) -> Iterator[DistContext]:
+    """The processes a real build runs on, closed when the caller is done with it: torchrun's,
+    or, for weights offloaded to the host (FSDP2's CPU offload, offload/weights.py), a group of
+    this one process. A group left open would outlive its build and stop the next one (or the
+    planner's fake group) from opening."""
+    cfg = with_offload_params(cfg)
+    device_type = resolve_device(cfg.train.device).type
+    ctx = init_distributed(cfg.dist, device_type, alone=cfg.memory.offload_params)
+    try:
+        yield ctx
+    finally:
+        shutdown(ctx)
+
+
 def _processes(cfg: Config, dist_ctx: DistContext | None, fake: bool) -> tuple[Config, DistContext]:
-    """The processes a real build runs on: the caller's, or, for weights offloaded to the host
-    (FSDP2's CPU offload, offload/weights.py), a group of this one process. A fake build plans
-    one process's share: the planner applies the same rewrite to its figures."""
+    """The caller's processes (`processes` above). A fake build plans one process's share: the
+    planner applies the same rewrite to its figures."""
     if not fake:
         cfg = with_offload_params(cfg)
         if dist_ctx is None and cfg.memory.offload_params:
-            dist_ctx = init_distributed(cfg.dist, resolve_device(cfg.train.device).type, alone=True)
+            raise RuntimeError("weights on the host need a process group: build inside processes()")
     return cfg, dist_ctx or single_process()
 
 
