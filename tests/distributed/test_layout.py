@@ -75,7 +75,7 @@ def test_a_mesh_that_does_not_fit_the_processes_is_refused(over, world, field):
         ({"dist.grad_compression": "powersgd:4"}, "dist.grad_compression", "strategy ddp"),
         ({"dist.grad_compression": "powersgd:0", "dist.strategy": "ddp"},
          "dist.grad_compression", "powersgd:RANK"),
-        ({"dist.tp": 2, "memory.loss_chunk": 64}, "memory.loss_chunk", "tensor parallelism"),
+        ({"dist.tp": 2, "memory.gelu_bits": 2}, "memory.gelu_bits", "tensor parallelism"),
         ({"dist.tp": 0}, "dist.tp", "at least 1"),
     ],
 )  # fmt: skip

@@ -59,6 +59,7 @@ def runs(tmp_path_factory):
     made = {
         "single": (1, TIED),
         "tp": (2, {**TIED, "dist.tp": 2}),
+        "tp_chunked": (2, {**TIED, "dist.tp": 2, "memory.loss_chunk": 16}),
         "tp_fsdp": (4, {**TIED, "dist.tp": 2, "dist.dp_shard": 2}),
         "hsdp": (4, {**TIED, "dist.dp_replicate": 2, "dist.dp_shard": 2}),
         "single_untied": (1, UNTIED),
@@ -76,6 +77,7 @@ def runs(tmp_path_factory):
     ("layout", "reference"),
     [
         ("tp", "single"),
+        ("tp_chunked", "single"),
         ("tp_fsdp", "single"),
         ("hsdp", "single"),
         ("pp_1f1b", "single_untied"),

@@ -212,16 +212,10 @@ def _check_tensor_parallel(cfg: Config) -> None:
         f"use a sequence length that {d.tp} divides",
     )
     for name, on in (
-        ("memory.loss_chunk", mem.loss_chunk not in (0, "auto")),
         ("memory.gelu_bits", bool(mem.gelu_bits)),
         ("memory.randomized_linear", bool(mem.randomized_linear)),
     ):
-        _require(
-            not on,
-            name,
-            "is not supported with tensor parallelism yet (the vocabulary-parallel loss already "
-            "keeps 1/tp of the logits per process); turn it off",
-        )
+        _require(not on, name, "is not supported with tensor parallelism yet; turn it off")
 
 
 def _require(cond: bool, key: str, message: str) -> None:

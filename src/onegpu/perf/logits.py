@@ -4,6 +4,7 @@ which timed chunk size to take. Torch-free (the JAX backend reads it too)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from onegpu.cache import has
@@ -25,6 +26,14 @@ UNTIMED_CHUNK = 4096
 def padded_vocab(m: ModelConfig) -> int:
     """The vocabulary rounded up to model.pad_vocab_to (the padding rows' logits are -inf)."""
     return m.padded_vocab
+
+
+def vocab_shard(m: ModelConfig, tp: int) -> ModelConfig:
+    """The output layer one of `tp` tensor-parallel processes holds: 1/tp of the padded
+    vocabulary (what `auto` weighs and times under tensor parallelism)."""
+    if tp == 1:
+        return m
+    return dataclasses.replace(m, vocab_size=m.padded_vocab // tp, pad_vocab_to=1)
 
 
 def plain_logits_bytes(m: ModelConfig, tokens: int, compute_bytes: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,55 @@ from onegpu.perf.logits import (  # noqa: F401 - the rule, shared with the JAX b
 from onegpu.techniques.loss import with_auxiliary
 
 
+@dataclass(frozen=True, slots=True)
+class VocabShard:
+    """This process's columns of a vocabulary split over `group` (tensor parallelism): the
+    softmax's max, normaliser and target logit are summed over the group, a few numbers per
+    token, while the [chunk, vocab] block stays 1/tp wide."""
+
+    group: Any
+    first: int  # the vocabulary index of this process's first column
+
+
+def _softmax_grad(
+    logits_cV: torch.Tensor, safe_t: torch.Tensor, valid_c1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, d loss / d logits = softmax - onehot) of a chunk over the whole vocabulary.
+    One fused softmax kernel; the log-sum-exp as max - log(max softmax): the largest probability
+    is >= 1 / vocab, so its log is exact; no exp pass of our own over the [chunk, vocab] block."""
+    max_c = logits_cV.amax(dim=1)
+    g_cV = torch.softmax(logits_cV, dim=1)
+    lse_c = max_c - g_cV.amax(dim=1).log()
+    target_c = logits_cV.gather(1, safe_t).squeeze(1)
+    loss = ((lse_c - target_c) * valid_c1.squeeze(1)).sum()
+    g_cV.scatter_add_(1, safe_t, valid_c1.to(g_cV.dtype).neg())
+    return loss, g_cV
+
+
+def _sharded_softmax_grad(
+    logits_cV: torch.Tensor, safe_t: torch.Tensor, valid_c1: torch.Tensor, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_softmax_grad` on this process's columns (Megatron's vocabulary-parallel cross-entropy):
+    three all-reduces of [chunk] numbers; every process gets the same loss."""
+    import torch.distributed as dist
+
+    width = logits_cV.shape[1]
+    local_t = safe_t - shard.first
+    mine_c1 = (local_t >= 0) & (local_t < width)
+    local_t = local_t.clamp(0, width - 1)
+    max_c = logits_cV.amax(dim=1)
+    dist.all_reduce(max_c, dist.ReduceOp.MAX, group=shard.group)
+    target_c = (logits_cV.gather(1, local_t) * mine_c1).squeeze(1)
+    g_cV = logits_cV.sub_(max_c.unsqueeze(1)).exp_()  # the logits are not needed again
+    sum_c = g_cV.sum(dim=1)
+    dist.all_reduce(sum_c, group=shard.group)
+    dist.all_reduce(target_c, group=shard.group)
+    g_cV /= sum_c.unsqueeze(1)
+    loss = ((max_c + sum_c.log() - target_c) * valid_c1.squeeze(1)).sum()
+    g_cV.scatter_add_(1, local_t, (valid_c1 & mine_c1).to(g_cV.dtype).neg())
+    return loss, g_cV
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -51,9 +101,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         compute_dtype: torch.dtype,
         n_valid: int,
+        shard: VocabShard | None = None,
     ):
-        device_type = h_ND.device.type
-        with torch.autocast(device_type, enabled=False), torch.no_grad():
+        with torch.autocast(h_ND.device.type, enabled=False), torch.no_grad():
             w_VD = weight_VD.to(compute_dtype)
             grad_h_ND = torch.empty_like(h_ND)
             grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=h_ND.device)
@@ -64,6 +114,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
             loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
             fp32 = compute_dtype == torch.float32 == h_ND.dtype
+            padding = n_valid - (shard.first if shard else 0)  # this process's first padding
             for s in range(0, h_ND.shape[0], chunk):
                 t_c = targets_N[s : s + chunk]
                 valid_c1 = (t_c != IGNORE_INDEX).unsqueeze(1)
@@ -75,18 +126,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits_cV = (h_cD @ w_VD.T).float()
                 if bias_V is not None:
                     logits_cV += bias_V.float()
-                logits_cV[:, n_valid:] = float("-inf")  # vocabulary padding: probability 0
-                # one fused softmax kernel gives d(sum loss)/d(logits) = softmax - onehot, and
-                # the log-sum-exp as max - log(max softmax): the largest probability is >= 1 /
-                # vocab, so its log is exact; no exp pass of our own over the [chunk, vocab] block
-                max_c = logits_cV.amax(dim=1)
-                g_cV = torch.softmax(logits_cV, dim=1)
-                lse_c = max_c - g_cV.amax(dim=1).log()
-                loss += (
-                    (lse_c - logits_cV.gather(1, safe_t).squeeze(1)) * valid_c1.squeeze(1)
-                ).sum()
+                logits_cV[:, max(padding, 0) :] = float("-inf")  # vocabulary padding: p = 0
+                if shard is None:
+                    loss_c, g_cV = _softmax_grad(logits_cV, safe_t, valid_c1)
+                else:
+                    loss_c, g_cV = _sharded_softmax_grad(logits_cV, safe_t, valid_c1, shard)
+                loss += loss_c
                 del logits_cV
-                g_cV.scatter_add_(1, safe_t, valid_c1.to(g_cV.dtype).neg())
                 if grad_b_V is not None:
                     grad_b_V += g_cV.T @ valid_c1.squeeze(1).to(g_cV.dtype)
                 g_cV = g_cV.to(compute_dtype)
@@ -107,7 +153,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h_ND, grad_w_VD, grad_b_V = ctx.saved_tensors
         gw = (grad_w_VD * grad_loss).to(ctx.weight_dtype)
         gb = (grad_b_V * grad_loss).to(ctx.weight_dtype) if grad_b_V is not None else None
-        return grad_h_ND * grad_loss.to(grad_h_ND.dtype), gw, gb, None, None, None, None
+        return grad_h_ND * grad_loss.to(grad_h_ND.dtype), gw, gb, None, None, None, None, None
 
 
 def chunked_token_loss_sum(chunk: int) -> LossFn:
@@ -115,19 +161,62 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
 
     def loss_fn(model: nn.Module, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         h_ND = model.hidden(idx_BT).flatten(0, 1)
-        device_type = h_ND.device.type
-        dtype = (
-            torch.get_autocast_dtype(device_type)
-            if torch.is_autocast_enabled(device_type)
-            else h_ND.dtype
-        )
         head = model.lm_head
         loss = ChunkedLinearCrossEntropy.apply(
-            h_ND, head.weight, head.bias, targets_BT.flatten(), chunk, dtype, model.vocab_size
+            h_ND,
+            head.weight,
+            head.bias,
+            targets_BT.flatten(),
+            chunk,
+            compute_dtype(h_ND),
+            model.vocab_size,
         )
         return with_auxiliary(model, loss, targets_BT)
 
     return loss_fn
+
+
+def vocab_parallel_chunked_loss(chunk: int) -> LossFn:
+    """The chunked output layer and cross-entropy (techniques/chunked_loss.py) on this process's
+    vocabulary rows: the hidden states gathered once over the sequence (as the plain output
+    layer gathers them), each chunk's logits 1/tp wide, the loss the same on every process. The
+    hidden states' gradient is each process's partial sum, reduce-scattered back onto the
+    sequence."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    @torch._dynamo.disable  # collectives inside an autograd.Function: eager under compile
+    def loss(model: nn.Module, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        head = model.lm_head
+        mesh = head.weight.device_mesh
+        h_BTD = model.hidden(idx_BT)
+        if not isinstance(h_BTD, DTensor):
+            h_BTD = DTensor.from_local(h_BTD, mesh, [Shard(1)], run_check=False)
+        h_BTD = h_BTD.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        w_VD = head.weight.to_local()
+        bias_V = head.bias.to_local() if head.bias is not None else None
+        shard = VocabShard(mesh.get_group(), mesh.get_local_rank() * w_VD.shape[0])
+        dtype = compute_dtype(h_BTD)
+        value = ChunkedLinearCrossEntropy.apply(
+            h_BTD.flatten(0, 1),
+            w_VD,
+            bias_V,
+            targets_BT.flatten(),
+            chunk,
+            dtype,
+            model.vocab_size,
+            shard,
+        )
+        return with_auxiliary(model, value, targets_BT)
+
+    return loss
+
+
+def compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the output layer's matmuls run in: autocast's, else the hidden states'."""
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return h.dtype
 
 
 # ---------------------------------------------------------------------------- memory.loss_chunk auto

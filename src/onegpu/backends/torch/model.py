@@ -45,7 +45,7 @@ from onegpu.offload.activations import with_offload
 from onegpu.techniques import compile as compile_
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
-from onegpu.techniques.chunked_loss import chunked_token_loss_sum
+from onegpu.techniques.chunked_loss import chunked_token_loss_sum, vocab_parallel_chunked_loss
 from onegpu.techniques.loss import classification_loss_sum, logits_loss_sum, token_loss_sum
 
 
@@ -95,7 +95,7 @@ def apply_techniques(
     model = apply_checkpointing(model, resolved.checkpointing)
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for (under tensor
     #    parallelism on vocabulary-sharded logits, never gathered).
-    loss_fn, loss_context = split_loss(choose_loss(model, mem.loss_chunk), ctx)
+    loss_fn, loss_context = split_loss(model, mem.loss_chunk, ctx)
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
     #    the eager loss too, and times both once the weights exist (8.).
@@ -187,12 +187,16 @@ def split_tensors(model: LanguageModel, ctx: DistContext) -> LanguageModel:
 
 
 def split_loss(
-    loss_fn: LossFn, ctx: DistContext
+    model: LanguageModel, loss_chunk: int, ctx: DistContext
 ) -> tuple[LossFn, Callable[[], contextlib.AbstractContextManager]]:
     """The loss and the context its forward and backward run in: under tensor parallelism
-    cross-entropy on vocabulary-sharded logits (`loss_parallel`)."""
+    cross-entropy on vocabulary-sharded logits (`loss_parallel`), or, chunked, on each
+    process's vocabulary rows a chunk at a time."""
+    loss_fn = choose_loss(model, loss_chunk)
     if ctx.submesh("tp") is None:
         return loss_fn, contextlib.nullcontext
+    if loss_chunk and not model.is_classifier:
+        return vocab_parallel_chunked_loss(loss_chunk), contextlib.nullcontext
     return vocab_parallel_loss(loss_fn), loss_parallel_context()
 
 

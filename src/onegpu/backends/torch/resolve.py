@@ -11,6 +11,7 @@ import torch
 
 from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
 from onegpu.models.hf import chunkable_loss, default_attention, resolve_model_config
+from onegpu.perf.logits import vocab_shard
 from onegpu.techniques.attention import resolve_attention
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
@@ -80,14 +81,12 @@ def resolve(
     model_cfg = dataclasses.replace(model_cfg, attention=attention)
     loss_chunk = resolve_loss_chunk(
         cfg.memory.loss_chunk,
-        model_cfg,
+        vocab_shard(model_cfg, cfg.dist.tp),  # each tensor-parallel process's columns
         cfg.train.micro_batch_size * cfg.train_seq_len,
         policy.compute_dtype,
         device,
-        # tensor parallelism's vocabulary-parallel loss keeps 1/tp of the logits; a pipeline's
-        # last stage computes its loss from the logits it outputs
-        chunkable=(chunkable_loss(model_cfg) if cfg.model.hf else True)
-        and cfg.dist.tp == cfg.dist.pp == 1,
+        # a pipeline's last stage computes its loss from the logits it outputs
+        chunkable=(chunkable_loss(model_cfg) if cfg.model.hf else True) and cfg.dist.pp == 1,
         timed=timed and caps_given is None,
     )
     config = dataclasses.replace(
