@@ -117,10 +117,10 @@ def test_the_jax_backend_refuses_a_mesh_in_one_line():
     assert e.value.field_name == "dist.tp" and "one process" in str(e.value)
 
 
-def test_a_hugging_face_model_is_not_split_yet_and_says_so():
+def test_a_pipeline_of_a_hugging_face_model_is_refused_and_says_so():
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides={"model.hf": "llama-3-8b", "dist.tp": "2"})
-    assert e.value.field_name == "dist.tp" and "Hugging Face" in str(e.value)
+        load_config(None, overrides={"model.hf": "llama-3-8b", "dist.pp": "2"})
+    assert e.value.field_name == "dist.pp" and "Hugging Face" in str(e.value)
 
 
 @pytest.mark.parametrize(

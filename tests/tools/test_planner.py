@@ -192,16 +192,17 @@ def test_every_fix_the_planner_offers_trains(name, change):
     """What `onegpu plan` recommends, training accepts: two real steps of a tiny stand-in."""
     import torch
 
-    from onegpu.backends.torch.build import build
+    from onegpu.backends.torch.build import build, processes
     from onegpu.plan.fixes import with_fix as _with
     from onegpu.plan.startup import budget_for_run
 
     cfg = _with(_cfg(**{"train.batch_size": "4", "train.micro_batch_size": "4"}), change)
     cfg = budget_for_run(cfg, torch.device("cpu"))  # budget:auto decided as a run decides it
-    built = build(cfg, torch.device("cpu"), with_data=False)
     x = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
-    for i in range(2):
-        out = built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), i)
+    with processes(cfg) as ctx:  # weights in host memory: a process group of one
+        built = build(cfg, torch.device("cpu"), with_data=False, dist_ctx=ctx)
+        for i in range(2):
+            out = built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), i)
     assert torch.isfinite(out.loss) and not bool(out.skipped)
 
 

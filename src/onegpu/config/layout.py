@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from onegpu.config.options import Config, ConfigError, DistConfig
+from onegpu.config.options import Config, ConfigError, DistConfig, ModelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 COMPRESSION = re.compile(r"^(none|bf16|fp16|powersgd:([1-9][0-9]*))$")
@@ -143,14 +143,12 @@ def check_layout(cfg: Config) -> None:
         "compresses DDP's all-reduce (PyTorch's communication hooks); FSDP reduce-scatters "
         "shards instead: add --dist.strategy ddp, or set it to none",
     )
-    if d.tp > 1 or d.pp > 1:
-        which = "dist.tp" if d.tp > 1 else "dist.pp"
-        _require(
-            not m.hf,
-            which,
-            f"splitting a Hugging Face model ({m.hf}) is not supported yet; train it with "
-            "FSDP (dist.dp_shard) or choose a onegpu GPT",
-        )
+    _require(
+        d.pp == 1 or not m.hf,
+        "dist.pp",
+        f"a pipeline of a Hugging Face model ({m.hf}) is not supported yet; train it with "
+        "FSDP (dist.dp_shard) or tensor parallelism (dist.tp)",
+    )
     if d.tp > 1:
         _check_tensor_parallel(cfg)
     if d.pp > 1:
@@ -191,31 +189,36 @@ def _check_pipeline(cfg: Config) -> None:
 
 
 def _check_tensor_parallel(cfg: Config) -> None:
-    d, m, mem = cfg.dist, cfg.model, cfg.memory
-    _require(
-        m.n_head % d.tp == 0,
-        "dist.tp",
-        f"{m.n_head} heads do not split over {d.tp} processes; use a divisor of {m.n_head}",
-    )
-    vocab = m.padded_vocab
-    _require(
-        vocab % d.tp == 0,
-        "dist.tp",
-        f"the vocabulary ({vocab} with padding) does not split over {d.tp} processes; set "
-        f"model.pad_vocab_to to a multiple of {d.tp}",
-    )
-    seq = cfg.train_seq_len
-    _require(
-        seq % d.tp == 0,
-        "dist.tp",
-        f"sequence parallelism splits the {seq} tokens of a sequence over {d.tp} processes; "
-        f"use a sequence length that {d.tp} divides",
-    )
+    d, mem = cfg.dist, cfg.memory
     for name, on in (
         ("memory.gelu_bits", bool(mem.gelu_bits)),
         ("memory.randomized_linear", bool(mem.randomized_linear)),
     ):
         _require(not on, name, "is not supported with tensor parallelism yet; turn it off")
+    if not cfg.model.hf:  # an HF model's plan and sizes are checked where it is built
+        _check_gpt_split(cfg.model, d.tp, cfg.train_seq_len)
+
+
+def _check_gpt_split(m: ModelConfig, tp: int, seq: int) -> None:
+    """Heads, vocabulary rows and the sequence must divide by tp."""
+    _require(
+        m.n_head % tp == 0,
+        "dist.tp",
+        f"{m.n_head} heads do not split over {tp} processes; use a divisor of {m.n_head}",
+    )
+    vocab = m.padded_vocab
+    _require(
+        vocab % tp == 0,
+        "dist.tp",
+        f"the vocabulary ({vocab} with padding) does not split over {tp} processes; set "
+        f"model.pad_vocab_to to a multiple of {tp}",
+    )
+    _require(
+        seq % tp == 0,
+        "dist.tp",
+        f"sequence parallelism splits the {seq} tokens of a sequence over {tp} processes; "
+        f"use a sequence length that {tp} divides",
+    )
 
 
 def _require(cond: bool, key: str, message: str) -> None:

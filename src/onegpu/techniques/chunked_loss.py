@@ -177,20 +177,20 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
 
 
 def vocab_parallel_chunked_loss(chunk: int) -> LossFn:
-    """The chunked output layer and cross-entropy (techniques/chunked_loss.py) on this process's
-    vocabulary rows: the hidden states gathered once over the sequence (as the plain output
-    layer gathers them), each chunk's logits 1/tp wide, the loss the same on every process. The
+    """The chunked output layer and cross-entropy on this process's vocabulary rows: the hidden
+    states gathered once over the sequence (as the plain output layer gathers them; whole
+    already without sequence parallelism), each chunk's logits 1/tp wide, the loss the same on every process. The
     hidden states' gradient is each process's partial sum, reduce-scattered back onto the
     sequence."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
     @torch._dynamo.disable  # collectives inside an autograd.Function: eager under compile
     def loss(model: nn.Module, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         head = model.lm_head
         mesh = head.weight.device_mesh
         h_BTD = model.hidden(idx_BT)
-        if not isinstance(h_BTD, DTensor):
-            h_BTD = DTensor.from_local(h_BTD, mesh, [Shard(1)], run_check=False)
+        if not isinstance(h_BTD, DTensor):  # no sequence parallelism (an HF model's plan)
+            h_BTD = DTensor.from_local(h_BTD, mesh, [Replicate()], run_check=False)
         h_BTD = h_BTD.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
         w_VD = head.weight.to_local()
         bias_V = head.bias.to_local() if head.bias is not None else None

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 from onegpu.backends.torch.resolve import Resolved
 from onegpu.config import Config, ConfigError, ModelConfig
 from onegpu.distributed import DistContext
+from onegpu.distributed.hf_tensor_parallel import apply_hf_tensor_parallel
 from onegpu.distributed.parallelize import (
     apply_ddp,
     apply_fsdp,
@@ -182,8 +183,9 @@ def split_tensors(model: LanguageModel, ctx: DistContext) -> LanguageModel:
     tp_mesh = ctx.submesh("tp")
     if tp_mesh is None:
         return model
+    split = apply_hf_tensor_parallel if model.cfg.hf else apply_tensor_parallel
     with outside_fake_mode():  # meta weights: nothing is allocated; meshes are made real
-        return apply_tensor_parallel(model, tp_mesh)
+        return split(model, tp_mesh)
 
 
 def split_loss(
