@@ -78,10 +78,34 @@ def profile_step_memory(step: Callable[[], Any], device: torch.device) -> dict[s
 
 
 def allocated_in_step(prof, device: torch.device) -> int:
-    """The most bytes the step had allocated at once beyond what existed when it began, from
-    the allocator's own allocation events (their running total starts at the profile's start):
-    what the memory timeline's analysis would give, where that analysis cannot follow the step
-    (DTensor's in-place version counters trip it in torch 2.13)."""
+    """The most bytes the step had allocated at once beyond what existed when it began,
+    replayed from the allocator's own allocation and free events (what the memory timeline's
+    analysis would give, where that analysis cannot follow the step: DTensor's in-place version
+    counters trip it in torch 2.13). Called right after the step.
+
+    Not the events' running total: on CPU the profiler subtracts only frees made on a profiled
+    thread, so a buffer that a communication thread (gloo's) lets go of stays counted for the
+    rest of the process, and that total grows with every collective. Here an allocation lives
+    until its free event; one freed unseen (its address handed out again with no free between,
+    or no free at all and its storage not held after the step) belonged to a collective, whose
+    buffers live as long as the collective, and is left out."""
+    events = _allocation_events(prof, "cuda" if device.type == "cuda" else "cpu")
+    unseen = _freed_unseen(events, _held_storages())
+    live: dict[int, int] = {}
+    current = peak = 0
+    for i, (_, ptr, size) in enumerate(events):
+        if size < 0:  # a free: of the step's own, or of what existed before it (it counts too)
+            current -= live.pop(ptr, -size)
+        elif i not in unseen:
+            current -= live.pop(ptr, 0)  # its address handed out again: freed unseen before
+            live[ptr] = size
+            current += size
+        peak = max(peak, current)
+    return peak
+
+
+def _allocation_events(prof, kind: str) -> list[tuple[int, int, int]]:
+    """(time ns, address, bytes: negative for a free) of every allocator event, in order."""
     from torch._C._profiler import _EventType
 
     def walk(nodes):
@@ -90,13 +114,38 @@ def allocated_in_step(prof, device: torch.device) -> int:
             yield from walk(node.children)
 
     tree = prof.profiler.kineto_results.experimental_event_tree()
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    totals = [
-        node.extra_fields.total_allocated
+    return sorted(
+        (node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size)
         for node in walk(tree)
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == kind
-    ]
-    return max(totals, default=0)
+    )
+
+
+def _freed_unseen(events: list[tuple[int, int, int]], held: set[int]) -> set[int]:
+    """Indices of the allocations freed by a thread the profiler does not follow: no free
+    event before their address is handed out again, or none at all and no storage held after
+    the step."""
+    unseen: set[int] = set()
+    open_: dict[int, int] = {}  # address -> the allocation there not yet freed
+    for i, (_, ptr, size) in enumerate(events):
+        if size > 0:
+            if ptr in open_:
+                unseen.add(open_[ptr])
+            open_[ptr] = i
+        else:
+            open_.pop(ptr, None)
+    return unseen | {i for ptr, i in open_.items() if ptr not in held}
+
+
+def _held_storages() -> set[int]:
+    """Addresses of every tensor storage Python holds now (a DTensor's: its local shard's)."""
+    held = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            local = getattr(obj, "_local_tensor", obj)
+            with contextlib.suppress(Exception):  # meta, fake and other storage-less tensors
+                held.add(local.untyped_storage().data_ptr())
+    return held
 
 
 def memory_timeline(prof, device: torch.device) -> tuple[list[int], dict[str, list[int]]]:
