@@ -52,12 +52,15 @@ part of it (selective: only cheap element-wise ops, no matmuls)."""
 
 
 def recompute_factor(checkpointing: str) -> float:
-    """RECOMPUTE for a `memory.checkpointing` value (`every:K`: one block in K recomputed)."""
+    """RECOMPUTE for a `memory.checkpointing` value (`every:K`: one block in K recomputed; a
+    budget not yet decided: 1.0, the least it can be, for bounds and ordering)."""
     if checkpointing.startswith("every:"):
         return 1.0 + (RECOMPUTE["block"] - 1.0) / int(checkpointing.split(":")[1])
     if checkpointing.startswith("budget-compiled:"):  # up to block's, as less is kept
         kept = parse_checkpointing(checkpointing).fraction
         return 1.0 + (RECOMPUTE["block"] - 1.0) * (1.0 - kept)
+    if checkpointing.startswith("budget:"):  # undecided: at least nothing is recomputed
+        return 1.0
     if checkpointing.startswith("blocks:"):  # each block's share of its policy's recompute
         policies = parse_checkpointing(checkpointing).per_block
         return 1.0 + sum(RECOMPUTE[p] - 1.0 for p in policies) / len(policies)

@@ -34,11 +34,13 @@ from onegpu.config import (
     ConfigError,
     ModelConfig,
     check_distributed,
+    parse_checkpointing,
     resolve_strategy,
     with_overrides,
 )
 from onegpu.offload.weights import with_offload_params
-from onegpu.perf.flops import RECOMPUTE
+from onegpu.perf.flops import recompute_factor
+from onegpu.plan.budget import plan_budget
 from onegpu.plan.memory import plan_memory
 from onegpu.plan.mesh_search import largest_rank, layout_overrides, layouts
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, one_budget
@@ -47,10 +49,16 @@ from onegpu.tools.tune_report import pareto, size_text, trial_label, write_resul
 
 
 def candidates(
-    cfg: Config, device_type: str, with_compile: bool, world_size: int = 1
+    cfg: Config,
+    device_type: str,
+    with_compile: bool,
+    world_size: int = 1,
+    budget: str | None = None,
 ) -> list[dict[str, str]]:
     """Override sets to try, each a valid configuration (for `world_size` processes: one the
-    distributed build accepts, its micro-batches splitting the global batch)."""
+    distributed build accepts, its micro-batches splitting the global batch). `budget`: the
+    checkpointing by budget to try beside the uniform policies (`budget:BYTES` of a measured
+    search, `budget:auto` of a predicted one; one process only, as the build allows)."""
     batch = cfg.train.batch_size
     micro = sorted(
         {
@@ -63,7 +71,8 @@ def candidates(
     host_tiers = device_type == "cuda" and world_size == 1
     space = {
         "train.micro_batch_size": [str(m) for m in micro],
-        "memory.checkpointing": ["none", "selective", "attn+mlp", "block"],
+        "memory.checkpointing": ["none", "selective", "attn+mlp", "block"]
+        + ([budget] if budget and world_size == 1 else []),
         "train.precision": lowp,
         "optim.name": ["adamw", "adamw8bit", "adamw4bit"],
         "memory.loss_chunk": ["0", "1024"] if _vocab_size(cfg.model) > 4096 else ["0"],
@@ -101,6 +110,8 @@ def planned_peak(cfg: Config, target: str, world_size: int) -> int:
     """The planned peak of one process: the whole run, or the largest rank's of `world_size`
     (each pipeline stage's planned as itself)."""
     if world_size == 1:
+        if parse_checkpointing(cfg.memory.checkpointing).kind == "budget":
+            cfg, _ = plan_budget(cfg, target, None, None)  # the mix a run of it decides
         return plan_memory(cfg, target).memory["peak"]
     return largest_rank(cfg, target, None, world_size)[0]
 
@@ -179,7 +190,7 @@ def budget(gpu: str | None, memory: int | None) -> tuple[int, str]:
 
 def estimated_cost(change: dict[str, str], batch: int) -> float:
     """Relative step time, for ordering the trials (lower first); not a prediction."""
-    cost = RECOMPUTE[change["memory.checkpointing"]]
+    cost = recompute_factor(change["memory.checkpointing"])
     cost *= 1.0 if change["train.precision"].startswith("bf16") else 2.5
     cost *= 1.0 + 0.15 * (batch // int(change["train.micro_batch_size"]) - 1) ** 0.5
     cost *= {"adamw8bit": 1.03, "adamw4bit": 1.05}.get(change["optim.name"], 1.0)
@@ -211,7 +222,7 @@ def tune(
     log=print,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
-    cands = candidates(cfg, target, with_compile, world_size)
+    cands = candidates(cfg, target, with_compile, world_size, budget=f"budget:{budget_bytes}")
     if not cands:
         raise ConfigError(
             "--world-size" if world_size > 1 else "train.batch_size",
@@ -258,14 +269,25 @@ def plan_candidates(
     """(every candidate planned, those that fit). Per setting of everything else, only the
     largest micro-batch that fits is worth running (a smaller one only adds accumulation
     steps), and memory grows with the micro-batch: plan from the largest down and stop at the
-    first that fits."""
+    first that fits. Checkpointing by budget comes last, planned only where it can differ:
+    where `none` does not fit and `block` does (or was not planned)."""
     groups: dict[str, list[dict[str, str]]] = {}
     for change in cands:
         rest = {k: v for k, v in change.items() if k != "train.micro_batch_size"}
         groups.setdefault(json.dumps(rest, sort_keys=True), []).append(change)
-    planned, fitting = [], []
-    for members in groups.values():
+    by_budget = [g for g in groups.values() if _by_budget(g[0])]
+    planned: Planned = []
+    fitting: Planned = []
+    for members in [g for g in groups.values() if not _by_budget(g[0])] + by_budget:
+        seen = {_uniform_key(c, c["memory.checkpointing"]): peak for c, peak in planned}
         for change in sorted(members, key=lambda c: -int(c["train.micro_batch_size"])):
+            if _by_budget(change):
+                none = seen.get(_uniform_key(change, "none"))
+                block = seen.get(_uniform_key(change, "block"))
+                if none is not None and none <= budget_bytes:
+                    break  # `none` fits here: the budget would choose it
+                if block is not None and block > budget_bytes:
+                    continue  # not even `block` fits: no mix does
             try:
                 peak = planned_peak(with_overrides(cfg, change), target, world_size)
             except ConfigError:  # a technique this model cannot take (e.g. no GELU, no MLP)
@@ -275,6 +297,15 @@ def plan_candidates(
                 fitting.append((change, peak))
                 break
     return planned, fitting
+
+
+def _by_budget(change: dict[str, str]) -> bool:
+    return change["memory.checkpointing"].startswith("budget:")
+
+
+def _uniform_key(change: dict[str, str], policy: str) -> str:
+    """A candidate's settings with its checkpointing replaced by `policy`, as a lookup key."""
+    return json.dumps({**change, "memory.checkpointing": policy}, sort_keys=True)
 
 
 def measure(

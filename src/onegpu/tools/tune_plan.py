@@ -78,7 +78,7 @@ def activation_floors(cfg: Config, gpu: str, cands: list[dict[str, str]]) -> dic
     micro-batch, planned (two shallow copies each: a few plans in all)."""
     from onegpu.plan.depth import saved_per_sequence
 
-    keys = {(c["memory.checkpointing"], c["train.precision"]) for c in cands}
+    keys = {(_floor_policy(c["memory.checkpointing"]), c["train.precision"]) for c in cands}
     return {
         key: saved_per_sequence(
             with_overrides(cfg, {"memory.checkpointing": key[0], "train.precision": key[1]}),
@@ -87,6 +87,12 @@ def activation_floors(cfg: Config, gpu: str, cands: list[dict[str, str]]) -> dic
         )
         for key in keys
     }
+
+
+def _floor_policy(checkpointing: str) -> str:
+    """The uniform policy whose saved activations bound a candidate's from below: a budget's
+    mix saves at least what `block` saves everywhere."""
+    return "block" if checkpointing.startswith("budget:") else checkpointing
 
 
 def _by_bound(
@@ -103,7 +109,7 @@ def _by_bound(
     scored = []
     for change in cands:
         c = with_overrides(cfg, change)
-        saved = floors[(change["memory.checkpointing"], change["train.precision"])]
+        saved = floors[(_floor_policy(change["memory.checkpointing"]), change["train.precision"])]
         b = bound(c, base.n_params, base.flops_per_token, gpu, saved)
         if b.device <= budget and b.host <= host_budget:
             scored.append((b.step_s, -c.train.micro_batch_size, change, c))
@@ -141,14 +147,14 @@ def search(
             )
             break
         try:
-            p = planned(c, target, caps, gpu, fast=True)
+            p = planned(c, target, caps, gpu, fast=True, capacity=budget)
         except ConfigError:
             continue
         fits = p.peak <= budget and p.host <= host_budget
         row = _row(change, p, fits, c)
         rows.append(row)
         if fits and (best is None or (p.step_s or 0) < best["step_s"]):
-            full = planned(c, target, caps, gpu, fast=False)
+            full = planned(c, target, caps, gpu, fast=False, capacity=budget)
             if full.peak <= budget and full.host <= host_budget:
                 best = _row(change, full, True, c)
                 rows[-1] = best
@@ -205,7 +211,7 @@ def tune_predicted(
         result["host_budget"] = host_budget
         table = mesh_table(result, budget)
     else:
-        cands = candidates(cfg, "cuda", with_compile=False)
+        cands = candidates(cfg, "cuda", with_compile=False, budget="budget:auto")
         result = search(cfg, cands, gpu, budget, host_budget, log)
         table = predicted_table(result, budget)
     files = {"tune.json": json.dumps(result, indent=1) + "\n", "tune.md": table}
