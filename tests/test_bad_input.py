@@ -103,7 +103,7 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("vocab below bytes", T + ["--model.vocab_size", "100"], "model.vocab_size"),
     ("bpe vocab too small", T + ["--data.tokenizer", "bpe", "--data.tokenizer_vocab", "100"], "data.tokenizer_vocab"),
     ("adafactor with bf16-pure", T + ["--train.precision", "bf16-pure", "--optim.name", "adafactor"], "optim.name"),
-    ("in-backward with accumulation", T + ["--optim.in_backward", "true", "--optim.grad_clip", "0"], "optim.in_backward"),
+    ("in-backward with clipping", T + ["--optim.in_backward", "true"], "optim.grad_clip"),
     ("weight offload with DDP", T + ["--memory.offload_params", "true", "--dist.strategy", "ddp"], "memory.offload_params"),
     ("host optimizer and in-backward", T + ["--memory.offload_optimizer", "true", "--optim.in_backward", "true", "--optim.grad_clip", "0", "--train.micro_batch_size", "8"], "memory.offload_optimizer"),
     ("plan: host memory of 0", ["plan", "--preset", "tiny", "--host-memory", "0"], "--host-memory"),

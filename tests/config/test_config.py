@@ -19,7 +19,6 @@ from onegpu.config import Config, ConfigError, load_config, preset_values, to_to
         (["--train.device", "cuda:7"], "train.device"),
         (["--data.source", "/nonexistent/corpus.txt"], "data.source"),
         # refused combinations of techniques
-        (["--optim.in_backward", "true", "--optim.grad_clip", "0"], "optim.in_backward"),
         (
             ["--optim.in_backward", "true", "--train.micro_batch_size", "8"],
             "optim.grad_clip",

@@ -70,6 +70,8 @@ GRID = {
     "randomized-linear": {"memory.randomized_linear": "0.5", "model.dropout": "0.1"},
     "in-backward": {"optim.in_backward": "true", "optim.grad_clip": "0",
                     "train.micro_batch_size": "8"},
+    "in-backward-accum": {"optim.in_backward": "true", "optim.grad_clip": "0",
+                          "train.micro_batch_size": "2"},
     "adamw8bit-bf16": {"optim.name": "adamw8bit", "train.precision": "bf16"},
     "adamw4bit-bf16-pure": {"optim.name": "adamw4bit", "train.precision": "bf16-pure"},
     "lamb-accum": {"optim.name": "lamb", "train.micro_batch_size": "2"},

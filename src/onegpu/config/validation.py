@@ -166,12 +166,6 @@ def _validate_combinations(cfg: Config) -> None:
     t, o = cfg.train, cfg.optim
     if o.in_backward:
         _require(
-            t.micro_batch_size >= t.batch_size,
-            "optim.in_backward",
-            "steps inside every backward, so it cannot accumulate micro-batches; set "
-            f"--train.micro_batch_size {t.batch_size} (= train.batch_size) or turn it off",
-        )
-        _require(
             o.grad_clip == 0,
             "optim.grad_clip",
             "clipping by global norm needs every gradient at once, which optim.in_backward "

@@ -3,16 +3,21 @@ as soon as autograd has finished accumulating it.
 
 Full gradients then never coexist: the step holds at most the gradients still in flight
 instead of one per parameter (the "gradients" row of Hugging Face's "Efficient Training on a
-Single GPU" drops from 4 bytes/parameter to about the largest layer's). The price: no gradient accumulation (each backward steps), no clipping by
-global norm (it needs every gradient at once) and no fp16 loss scaling (its inf check needs
-them too); the config refuses those combinations. Built on the public
-`Tensor.register_post_accumulate_grad_hook` (PyTorch's "optimizer in backward" recipe): one
-small optimizer per parameter, sharing the hyper-parameters of its group.
+Single GPU" drops from 4 bytes/parameter to about the largest layer's). With gradient
+accumulation (which torchtune never allowed with it, its issue #794) the micro-batches before
+the last only accumulate (`accumulating()`), and each parameter steps in the last one's
+backward: the whole batch's gradients live between micro-batches, as in any accumulation, and
+the optimizer step's own temporaries never do. The price: no clipping by global norm (it needs
+every gradient at once) and no fp16 loss scaling (its inf check needs them too); the config
+refuses those. Built on the public `Tensor.register_post_accumulate_grad_hook` (PyTorch's
+"optimizer in backward" recipe): one small optimizer per parameter, sharing the
+hyper-parameters of its group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,9 +38,21 @@ class OptimizerInBackward:
                 self._optimizers[p] = make_optimizer([{**group, "params": [p]}])
                 p.register_post_accumulate_grad_hook(self._step_param)
         self._sq_norm: torch.Tensor | None = None
+        self._stepping = True
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """A backward inside only accumulates gradients (a micro-batch before the last)."""
+        self._stepping = False
+        try:
+            yield
+        finally:
+            self._stepping = True
 
     @torch.no_grad()
     def _step_param(self, p: torch.Tensor) -> None:
+        if not self._stepping:
+            return
         sq = p.grad.float().pow(2).sum()
         self._sq_norm = sq if self._sq_norm is None else self._sq_norm + sq
         self._optimizers[p].step()

@@ -33,7 +33,8 @@ from onegpu.techniques.precision import DeviceCaps
 # nothing there and are tried on GPU plans only.
 FIXES: list[tuple[str, dict[str, str]]] = [
     ("chunked loss", {"memory.loss_chunk": "1024"}),
-    # free where it applies (no accumulation, no clipping): refused, so skipped, elsewhere
+    # free where it applies (no clipping: refused, so skipped, elsewhere); with accumulation
+    # it saves only the optimizer step's temporaries
     (
         "optimizer step in backward, no clipping",
         {"optim.in_backward": "true", "optim.grad_clip": "0"},

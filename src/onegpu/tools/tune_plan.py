@@ -59,7 +59,8 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
     states = state_bytes_per_param(o.name) * n_params
     host_states = m.offload_optimizer or m.offload_params
     weights = 0 if m.offload_params else weight * n_params
-    grads = 0 if host_states or o.in_backward else weight * n_params
+    stepped_in_backward = o.in_backward and cfg.grad_accum_steps == 1  # else they accumulate
+    grads = 0 if host_states or stepped_in_backward else weight * n_params
     activations = 0 if m.offload_activations else saved_blocks * cfg.train.micro_batch_size
     device = weights + (0 if host_states else states) + max(activations, grads)
     host = (weight * n_params + states) if host_states else 0

@@ -95,6 +95,13 @@ class TrainStep:
             if isinstance(optimizer, OptimizerInBackward)
             else self._clip_and_step
         )
+        # Micro-batches before the last only accumulate (the optimizer in backward steps in
+        # the last one's backward; the others step after it anyway).
+        self._accumulating = (
+            optimizer.accumulating
+            if isinstance(optimizer, OptimizerInBackward)
+            else contextlib.nullcontext
+        )
         # Where the batch's gradients are: on the parameters, or in the host optimizer's
         # buffers (memory.offload_optimizer), in the model's parameter order either way.
         self._gradients = (
@@ -138,8 +145,13 @@ class TrainStep:
             zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True)
         )
         for i, (x_bT, y_bT) in enumerate(micro):
-            hold = self.no_sync is not None and i < len(micro) - 1
-            with self.no_sync() if hold else contextlib.nullcontext(), self.loss_context():
+            last = i == len(micro) - 1
+            hold = self.no_sync is not None and not last
+            with (
+                self.no_sync() if hold else contextlib.nullcontext(),
+                contextlib.nullcontext() if last else self._accumulating(),
+                self.loss_context(),
+            ):
                 with record_function("forward"), self.policy.autocast(inputs_BT.device):
                     loss = self.loss_fn(self.model, x_bT, y_bT) / denom
                 with record_function("backward"):
