@@ -10,6 +10,17 @@ _CACHE = tempfile.mkdtemp(prefix="onegpu-test-cache-")
 os.environ["ONEGPU_CACHE"] = _CACHE
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where CUDA is (`pytest -m gpu` on a GPU machine): on a CPU
+    they are deselected, never skipped into the count of what ran."""
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _small_matmul_peaks():
     """MFU's denominator is measured once per machine (a 4096^3 matmul per dtype: ~15 s on a

@@ -105,7 +105,6 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("adafactor with bf16-pure", T + ["--train.precision", "bf16-pure", "--optim.name", "adafactor"], "optim.name"),
     ("in-backward with clipping", T + ["--optim.in_backward", "true"], "optim.grad_clip"),
     ("weight offload with DDP", T + ["--memory.offload_params", "true", "--dist.strategy", "ddp"], "memory.offload_params"),
-    ("host optimizer and in-backward", T + ["--memory.offload_optimizer", "true", "--optim.in_backward", "true", "--optim.grad_clip", "0", "--train.micro_batch_size", "8"], "memory.offload_optimizer"),
     ("plan: host memory of 0", ["plan", "--preset", "tiny", "--host-memory", "0"], "--host-memory"),
     ("keep_last 0", T + ["--checkpoint.keep_last", "0"], "checkpoint.keep_last"),
     ("negative checkpoint.every", T + ["--checkpoint.every", "-1"], "checkpoint.every"),

@@ -64,6 +64,43 @@ def test_offloaded_equals_on_device_bit_for_bit(over):
     assert _same_weights(plain[0], off[0])
 
 
+@pytest.mark.parametrize("micro", ["8", "2"], ids=["one-micro-batch", "accumulated"])
+def test_in_backward_on_the_host_equals_the_plain_step_bit_for_bit(micro):
+    """optim.in_backward with the optimizer in host memory: each host copy steps as its whole
+    gradient lands (in the last micro-batch's backward) and goes back to the parameter; the
+    weights equal the plain device step's exactly, and no gradient stays on the device."""
+    over = {"optim.grad_clip": "0", "train.micro_batch_size": micro}
+    plain = _run(False, **over)
+    host = _run(True, **over, **{"optim.in_backward": "true"})
+    assert host[0].optimizer.steps_in_backward
+    assert plain[1] == host[1]  # the losses: the weights agreed at every step
+    assert host[2] == pytest.approx(plain[2], rel=1e-5)  # norms: summed in another order
+    assert _same_weights(plain[0], host[0])
+    assert all(p.grad is None for p in host[0].model.parameters())
+
+
+@pytest.mark.gpu
+def test_in_backward_on_the_host_steps_beside_a_gpu_backward_exactly():
+    """On a GPU the host copies step on a worker thread while backward goes on, and the
+    weights come back on the side stream: equal bit for bit to the host step after backward
+    (the same CPU optimizer on the same gradients), with accumulation."""
+    cuda = torch.device("cuda")
+    over = {"optim.grad_clip": "0", "train.device": "cuda", "train.micro_batch_size": "2"}
+    results = []
+    for in_backward in ("false", "true"):
+        built = build(_cfg(True, **over, **{"optim.in_backward": in_backward}), cuda,
+                      with_data=False)  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        for i in range(3):
+            x = torch.randint(0, 256, (8, 65), generator=g).to(cuda)
+            built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), i)
+        torch.cuda.synchronize()
+        assert all(p.grad is None for p in built.model.parameters())
+        results.append(built)
+    assert results[1].optimizer.steps_in_backward
+    assert _same_weights(results[0], results[1])
+
+
 def test_the_guard_skips_a_non_finite_step_alike():
     plain, off = _run(False, n=4, poison=1), _run(True, n=4, poison=1)
     assert plain[3] == off[3] == [False, True, False, False]
@@ -136,10 +173,10 @@ def test_gradients_leave_the_parameters_as_backward_produces_them():
     assert any(h.grad.abs().sum() > 0 for h in opt.grad_params)  # the batch's gradients landed
 
 
-def test_bad_combinations_are_refused():
-    with pytest.raises(ConfigError, match="memory.offload_optimizer"):
+def test_bad_combinations_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="memory.offload_dir"):
         load_config("tiny", overrides={"memory.offload_optimizer": "true", "optim.in_backward":
                                        "true", "optim.grad_clip": "0",
-                                       "train.micro_batch_size": "8"})  # fmt: skip
+                                       "memory.offload_dir": str(tmp_path)})  # fmt: skip
     with pytest.raises(ConfigError, match="memory.offload_optimizer"):
         check_distributed(_cfg(True), "ddp", 2)

@@ -72,6 +72,8 @@ GRID = {
                     "train.micro_batch_size": "8"},
     "in-backward-accum": {"optim.in_backward": "true", "optim.grad_clip": "0",
                           "train.micro_batch_size": "2"},
+    "in-backward-host": {"optim.in_backward": "true", "optim.grad_clip": "0",
+                         "memory.offload_optimizer": "true", "train.micro_batch_size": "2"},
     "adamw8bit-bf16": {"optim.name": "adamw8bit", "train.precision": "bf16"},
     "adamw4bit-bf16-pure": {"optim.name": "adamw4bit", "train.precision": "bf16-pure"},
     "lamb-accum": {"optim.name": "lamb", "train.micro_batch_size": "2"},

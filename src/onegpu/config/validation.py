@@ -229,10 +229,11 @@ def _validate_offload(cfg: Config) -> None:
             "made); give a folder on a local disk with room for the optimizer's states",
         )
     _require(
-        not (cfg.memory.offload_optimizer and o.in_backward),
-        "memory.offload_optimizer",
-        "steps on the host after backward, optim.in_backward inside it on the device; "
-        "choose one (offload frees gradients as they are produced too)",
+        not (cfg.memory.offload_dir and o.in_backward),
+        "memory.offload_dir",
+        "states on the disk are stepped a file at a time after backward, which "
+        "optim.in_backward does not wait for; keep the states in host memory (no offload_dir) "
+        "or turn optim.in_backward off",
     )
 
 

@@ -34,6 +34,7 @@ machinery's overhead, measured in benchmarks/offload.py), and is what the tests 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,8 @@ class HostOffloadOptimizer:
                 p.register_post_accumulate_grad_hook(self._offload_grad)
             host_groups.append({**group, "params": host_params})
         self.inner = make_optimizer(host_groups)
+        # one optimizer per host copy (optim.in_backward): each steps as its gradient lands
+        self.steps_in_backward = getattr(self.inner, "steps_in_backward", False)
         seen: set[int] = set()
         self.grad_params = []  # host copies in model order, each once (tied weights)
         for p in model_params:
@@ -90,6 +93,8 @@ class HostOffloadOptimizer:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._staging: dict[torch.Tensor, torch.Tensor] = {}  # pinned, one per parameter
         self._arrived: dict[torch.Tensor, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker_jobs: list[concurrent.futures.Future] = []
 
     # ------------------------------------------------------------------ backward: out they go
 
@@ -100,6 +105,7 @@ class HostOffloadOptimizer:
         grad, p.grad = p.grad, None
         if self._stream is None:  # same memory: a plain add, as autograd accumulates
             host.add_(grad.to(host.dtype))
+            self._step_if_whole(p)
             return
         # The copy waits for backward to have produced the gradient, runs beside the rest of
         # backward into a pinned staging buffer, and the device buffer lives until it is done.
@@ -111,7 +117,49 @@ class HostOffloadOptimizer:
         with torch.cuda.stream(self._stream):
             staging.copy_(grad, non_blocking=True)
             grad.record_stream(self._stream)
-        self._arrived[p] = (self._stream.record_event(), host, staging)
+        arrived = (self._stream.record_event(), host, staging)
+        if self.steps_in_backward and self.inner.stepping:  # on a worker thread: backward goes on
+            self._worker_jobs.append(self._worker().submit(self._step_on_host, p, arrived))
+        else:
+            self._arrived[p] = arrived
+
+    def accumulating(self) -> contextlib.AbstractContextManager:
+        """A backward inside only accumulates (in backward: a micro-batch before the last)."""
+        return self.inner.accumulating()
+
+    def _step_if_whole(self, p: torch.Tensor) -> None:
+        """In backward on a CPU, once `p`'s gradient is whole: step its host copy and take the
+        new weight (the same memory: no link, no thread)."""
+        if self.steps_in_backward and self.inner.stepping:
+            h = self._host[p]
+            self.inner.step_param(h)
+            h.grad.zero_()
+            p.copy_(h)
+
+    @torch.no_grad()
+    def _step_on_host(self, p: torch.Tensor, arrived: tuple[Any, torch.Tensor, torch.Tensor]):
+        """In backward with an accelerator, on the worker thread while the device goes on with
+        backward: wait for `p`'s gradient copy, add it in, step the host copy on the CPU and
+        send the weight back on the side stream (ordered after the gradient's copy, which
+        waited for every kernel queued before it that reads the old weight)."""
+        event, host, staging = arrived
+        event.synchronize()
+        host.add_(staging.to(host.dtype))
+        h = self._host[p]
+        self.inner.step_param(h)
+        h.grad.zero_()
+        with torch.cuda.stream(self._stream):
+            p.copy_(h, non_blocking=True)
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One thread: the host steps run in order, beside the engine's."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "onegpu-host-step")
+        return self._pool
+
+    def pop_grad_norm(self) -> torch.Tensor:
+        """In backward: the global norm of the gradients stepped since the last call."""
+        return self.inner.pop_grad_norm()
 
     def _land(self, p: torch.Tensor) -> None:
         """Wait for `p`'s copy in flight, if any, and add it into the host buffer."""
@@ -143,7 +191,15 @@ class HostOffloadOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        """Step the host copies, then bring the updated weights back to the device."""
+        """Step the host copies, then bring the updated weights back to the device (in
+        backward: each was stepped and sent already; the next forward waits for the sends)."""
+        if self.steps_in_backward:
+            jobs, self._worker_jobs = self._worker_jobs, []
+            for job in jobs:
+                job.result()  # every host step done (and its error raised here)
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            return
         self.wait_for_gradients()
         if self.disk is not None and not self._states_on_disk:
             step_into_disk(self.inner, self.disk)  # states made one parameter at a time
@@ -164,7 +220,10 @@ class HostOffloadOptimizer:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Host buffers back to zero for the next batch; device gradients are already gone."""
+        """Host buffers back to zero for the next batch; device gradients are already gone
+        (in backward, each host buffer was zeroed when its copy stepped)."""
+        if self.steps_in_backward:
+            return
         for h in self._host.values():
             h.grad.zero_()
         for p in self._host:

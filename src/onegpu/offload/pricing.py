@@ -11,7 +11,10 @@ optimizer step (a prediction, labelled as one; docs/offload.md).
 
 The copies run on a side stream beside compute, so the step is predicted at the longer of the
 two, plus the CPU's optimizer step, which waits for the last gradient (and the next forward for
-its weights). On a CPU plan the device and the host are one memory: no link, only the step.
+its weights). With `optim.in_backward` each host copy steps as its gradient lands, on a worker
+thread while the device goes on: the last micro-batch's backward hides that much of the host
+step (`exposed_host_step`). On a CPU plan the device and the host are one memory: no link,
+only the step.
 """
 
 from __future__ import annotations
@@ -52,3 +55,16 @@ def offload_costs(cfg: Config, plan: Any, gpu: str | None, world_size: int) -> d
         link = GPUS[gpu].host_link * LINK_EFFICIENCY
         out.update(link_s=moved / link, link_rate=link)
     return out
+
+
+BACKWARD_SHARE = 2 / 3
+"""Backward's share of a micro-batch's compute (twice the forward's matmuls)."""
+
+
+def exposed_host_step(cfg: Config, host_step_s: float, compute_s: float, world_size: int) -> float:
+    """The part of the host step the device waits for: all of it after backward, or, stepped
+    in backward, what the last micro-batch's backward does not hide."""
+    if not (cfg.optim.in_backward and cfg.memory.offload_optimizer):
+        return host_step_s
+    n_micro = max(1, cfg.grad_accum_steps // world_size)
+    return max(0.0, host_step_s - compute_s * BACKWARD_SHARE / n_micro)

@@ -10,7 +10,7 @@ from torch import nn
 from onegpu.config import ConfigError, OptimConfig
 from onegpu.offload.disk_tier import DiskTier
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
-from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.optim.in_backward import OptimizerInBackward, PerParameterOptimizers
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
 from onegpu.quiet import library_notes_off
 
@@ -95,6 +95,9 @@ def build_optimizer(
     if offload:
         cpu = torch.device("cpu")
         make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731
+        if cfg.in_backward:  # one per host copy, stepped as its gradient lands
+            per_param = make
+            make = lambda gs: PerParameterOptimizers(gs, per_param)  # noqa: E731
         disk = DiskTier(offload_dir) if offload_dir and not fake else None
         return HostOffloadOptimizer(
             groups, make, device, list(model.parameters()), disk=disk, on_disk=bool(offload_dir)

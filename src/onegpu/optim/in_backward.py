@@ -23,9 +23,13 @@ from typing import Any
 import torch
 
 
-class OptimizerInBackward:
-    """Looks like an optimizer to the trainer (param_groups for the LR schedule, state,
-    state_dict); `step` and `zero_grad` are no-ops because the work happens in backward."""
+class PerParameterOptimizers:
+    """One small optimizer per parameter, sharing the hyper-parameters of its group, so that
+    each parameter can step alone as soon as its gradient is whole (on the device here, or on
+    the host: offload/host_optimizer.py). Looks like an optimizer to the trainer: param_groups
+    for the LR schedule, state, state_dict; `step` and `zero_grad` are no-ops."""
+
+    steps_in_backward = True
 
     def __init__(
         self,
@@ -36,7 +40,6 @@ class OptimizerInBackward:
         for group in groups:
             for p in group["params"]:
                 self._optimizers[p] = make_optimizer([{**group, "params": [p]}])
-                p.register_post_accumulate_grad_hook(self._step_param)
         self._sq_norm: torch.Tensor | None = None
         self._stepping = True
 
@@ -49,17 +52,20 @@ class OptimizerInBackward:
         finally:
             self._stepping = True
 
+    @property
+    def stepping(self) -> bool:
+        """Whether a gradient made now is whole (the last micro-batch's backward)."""
+        return self._stepping
+
     @torch.no_grad()
-    def _step_param(self, p: torch.Tensor) -> None:
-        if not self._stepping:
-            return
+    def step_param(self, p: torch.Tensor) -> None:
+        """Step `p` on its gradient, counted into the norm `pop_grad_norm` returns."""
         sq = p.grad.float().pow(2).sum()
         self._sq_norm = sq if self._sq_norm is None else self._sq_norm + sq
         self._optimizers[p].step()
-        p.grad = None
 
     def pop_grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients stepped since the last call (a device tensor)."""
+        """Global L2 norm of the gradients stepped since the last call."""
         sq, self._sq_norm = self._sq_norm, None
         return torch.zeros(()) if sq is None else sq.sqrt()
 
@@ -84,3 +90,23 @@ class OptimizerInBackward:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for opt, s in zip(self._optimizers.values(), state["per_parameter"], strict=True):
             opt.load_state_dict(s)
+
+
+class OptimizerInBackward(PerParameterOptimizers):
+    """Each device parameter steps in the backward that completes its gradient, which is then
+    freed."""
+
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+    ):
+        super().__init__(groups, make_optimizer)
+        for p in self._optimizers:
+            p.register_post_accumulate_grad_hook(self._step_and_free)
+
+    @torch.no_grad()
+    def _step_and_free(self, p: torch.Tensor) -> None:
+        if self.stepping:
+            self.step_param(p)
+            p.grad = None

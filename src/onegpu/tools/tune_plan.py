@@ -27,7 +27,7 @@ from typing import Any
 
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
 from onegpu.offload.host_step import host_step_rate
-from onegpu.offload.pricing import LINK_EFFICIENCY
+from onegpu.offload.pricing import LINK_EFFICIENCY, exposed_host_step
 from onegpu.optim.state_bytes import state_bytes_per_param
 from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
@@ -71,6 +71,7 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
     if host_states:  # the gradients out once per micro-batch, weights back once a step
         link = (cfg.grad_accum_steps + 1) * weight * n_params / (spec.host_link * LINK_EFFICIENCY)
     host_step = n_params / host_step_rate(o.name)[0] if host_states else 0.0
+    host_step = exposed_host_step(cfg, host_step, compute, 1)
     return Bound(int(device), int(host), max(compute, link) + host_step)
 
 

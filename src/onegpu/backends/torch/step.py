@@ -90,18 +90,11 @@ class TrainStep:
         self.scaler = policy.grad_scaler(device)
         self._false: torch.Tensor | None = None
         # Chosen once here, so that no call branches on the optimizer's kind.
-        self._update = (
-            self._collect_in_backward_norm
-            if isinstance(optimizer, OptimizerInBackward)
-            else self._clip_and_step
-        )
+        in_backward = getattr(optimizer, "steps_in_backward", False)
+        self._update = self._collect_in_backward_norm if in_backward else self._clip_and_step
         # Micro-batches before the last only accumulate (the optimizer in backward steps in
         # the last one's backward; the others step after it anyway).
-        self._accumulating = (
-            optimizer.accumulating
-            if isinstance(optimizer, OptimizerInBackward)
-            else contextlib.nullcontext
-        )
+        self._accumulating = optimizer.accumulating if in_backward else contextlib.nullcontext
         # Where the batch's gradients are: on the parameters, or in the host optimizer's
         # buffers (memory.offload_optimizer), in the model's parameter order either way.
         self._gradients = (
@@ -204,7 +197,9 @@ class TrainStep:
             self.optimizer.step()
 
     def _collect_in_backward_norm(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every parameter was stepped inside backward: only the norm is left to collect."""
+        """Every parameter was stepped inside backward: only the norm is left to collect (and
+        on the host tier, the weights' copies back to wait for)."""
+        self.optimizer.step()
         norm = self.optimizer.pop_grad_norm()
         return norm, self._not_skipped(norm)
 
