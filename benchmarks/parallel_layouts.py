@@ -6,7 +6,7 @@ memory per device, communication per step and compute overhead. This reproduces 
 
 1. **Run** on this CPU's processes (gloo): every layout of the same model, batch and steps,
    launched with torchrun as a user would; per rank the measured peak (`train.measure_memory`:
-   the allocator's own total at the step's peak), the planner's prediction for that rank and
+   the allocator's events of the step replayed), the planner's prediction for that rank and
    its error, the bytes each mesh dimension sends per step (plan/links.py), tokens/s, and the
    final loss against one process's.
 2. **Planned** for 8 GPUs: a Llama-3-8B-sized onegpu GPT (d_model 4096, 32 blocks, 32 heads,
@@ -153,10 +153,11 @@ def run_table(steps: int, root: Path) -> list[str]:
         print(rows[-1], flush=True)
     rows += [
         "",
-        f"{summary['params']:,} parameters. Peak: `train.measure_memory`'s (the allocator's "
-        "own running total at the step's peak, plus what existed before it); planned: `onegpu "
-        "plan --world-size N` for the same config (one rank per pipeline stage). Sent: "
-        "plan/links.py's count.",
+        f"{summary['params']:,} parameters. Peak: `train.measure_memory`'s (what existed "
+        "before the step plus the most the step held at once, replayed from the allocator's "
+        "events; buffers gloo's threads free, which the profiler never sees freed, left out: "
+        "memory/breakdown.py); planned: `onegpu plan --world-size N` for the same config (one "
+        "rank per pipeline stage). Sent: plan/links.py's count.",
     ]
     return rows
 
