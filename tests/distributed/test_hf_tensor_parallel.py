@@ -44,13 +44,17 @@ def _folder(tmp_path, arch: str, **changes):
         # loss on each process's columns
         ("qwen2", {"tie_word_embeddings": True}, {"memory.loss_chunk": 16}),
         ("phi", {}, {}),  # LayerNorms with biases, `dense` / `fc1` / `fc2` in its plan
+        # 2-D: FSDP2 over the other dimension, with block checkpointing (4 processes)
+        ("llama", {}, {"dist.dp_shard": 2, "memory.checkpointing": "block"}),
     ],
+    ids=["llama", "qwen2-tied-chunked", "phi", "llama-tp2xfsdp2-block"],
 )
 def test_tensor_parallel_hf_model_equals_one_process(tmp_path, arch, changes, over):
     folder = _folder(tmp_path, arch, **changes)
     values = {**RUN, **over, "model.hf": str(folder)}
-    launch(tmp_path / "one", 1, **values)
-    launch(tmp_path / "tp", 2, **values, **{"dist.tp": 2})
+    single = {k: v for k, v in values.items() if not k.startswith("dist.")}
+    launch(tmp_path / "one", 1, **single)
+    launch(tmp_path / "tp", 2 * int(over.get("dist.dp_shard", 1)), **values, **{"dist.tp": 2})
     assert_close_losses(losses(tmp_path / "tp"), losses(tmp_path / "one"))
     _assert_same_weights(tmp_path / "tp", tmp_path / "one")
 

@@ -33,6 +33,7 @@ def test_the_allocation_rule_counts_the_real_states(name):
     assert per_param == pytest.approx({"lamb": 8, "lars": 4, "adamw4bit": 1.0}[name], rel=0.25)
 
 
+@pytest.mark.slow  # two short runs (~9 s)
 @pytest.mark.parametrize("name", ["lamb", "lars"])
 def test_a_trust_ratio_optimizer_trains(name, tmp_path):
     lr = {"lamb": "2e-2", "lars": "0.5"}[name]

@@ -137,6 +137,7 @@ def test_in_backward_plans_and_holds_fewer_gradients():
     assert fused["grads"] <= plain["grads"] and fused["peak"] <= plain["peak"]
 
 
+@pytest.mark.slow  # the whole fix list planned (~6 s)
 def test_the_fix_list_reaches_for_host_memory_when_nothing_else_fits():
     """A GPU plan under a budget that every on-device fix together misses: the list goes on to
     the host tiers, ends on a configuration that fits, and hands it over as best.toml."""

@@ -17,6 +17,7 @@ from onegpu.config import (
 from onegpu.tools.tune import candidates, planned_peak
 
 
+@pytest.mark.slow  # every candidate checked by the distributed build's rules (~5 s)
 def test_world_size_candidates_are_only_what_torchrun_runs():
     cfg = load_config("tiny", overrides={"train.batch_size": "8", "train.device": "cpu"})
     cands = candidates(cfg, "cuda", with_compile=True, world_size=2)
