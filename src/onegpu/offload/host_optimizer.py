@@ -131,10 +131,14 @@ class HostOffloadOptimizer:
         """In backward on a CPU, once `p`'s gradient is whole: step its host copy and take the
         new weight (the same memory: no link, no thread)."""
         if self.steps_in_backward and self.inner.stepping:
-            h = self._host[p]
-            self.inner.step_param(h)
-            h.grad.zero_()
-            p.copy_(h)
+            p.copy_(self._stepped_copy(p))
+
+    def _stepped_copy(self, p: torch.Tensor) -> torch.Tensor:
+        """Step `p`'s host copy on its whole gradient, zero that gradient; the new weight."""
+        h = self._host[p]
+        self.inner.step_param(h)
+        h.grad.zero_()
+        return h
 
     @torch.no_grad()
     def _step_on_host(self, p: torch.Tensor, arrived: tuple[Any, torch.Tensor, torch.Tensor]):
@@ -145,9 +149,7 @@ class HostOffloadOptimizer:
         event, host, staging = arrived
         event.synchronize()
         host.add_(staging.to(host.dtype))
-        h = self._host[p]
-        self.inner.step_param(h)
-        h.grad.zero_()
+        h = self._stepped_copy(p)
         with torch.cuda.stream(self._stream):
             p.copy_(h, non_blocking=True)
 
