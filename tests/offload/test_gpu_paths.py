@@ -1,0 +1,90 @@
+"""The paths only an accelerator takes: pinned host buffers, side streams, the host link.
+
+Each compares the GPU run with offload against the same GPU run without it (or the planner's
+prediction against `torch.cuda.max_memory_allocated`). Marked `gpu`: deselected on machines
+without CUDA (tests/conftest.py), run with `pytest -m gpu`."""
+
+import gc
+
+import pytest
+import torch
+
+from onegpu.backends.torch.build import build, processes
+from onegpu.config import load_config
+from onegpu.plan.memory import plan_memory
+from onegpu.techniques.precision import device_caps
+
+pytestmark = pytest.mark.gpu
+
+
+def _cfg(**over):
+    values = {"train.device": "cuda", "train.precision": "fp32", "train.compile": "none",
+              "model.dropout": "0", "model.attention": "math", "optim.grad_clip": "0",
+              "memory.loss_chunk": "0", **over}  # fmt: skip
+    return load_config("tiny", overrides=values)
+
+
+def _steps(cfg, n: int = 3):
+    """n steps on fixed random batches; the built run and its losses."""
+    with processes(cfg) as ctx:
+        built = build(cfg, with_data=False, dist_ctx=ctx)
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for i in range(n):
+            x = torch.randint(0, cfg.model.vocab_size, (8, cfg.train_seq_len + 1), generator=g)
+            x = x.to(built.device)
+            losses.append(built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), i).loss.item())
+        torch.cuda.synchronize()
+        weights = {k: v.detach().float().cpu() for k, v in built.model.state_dict().items()}
+    return built, losses, weights
+
+
+def test_the_host_optimizer_on_a_gpu_follows_the_device_optimizer():
+    """States pinned on the host, gradients gone from the device after backward; AdamW on the
+    CPU gives the GPU's weights up to rounding (the kernels differ, not the math)."""
+    plain = _steps(_cfg())
+    host = _steps(_cfg(**{"memory.offload_optimizer": "true"}))
+    states = [t for s in host[0].optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert states and all(t.device.type == "cpu" and t.is_pinned() for t in states)
+    assert all(p.grad is None for p in host[0].model.parameters())
+    assert host[1] == pytest.approx(plain[1], rel=1e-5)
+    for name, w in plain[2].items():
+        torch.testing.assert_close(host[2][name], w, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_activations_on_the_host_of_a_gpu_give_the_same_steps():
+    """Saved activations go to pinned host memory and come back exactly: same losses."""
+    plain = _steps(_cfg())
+    off = _steps(_cfg(**{"memory.offload_activations": "true"}))
+    assert off[1] == pytest.approx(plain[1], rel=1e-6)
+
+
+def test_weights_on_the_host_through_fsdp2_follow_the_device_run():
+    """FSDP2's CPU offload in a process group of one: the same losses up to rounding."""
+    plain = _steps(_cfg())
+    off = _steps(_cfg(**{"memory.offload_params": "true"}))
+    assert off[1] == pytest.approx(plain[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["none", "block", "budget:1100000000"])
+def test_the_planned_peak_on_a_gpu_is_within_ten_percent(policy):
+    """The planner's step peak against the caching allocator's, for a model large enough that
+    the workspaces around it do not decide the figure."""
+    over = {"train.precision": "bf16", "model.n_layer": "8", "model.d_model": "512",
+            "model.n_head": "8", "model.seq_len": "512", "model.vocab_size": "8192",
+            "train.batch_size": "8", "train.micro_batch_size": "8", "model.attention": "auto",
+            "memory.checkpointing": policy}  # fmt: skip
+    cfg = _cfg(**over)
+    cuda = torch.device("cuda")
+    planned = plan_memory(cfg, "cuda", device_caps(cuda)).memory["peak"]
+    gc.collect()
+    before = torch.cuda.memory_allocated()  # what earlier tests left alive, if anything
+    built = build(cfg, with_data=False)
+    x = torch.randint(0, 8192, (8, 513), device=cuda)
+    built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), 0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), 1)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    assert planned == pytest.approx(measured, rel=0.10)
