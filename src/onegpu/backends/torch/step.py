@@ -112,6 +112,8 @@ class TrainStep:
         loss = self.forward_backward(inputs_BT, targets_BT, n_tokens)
         with record_function("optimizer"):
             grad_norm, skipped = self._update(loss)
+        if grad_norm.device != loss.device:  # gradients on the host (offloaded): the meter
+            grad_norm, skipped = grad_norm.to(loss.device), skipped.to(loss.device)  # sums here
         return StepOutput(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr)
 
     def forward_backward(
@@ -176,7 +178,10 @@ class TrainStep:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:  # fp32/bf16: a non-finite loss or gradient must not reach the weights either
-            skipped = torch.isfinite(norm).logical_and_(torch.isfinite(loss)).logical_not_()
+            finite_loss = torch.isfinite(loss)
+            if finite_loss.device != norm.device:  # gradients on the host: the guard runs there
+                finite_loss = finite_loss.to(norm.device)
+            skipped = torch.isfinite(norm).logical_and_(finite_loss).logical_not_()
             self._guarded_step(skipped)
         self.optimizer.zero_grad(set_to_none=True)
         return norm, skipped
