@@ -43,7 +43,9 @@ from onegpu.tools.bench import run_row
 
 GIB = 2**30
 SECTIONS = ("tests", "memory", "overlap", "speed")
-BASE = {"model.dropout": "0", "data.bin_dtype": "uint16", "train.compile": "none"}
+BASE = {"model.dropout": "0", "data.bin_dtype": "uint16", "train.compile": "none",
+        # the peak is the caching allocator's either way: no profiled step, no startup plan
+        "train.measure_memory": "false", "train.skip_memory_check": "true"}  # fmt: skip
 GPT2 = {"__preset": "gpt2", "train.batch_size": "8", "train.micro_batch_size": "8"}
 MEMORY_GRID: list[tuple[str, dict[str, str]]] = [
     ("bf16", {}),
@@ -129,6 +131,8 @@ def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = QUICK if args.quick else GPT2
     for name, extra in MEMORY_GRID:
         preset, over = _overrides(base, extra, args.work)
+        if args.quick:  # a CPU's step peak comes from the profiled step
+            over["train.measure_memory"] = "true"
         row: dict[str, Any] = {"name": name, "preset": preset, "overrides": extra}
         try:
             planning = _start_plan(preset, over, args.gpu)
@@ -146,6 +150,7 @@ def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
         except Exception as e:  # one configuration's failure is a finding, not the end
             row["failed"] = str(e)[-1500:]
         rows.append(row)
+        args.save("memory", rows)
         print(f"memory: {name}: {row.get('error', row.get('failed'))}", flush=True)
     return rows
 
@@ -273,6 +278,7 @@ def section_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         except Exception as e:
             row["failed"] = str(e)[-1500:]
         rows.append(row)
+        args.save("speed", rows)
         print(f"speed: {name}: {row.get('ratio', row.get('failed'))}", flush=True)
     return rows
 
@@ -286,10 +292,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# GPU suite on {env['device']} ({env['date']})", "",
              f"Command: `{results['command']}`; torch {env['torch']}, CUDA {env['cuda']}, "
              f"host CPU {env['cpu']}. Written by benchmarks/gpu_suite.py.", ""]  # fmt: skip
-    if "tests" in results:
+    if results.get("tests"):
         t = results["tests"]
         lines += ["## CUDA-only tests", "", f"`{t['command']}`: exit {t['rc']}, {t['summary']}", ""]
-    if "memory" in results:
+    if results.get("memory"):
         lines += ["## Planned against measured step peak (GPT-2 124M, seq 1024, batch 8)", "",
                   "| configuration | planned GiB | measured GiB | error | step ms | predicted ms |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
@@ -306,7 +312,7 @@ def markdown(results: dict[str, Any]) -> str:
             "Measured: `torch.cuda.max_memory_allocated` over a 4-step `onegpu train`.",
             "",
         ]
-    if "overlap" in results:
+    if results.get("overlap"):
         o = results["overlap"]
         lines += ["## The optimizer on the host: overlap with backward", "",
                   "| row | step ms | peak GiB |", "|---|---|---|"]  # fmt: skip
@@ -317,7 +323,7 @@ def markdown(results: dict[str, Any]) -> str:
                   f"{tr.get('host_step_s', float('nan')) * 1e3:.1f} ms of host stepping, "
                   f"{tr.get('exposed_s', float('nan')) * 1e3:.1f} ms of it after the GPU's last "
                   f"kernel. {o.get('trace_failed', '')}", ""]  # fmt: skip
-    if "speed" in results:
+    if results.get("speed"):
         lines += ["## Speed against a nanoGPT-style compiled loop", "",
                   "| model | onegpu tok/s | MFU | peak GiB (planned) | loop tok/s | loop MFU | "
                   "loop peak GiB | onegpu / loop |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -382,6 +388,14 @@ def main() -> None:
     path = _result_path(args.out, results["environment"]["device"])
     run = {"tests": section_tests, "memory": section_memory, "overlap": section_overlap,
            "speed": section_speed}  # fmt: skip
+
+    def save(section: str, value: Any) -> None:
+        """Write what is measured so far: a run cut short keeps every finished row."""
+        results[section] = value
+        path.write_text(markdown(results))
+        path.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+
+    args.save = save
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
@@ -389,8 +403,10 @@ def main() -> None:
         except Exception as e:  # the sections after it still run
             results[f"{name}_failed"] = repr(e)[-1500:]
         results.setdefault("section_s", {})[name] = time.perf_counter() - t0
-        path.write_text(markdown(results))
-        path.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        if name in results:
+            save(name, results[name])
+        else:
+            save(f"{name}_failed", results[f"{name}_failed"])
         print(f"{name}: {time.perf_counter() - t0:.0f} s -> {path}", flush=True)
 
 

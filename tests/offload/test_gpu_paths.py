@@ -11,6 +11,7 @@ import torch
 
 from onegpu.backends.torch.build import build, processes
 from onegpu.config import load_config
+from onegpu.plan.budget import plan_budget
 from onegpu.plan.memory import plan_memory
 from onegpu.techniques.precision import device_caps
 
@@ -22,6 +23,19 @@ def _cfg(**over):
               "model.dropout": "0", "model.attention": "math", "optim.grad_clip": "0",
               "memory.loss_chunk": "0", **over}  # fmt: skip
     return load_config("tiny", overrides=values)
+
+
+@pytest.fixture(scope="module")
+def initial_weights(tmp_path_factory) -> str:
+    """One set of starting weights for every run: a model initialises from the generator of
+    the device its weights live on (the host's under FSDP2's CPU offload, the GPU's
+    otherwise), so runs compared for equality start from a file (model.init_from)."""
+    from safetensors.torch import save_model
+
+    built = build(load_config("tiny", overrides={"train.device": "cpu"}), with_data=False)
+    path = tmp_path_factory.mktemp("init") / "model.safetensors"
+    save_model(built.model, str(path))
+    return str(path)
 
 
 def _steps(cfg, n: int = 3):
@@ -39,30 +53,36 @@ def _steps(cfg, n: int = 3):
     return built, losses, weights
 
 
-def test_the_host_optimizer_on_a_gpu_follows_the_device_optimizer():
-    """States pinned on the host, gradients gone from the device after backward; AdamW on the
-    CPU gives the GPU's weights up to rounding (the kernels differ, not the math)."""
-    plain = _steps(_cfg())
-    host = _steps(_cfg(**{"memory.offload_optimizer": "true"}))
+def test_the_host_optimizer_on_a_gpu_follows_the_device_optimizer(initial_weights):
+    """States on the host, weight copies pinned (they cross the link), gradients gone from the
+    device after backward; AdamW on the CPU gives the GPU's weights up to rounding (the
+    kernels differ, not the math)."""
+    init = {"model.init_from": initial_weights}
+    plain = _steps(_cfg(**init))
+    host = _steps(_cfg(**init, **{"memory.offload_optimizer": "true"}))
     states = [t for s in host[0].optimizer.state.values() for t in s.values() if t.dim() > 0]
-    assert states and all(t.device.type == "cpu" and t.is_pinned() for t in states)
+    assert states and all(t.device.type == "cpu" for t in states)
+    assert all(h.is_pinned() for h in host[0].optimizer.grad_params)
     assert all(p.grad is None for p in host[0].model.parameters())
     assert host[1] == pytest.approx(plain[1], rel=1e-5)
     for name, w in plain[2].items():
         torch.testing.assert_close(host[2][name], w, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_activations_on_the_host_of_a_gpu_give_the_same_steps():
+def test_activations_on_the_host_of_a_gpu_give_the_same_steps(initial_weights):
     """Saved activations go to pinned host memory and come back exactly: same losses."""
-    plain = _steps(_cfg())
-    off = _steps(_cfg(**{"memory.offload_activations": "true"}))
+    init = {"model.init_from": initial_weights}
+    plain = _steps(_cfg(**init))
+    off = _steps(_cfg(**init, **{"memory.offload_activations": "true"}))
     assert off[1] == pytest.approx(plain[1], rel=1e-6)
 
 
-def test_weights_on_the_host_through_fsdp2_follow_the_device_run():
-    """FSDP2's CPU offload in a process group of one: the same losses up to rounding."""
-    plain = _steps(_cfg())
-    off = _steps(_cfg(**{"memory.offload_params": "true"}))
+def test_weights_on_the_host_through_fsdp2_follow_the_device_run(initial_weights):
+    """FSDP2's CPU offload in a process group of one: from the same starting weights, the
+    same losses up to rounding (the optimizer steps on the CPU)."""
+    init = {"model.init_from": initial_weights}
+    plain = _steps(_cfg(**init))
+    off = _steps(_cfg(**init, **{"memory.offload_params": "true"}))
     assert off[1] == pytest.approx(plain[1], rel=1e-5)
 
 
@@ -76,7 +96,11 @@ def test_the_planned_peak_on_a_gpu_is_within_ten_percent(policy):
             "memory.checkpointing": policy}  # fmt: skip
     cfg = _cfg(**over)
     cuda = torch.device("cuda")
-    planned = plan_memory(cfg, "cuda", device_caps(cuda)).memory["peak"]
+    caps = device_caps(cuda)
+    if policy.startswith("budget:"):  # resolved to a per-block plan, as `onegpu train` does
+        cfg, decided = plan_budget(cfg, "cuda", caps, None)
+        assert decided["planned_peak"] <= decided["budget"]
+    planned = plan_memory(cfg, "cuda", caps).memory["peak"]
     gc.collect()
     before = torch.cuda.memory_allocated()  # what earlier tests left alive, if anything
     built = build(cfg, with_data=False)
