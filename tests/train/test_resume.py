@@ -86,6 +86,15 @@ GRID = {
     "gelu-2bit": {"memory.gelu_bits": "2"},
     "offload-optimizer": {"memory.offload_optimizer": "true", "train.micro_batch_size": "2",
                           "optim.grad_clip": "0.5"},
+    # a new projection every 3 steps: one falls after the resume point (step 2)
+    "galore-accum-clip": {"optim.name": "galore", "optim.rank": "16", "optim.update_proj_gap": "3",
+                          "train.micro_batch_size": "2", "optim.grad_clip": "0.5"},
+    "apollo-mini-dropout": {"optim.name": "apollo-mini", "optim.update_proj_gap": "3",
+                            "model.dropout": "0.1"},
+    "apollo-in-backward-host": {"optim.name": "apollo", "optim.rank": "16",
+                                "optim.update_proj_gap": "3", "optim.in_backward": "true",
+                                "optim.grad_clip": "0", "memory.offload_optimizer": "true",
+                                "train.micro_batch_size": "2"},
 }  # fmt: skip
 
 

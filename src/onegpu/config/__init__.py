@@ -27,6 +27,7 @@ from onegpu.config.loading import (
 )
 from onegpu.config.options import (
     HF_FIXED_FIELDS,
+    LOW_RANK_OPTIMIZERS,
     SECTIONS,
     CheckpointConfig,
     Config,
@@ -52,6 +53,7 @@ __all__ = [
     "BLOCK_POLICIES",
     "CHECKPOINTING_MODES",
     "HF_FIXED_FIELDS",
+    "LOW_RANK_OPTIMIZERS",
     "SECTIONS",
     "CheckpointConfig",
     "Checkpointing",

@@ -5,7 +5,7 @@ runs, as is the JAX-only model.scan_layers on the torch backend."""
 from __future__ import annotations
 
 from onegpu.config.environment import world_size_from_env
-from onegpu.config.options import Config, ConfigError
+from onegpu.config.options import LOW_RANK_OPTIMIZERS, Config, ConfigError
 
 JAX_ATTENTION = ("auto", "plain", "sdpa")
 """JAX attention is one kernel (scores and softmax in model.softmax_dtype): these names map
@@ -70,7 +70,7 @@ def _refuse_torch_memory_techniques(cfg: Config, none_yet: str) -> None:
     _refuse(mem.gelu_bits != 0, "memory.gelu_bits", f"(few-bit GELU) {none_yet}")
     _refuse(mem.randomized_linear != 0, "memory.randomized_linear", none_yet)
     _refuse(
-        o.name in ("adamw8bit", "adamw4bit", "lamb", "lars"),
+        o.name in ("adamw8bit", "adamw4bit", "lamb", "lars", *LOW_RANK_OPTIMIZERS),
         "optim.name",
         f"{o.name} {none_yet}; adamw, adafactor and sgd come from optax",
     )

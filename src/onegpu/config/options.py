@@ -153,14 +153,34 @@ class TrainConfig:
     row were skipped for non-finite loss or gradients."""
 
 
+LOW_RANK_OPTIMIZERS = ("galore", "apollo", "apollo-mini")
+"""Optimizers whose block matrices keep states of a low-rank projection (optim/low_rank.py)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    name: Literal["adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd", "lamb", "lars"] = "adamw"
+    name: Literal[
+        "adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd", "lamb", "lars",
+        "galore", "apollo", "apollo-mini",
+    ] = "adamw"  # fmt: skip
     """Optimizer: 'adamw' (fused where available; 8 bytes of state per parameter), 'adamw8bit'
     (torchao's block-wise 8-bit moments, ~2 bytes), 'adamw4bit' (torchao's 4-bit moments, ~1
     byte), 'adafactor' (factored second moment, no first moment), 'sgd' (momentum optim.beta1;
     4 bytes), 'lamb' (Adam with a per-tensor trust ratio, for large batches; 8 bytes) and
-    'lars' (momentum SGD with a per-tensor trust ratio; 4 bytes), both pytorch-optimizer's."""
+    'lars' (momentum SGD with a per-tensor trust ratio; 4 bytes), both pytorch-optimizer's;
+    'galore' (Adam on each block matrix's gradient projected to optim.rank dimensions by its
+    SVD), 'apollo' (Adam moments of a random projection, used only to scale the raw gradient
+    per channel) and 'apollo-mini' (rank 1, one scale per tensor: almost no state), all three
+    pytorch-optimizer's (docs/optimizers.md)."""
+    rank: int = 0
+    """Projection rank of galore / apollo (0: the method's own default: galore 128, apollo
+    256, apollo-mini 1). Only block matrices whose both sides exceed it are projected."""
+    update_proj_gap: int = 200
+    """Steps between new projections (galore: an SVD of the gradient; apollo: a new random
+    matrix, drawn from a generator seeded by the step, so a resumed run draws the same)."""
+    proj_scale: float = 0.0
+    """Scale of the projected update (0: the method's default: galore 0.25, apollo 1,
+    apollo-mini 128, pytorch-optimizer's `scale`)."""
     lr: float = 1e-3
     """Peak learning rate, reached after warmup (at optim.base_batch when lr_scaling is on)."""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"

@@ -10,6 +10,7 @@ from onegpu.config.backends import validate_backend
 from onegpu.config.checkpointing import parse_checkpointing
 from onegpu.config.layout import check_layout, check_pipeline_batches, resolve_layout
 from onegpu.config.options import (
+    LOW_RANK_OPTIMIZERS,
     Config,
     ConfigError,
     DistConfig,
@@ -159,6 +160,15 @@ def _validate_optim(cfg: Config) -> None:
     _require(0 < o.decay_rate <= 1, "optim.decay_rate", f"must be in (0, 1], got {o.decay_rate}")
     _require(0 <= o.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {o.beta1}")
     _require(0 <= o.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {o.beta2}")
+    _require(o.rank >= 0, "optim.rank", f"must be >= 0 (0: the method's default), got {o.rank}")
+    _require(
+        o.update_proj_gap >= 1, "optim.update_proj_gap", f"must be >= 1, got {o.update_proj_gap}"
+    )
+    _require(
+        o.proj_scale >= 0 and math.isfinite(o.proj_scale),
+        "optim.proj_scale",
+        f"must be a finite number >= 0 (0: the method's default), got {o.proj_scale}",
+    )
 
 
 def _validate_combinations(cfg: Config) -> None:
@@ -199,7 +209,10 @@ def _validate_combinations(cfg: Config) -> None:
         "use block or attn+mlp checkpointing with compile, or --train.compile none (or auto)",
     )
     _require(
-        not (t.precision == "bf16-pure" and o.name in ("adafactor", "lamb", "lars")),
+        not (
+            t.precision == "bf16-pure"
+            and o.name in ("adafactor", "lamb", "lars", *LOW_RANK_OPTIMIZERS)
+        ),
         "optim.name",
         f"{o.name} has no bf16-weight variant (its updates would be rounded away in bf16); "
         "with train.precision bf16-pure use adamw, adamw8bit, adamw4bit or sgd",

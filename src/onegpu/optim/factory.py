@@ -7,11 +7,12 @@ import inspect
 import torch
 from torch import nn
 
-from onegpu.config import ConfigError, OptimConfig
+from onegpu.config import LOW_RANK_OPTIMIZERS, ConfigError, OptimConfig
 from onegpu.offload.disk_tier import DiskTier
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim.in_backward import OptimizerInBackward, PerParameterOptimizers
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
+from onegpu.optim.low_rank import low_rank_groups, make_low_rank
 from onegpu.quiet import library_notes_off
 
 
@@ -86,12 +87,16 @@ def build_optimizer(
     offload: bool = False,
     offload_dir: str = "",
     fake: bool = False,
+    seed: int = 0,
 ) -> torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer:
     """The configured optimizer for weights stored in `param_dtype` (the precision policy's);
     stepped inside backward, per parameter, if optim.in_backward; on host copies of the
     weights, stepped on the CPU, if `offload` (memory.offload_optimizer), their copies and
-    states in files under `offload_dir` if given (none made on a `fake` build: a plan)."""
+    states in files under `offload_dir` if given (none made on a `fake` build: a plan).
+    `seed`: the run's, from which low-rank optimizers draw their random projections."""
     groups = param_groups(model, cfg.weight_decay)
+    if cfg.name in LOW_RANK_OPTIMIZERS:  # each projected matrix in a group of its own
+        groups = low_rank_groups(groups, model, cfg, seed)
     if offload:
         cpu = torch.device("cpu")
         make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731
@@ -133,6 +138,8 @@ def _make(
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, foreach=True)
     if cfg.name == "adafactor":
         return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
+    if cfg.name in LOW_RANK_OPTIMIZERS:
+        return make_low_rank(groups, cfg)
     raise ValueError(f"unknown optimizer {cfg.name!r}")  # config validation prevents this
 
 

@@ -19,11 +19,20 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
-        tensor_bytes(v)
-        for state in optimizer.state.values()
-        for v in state.values()
-        if isinstance(v, torch.Tensor)
-    )
+        tensor_bytes(t) for state in optimizer.state.values() for v in state.values()
+        for t in _state_tensors(v)
+    )  # fmt: skip
+
+
+def _state_tensors(value: object) -> tuple[torch.Tensor, ...]:
+    """The tensors a state entry holds: itself, or a low-rank projector's matrices (an object
+    in GaLore's and APOLLO's state, optim/low_rank.py)."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    matrix = getattr(value, "ortho_matrix", None)
+    if matrix is None:
+        return ()
+    return tuple(matrix) if isinstance(matrix, tuple) else (matrix,)
 
 
 def state_bytes_per_param(optimizer: str) -> float:

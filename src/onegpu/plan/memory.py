@@ -25,13 +25,15 @@ from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.backends.torch.loader import placeholder_batch
-from onegpu.config import Config, ConfigError
+from onegpu.config import LOW_RANK_OPTIMIZERS, Config, ConfigError, OptimConfig
 from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.distributed.shares import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import holder, storage_id
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.optim.factory import param_groups
+from onegpu.optim.low_rank import low_rank_groups, low_rank_state_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
 from onegpu.plan.tracker import ModuleStack, PlanTracker, saves_on_host
 from onegpu.techniques.precision import DeviceCaps, device_caps
@@ -210,7 +212,7 @@ def plan_memory(
             followed = _follow_step(built, target, x, y, by_segment)
     except DynamicOutputShapeException as e:
         raise Unplannable("model.hf", _unplannable(built, e)) from None
-    plan = _label(built, cfg.optim.name, followed, n_micro, target)
+    plan = _label(built, cfg.optim, followed, n_micro, target)
     plan.seconds = time.perf_counter() - t0
     return plan
 
@@ -282,15 +284,19 @@ def _breakdown(
 
 
 def _label(
-    built: Built, optimizer: str, followed: _FollowedStep, n_micro: int, target: str
+    built: Built, optim: OptimConfig, followed: _FollowedStep, n_micro: int, target: str
 ) -> MemoryPlan:
     """The breakdown at the peak under the measured names, and the saved bytes by kind/block."""
     params = list({id(p): p for p in built.model.parameters()}.values())
-    state_bytes = (
-        predicted_state_bytes(optimizer, params)
-        if optimizer in FAKE_UNSAFE_OPTIMIZERS
-        else optimizer_state_bytes(built.optimizer)
-    )
+    if optim.name in LOW_RANK_OPTIMIZERS:  # the groups the real build makes, projections and all
+        groups = low_rank_groups(
+            param_groups(built.model, optim.weight_decay), built.model, optim, 0
+        )
+        state_bytes = low_rank_state_bytes(optim.name, params, groups)
+    elif optim.name in FAKE_UNSAFE_OPTIMIZERS:
+        state_bytes = predicted_state_bytes(optim.name, params)
+    else:
+        state_bytes = optimizer_state_bytes(built.optimizer)
     tracker, saved = followed.tracker, followed.saved
     param_bytes = sum(local_tensor(p).untyped_storage().nbytes() for p in params)
 

@@ -26,7 +26,7 @@ from onegpu.backends.torch.data import data_tokenizer, prepare_data
 from onegpu.backends.torch.model import Applied, apply_techniques, make_model, materialize
 from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
 from onegpu.backends.torch.step import TrainStep
-from onegpu.config import Config, check_distributed
+from onegpu.config import LOW_RANK_OPTIMIZERS, Config, check_distributed
 from onegpu.config.schedule import scaled_optim
 from onegpu.data.tokens import TokenSplits
 from onegpu.distributed import DistContext, init_distributed, single_process
@@ -47,7 +47,14 @@ from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, apply_preci
 
 # Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the
 # planner counts their states from their allocation rules (optim/state_bytes.py).
-FAKE_UNSAFE_OPTIMIZERS = ("adafactor", "adamw8bit", "adamw4bit", "lamb", "lars")
+FAKE_UNSAFE_OPTIMIZERS = (
+    "adafactor",
+    "adamw8bit",
+    "adamw4bit",
+    "lamb",
+    "lars",
+    *LOW_RANK_OPTIMIZERS,
+)
 
 
 @dataclass(slots=True)
@@ -200,6 +207,7 @@ def _optimizer(
         offload=cfg.memory.offload_optimizer,
         offload_dir=cfg.memory.offload_dir,
         fake=fake,
+        seed=cfg.train.seed,
     )
 
 
