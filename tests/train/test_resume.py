@@ -91,6 +91,7 @@ GRID = {
                           "train.micro_batch_size": "2", "optim.grad_clip": "0.5"},
     "apollo-mini-dropout": {"optim.name": "apollo-mini", "optim.update_proj_gap": "3",
                             "model.dropout": "0.1"},
+    "adam-mini-accum": {"optim.name": "adam-mini", "train.micro_batch_size": "2"},
     "apollo-in-backward-host": {"optim.name": "apollo", "optim.rank": "16",
                                 "optim.update_proj_gap": "3", "optim.in_backward": "true",
                                 "optim.grad_clip": "0", "memory.offload_optimizer": "true",

@@ -70,7 +70,7 @@ def _refuse_torch_memory_techniques(cfg: Config, none_yet: str) -> None:
     _refuse(mem.gelu_bits != 0, "memory.gelu_bits", f"(few-bit GELU) {none_yet}")
     _refuse(mem.randomized_linear != 0, "memory.randomized_linear", none_yet)
     _refuse(
-        o.name in ("adamw8bit", "adamw4bit", "lamb", "lars", *LOW_RANK_OPTIMIZERS),
+        o.name in ("adamw8bit", "adamw4bit", "lamb", "lars", "adam-mini", *LOW_RANK_OPTIMIZERS),
         "optim.name",
         f"{o.name} {none_yet}; adamw, adafactor and sgd come from optax",
     )

@@ -161,7 +161,7 @@ LOW_RANK_OPTIMIZERS = ("galore", "apollo", "apollo-mini")
 class OptimConfig:
     name: Literal[
         "adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd", "lamb", "lars",
-        "galore", "apollo", "apollo-mini",
+        "galore", "apollo", "apollo-mini", "adam-mini",
     ] = "adamw"  # fmt: skip
     """Optimizer: 'adamw' (fused where available; 8 bytes of state per parameter), 'adamw8bit'
     (torchao's block-wise 8-bit moments, ~2 bytes), 'adamw4bit' (torchao's 4-bit moments, ~1
@@ -170,8 +170,9 @@ class OptimConfig:
     'lars' (momentum SGD with a per-tensor trust ratio; 4 bytes), both pytorch-optimizer's;
     'galore' (Adam on each block matrix's gradient projected to optim.rank dimensions by its
     SVD), 'apollo' (Adam moments of a random projection, used only to scale the raw gradient
-    per channel) and 'apollo-mini' (rank 1, one scale per tensor: almost no state), all three
-    pytorch-optimizer's (docs/optimizers.md)."""
+    per channel), 'apollo-mini' (rank 1, one scale per tensor: almost no state) and
+    'adam-mini' (one second moment per head or tensor: ~4 bytes), all pytorch-optimizer's
+    (docs/optimizers.md)."""
     rank: int = 0
     """Projection rank of galore / apollo (0: the method's own default: galore 128, apollo
     256, apollo-mini 1). Only block matrices whose both sides exceed it are projected."""

@@ -211,7 +211,7 @@ def _validate_combinations(cfg: Config) -> None:
     _require(
         not (
             t.precision == "bf16-pure"
-            and o.name in ("adafactor", "lamb", "lars", *LOW_RANK_OPTIMIZERS)
+            and o.name in ("adafactor", "lamb", "lars", "adam-mini", *LOW_RANK_OPTIMIZERS)
         ),
         "optim.name",
         f"{o.name} has no bf16-weight variant (its updates would be rounded away in bf16); "

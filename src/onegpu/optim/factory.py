@@ -10,9 +10,11 @@ from torch import nn
 from onegpu.config import LOW_RANK_OPTIMIZERS, ConfigError, OptimConfig
 from onegpu.offload.disk_tier import DiskTier
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.optim.adam_mini import adam_mini_groups, adam_mini_state_bytes, make_adam_mini
 from onegpu.optim.in_backward import OptimizerInBackward, PerParameterOptimizers
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
-from onegpu.optim.low_rank import low_rank_groups, make_low_rank
+from onegpu.optim.low_rank import low_rank_groups, low_rank_state_bytes, make_low_rank
+from onegpu.optim.state_bytes import predicted_state_bytes
 from onegpu.quiet import library_notes_off
 
 
@@ -33,6 +35,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def optimizer_groups(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> list[dict]:
+    """The parameter groups the configured optimizer steps: decay or not, and for GaLore,
+    APOLLO and Adam-mini a group per parameter with what the method needs to know of it."""
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.name in LOW_RANK_OPTIMIZERS:  # each projected matrix in a group of its own
+        return low_rank_groups(groups, model, cfg, seed)
+    if cfg.name == "adam-mini":
+        return adam_mini_groups(groups, model)
+    return groups
+
+
+def rule_state_bytes(model: nn.Module, cfg: OptimConfig) -> int:
+    """State bytes of optimizers whose step cannot run on the planner's fake tensors, from
+    their own allocation rules (checked against the real ones in the tests)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    if cfg.name in LOW_RANK_OPTIMIZERS:
+        return low_rank_state_bytes(cfg.name, params, optimizer_groups(model, cfg))
+    if cfg.name == "adam-mini":
+        return adam_mini_state_bytes(optimizer_groups(model, cfg))
+    return predicted_state_bytes(cfg.name, params)
 
 
 def _fused_ok(device: torch.device, params: list[torch.Tensor]) -> bool:
@@ -94,9 +118,7 @@ def build_optimizer(
     weights, stepped on the CPU, if `offload` (memory.offload_optimizer), their copies and
     states in files under `offload_dir` if given (none made on a `fake` build: a plan).
     `seed`: the run's, from which low-rank optimizers draw their random projections."""
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.name in LOW_RANK_OPTIMIZERS:  # each projected matrix in a group of its own
-        groups = low_rank_groups(groups, model, cfg, seed)
+    groups = optimizer_groups(model, cfg, seed)
     if offload:
         cpu = torch.device("cpu")
         make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731
@@ -140,6 +162,8 @@ def _make(
         return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
     if cfg.name in LOW_RANK_OPTIMIZERS:
         return make_low_rank(groups, cfg)
+    if cfg.name == "adam-mini":
+        return make_adam_mini(groups, cfg)
     raise ValueError(f"unknown optimizer {cfg.name!r}")  # config validation prevents this
 
 

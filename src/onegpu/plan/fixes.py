@@ -45,6 +45,9 @@ FIXES: list[tuple[str, dict[str, str]]] = [
     # a policy per block, the least recompute that fits the device (plan/budget.py)
     ("checkpointing by budget", {"memory.checkpointing": "budget:auto"}),
     ("bf16-pure weights", {"train.precision": "bf16-pure"}),
+    # rank-1 moments, SGD's memory for AdamW-like steps; after bf16-pure, which it cannot
+    # join (its updates would round away in bf16): it never displaces bf16-pure from a chain
+    ("APOLLO-Mini", {"optim.name": "apollo-mini"}),
     ("activations in host memory", {"memory.offload_activations": "true"}),
     (
         "optimizer in host memory",

@@ -25,16 +25,15 @@ from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.backends.torch.loader import placeholder_batch
-from onegpu.config import LOW_RANK_OPTIMIZERS, Config, ConfigError, OptimConfig
+from onegpu.config import Config, ConfigError, OptimConfig
 from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.distributed.shares import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import holder, storage_id
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
-from onegpu.optim.factory import param_groups
-from onegpu.optim.low_rank import low_rank_groups, low_rank_state_bytes
-from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_bytes
+from onegpu.optim.factory import rule_state_bytes
+from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.plan.tracker import ModuleStack, PlanTracker, saves_on_host
 from onegpu.techniques.precision import DeviceCaps, device_caps
 
@@ -288,15 +287,11 @@ def _label(
 ) -> MemoryPlan:
     """The breakdown at the peak under the measured names, and the saved bytes by kind/block."""
     params = list({id(p): p for p in built.model.parameters()}.values())
-    if optim.name in LOW_RANK_OPTIMIZERS:  # the groups the real build makes, projections and all
-        groups = low_rank_groups(
-            param_groups(built.model, optim.weight_decay), built.model, optim, 0
-        )
-        state_bytes = low_rank_state_bytes(optim.name, params, groups)
-    elif optim.name in FAKE_UNSAFE_OPTIMIZERS:
-        state_bytes = predicted_state_bytes(optim.name, params)
-    else:
-        state_bytes = optimizer_state_bytes(built.optimizer)
+    state_bytes = (
+        rule_state_bytes(built.model, optim)  # the fake build stepped a stand-in
+        if optim.name in FAKE_UNSAFE_OPTIMIZERS
+        else optimizer_state_bytes(built.optimizer)
+    )
     tracker, saved = followed.tracker, followed.saved
     param_bytes = sum(local_tensor(p).untyped_storage().nbytes() for p in params)
 

@@ -74,7 +74,7 @@ def candidates(
         "memory.checkpointing": ["none", "selective", "attn+mlp", "block"]
         + ([budget] if budget and world_size == 1 else []),
         "train.precision": lowp,
-        "optim.name": ["adamw", "adamw8bit", "adamw4bit"],
+        "optim.name": ["adamw", "adamw8bit", "adamw4bit", "apollo-mini"],
         "memory.loss_chunk": ["0", "1024"] if _vocab_size(cfg.model) > 4096 else ["0"],
         "memory.offload_activations": ["false", "true"] if device_type == "cuda" else ["false"],
         # the host tiers (one process; under torchrun FSDP's own CPU offload below)
@@ -193,7 +193,9 @@ def estimated_cost(change: dict[str, str], batch: int) -> float:
     cost = recompute_factor(change["memory.checkpointing"])
     cost *= 1.0 if change["train.precision"].startswith("bf16") else 2.5
     cost *= 1.0 + 0.15 * (batch // int(change["train.micro_batch_size"]) - 1) ** 0.5
-    cost *= {"adamw8bit": 1.03, "adamw4bit": 1.05}.get(change["optim.name"], 1.0)
+    cost *= {"adamw8bit": 1.03, "adamw4bit": 1.05, "apollo-mini": 1.05}.get(
+        change["optim.name"], 1.0
+    )
     cost *= 1.2 if change["memory.offload_activations"] == "true" else 1.0
     cost *= 1.5 if change["memory.offload_optimizer"] == "true" else 1.0
     cost *= 2.0 if change["memory.offload_params"] == "true" else 1.0

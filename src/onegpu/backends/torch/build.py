@@ -48,6 +48,7 @@ from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, apply_preci
 # Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the
 # planner counts their states from their allocation rules (optim/state_bytes.py).
 FAKE_UNSAFE_OPTIMIZERS = (
+    "adam-mini",
     "adafactor",
     "adamw8bit",
     "adamw4bit",

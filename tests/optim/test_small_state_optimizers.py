@@ -1,6 +1,7 @@
-"""GaLore, APOLLO and APOLLO-Mini (optim/low_rank.py): their states planned to the byte, their
-projections the same whether a matrix steps with the others, alone in backward or on the host,
-their checkpoints loadable with weights_only, and their bad inputs refused in one line."""
+"""GaLore, APOLLO, APOLLO-Mini (optim/low_rank.py) and Adam-mini (optim/adam_mini.py): their
+states planned to the byte; their steps (and the low-rank methods' projections) the same whether
+a parameter steps with the others, alone in backward or on the host; their checkpoints loadable
+with weights_only; their bad inputs refused in one line."""
 
 import io
 
@@ -17,6 +18,7 @@ METHODS = {
     "galore": {"optim.name": "galore", "optim.rank": "16"},
     "apollo": {"optim.name": "apollo", "optim.rank": "16"},
     "apollo-mini": {"optim.name": "apollo-mini"},
+    "adam-mini": {"optim.name": "adam-mini"},
 }
 
 
@@ -106,9 +108,10 @@ def test_a_checkpoint_loads_with_weights_only_and_continues_exactly(method):
         ({"optim.name": "galore"}, "optim.rank"),  # tiny's matrices are 64 wide: none above 128
         ({"optim.name": "apollo", "train.precision": "bf16-pure"}, "optim.name"),
         ({"optim.name": "apollo-mini", "train.backend": "jax"}, "optim.name"),
+        ({"optim.name": "adam-mini", "train.precision": "bf16-pure"}, "optim.name"),
         ({"optim.name": "galore", "optim.update_proj_gap": "0"}, "optim.update_proj_gap"),
     ],
-    ids=["rank-above-every-matrix", "bf16-pure", "jax", "gap-zero"],
+    ids=["rank-above-every-matrix", "bf16-pure", "jax", "adam-mini-bf16-pure", "gap-zero"],
 )
 def test_bad_inputs_are_refused_naming_the_field(over, field):
     with pytest.raises(ConfigError) as e:
