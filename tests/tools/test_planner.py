@@ -121,10 +121,16 @@ def test_the_offloaded_optimizer_is_planned_in_host_memory():
 
     over = {"train.precision": "fp32", "memory.loss_chunk": "0"}
     plain = plan_memory(_cfg(**over)).memory
-    off = plan_memory(_cfg(**over, **{"memory.offload_optimizer": "true"})).memory
+    planned = plan_memory(_cfg(**over, **{"memory.offload_optimizer": "true"}))
+    off = planned.memory
     assert off["optimizer"] == 0
     assert off["host"] == plain["optimizer"] + 2 * plain["params"]
     assert off["peak"] <= plain["peak"] - plain["optimizer"]
+    assert planned.host_by_kind == {  # what `onegpu plan` prints under the host line
+        "optimizer states": plain["optimizer"],
+        "weight copies": plain["params"],
+        "gradient buffers": plain["params"],
+    }
 
 
 def test_in_backward_plans_and_holds_fewer_gradients():
@@ -242,5 +248,13 @@ def test_offloaded_activations_wait_in_host_memory_on_a_gpu_plan():
     assert off.memory["host"] >= plain.saved_per_micro_batch
     assert off.memory["peak"] < plain.memory["peak"]
     assert off.offloaded_per_micro_batch >= plain.saved_per_micro_batch
+    assert off.host_by_kind == {"activations": off.memory["host"]}
     on_cpu = plan_memory(_cfg(**{"memory.offload_activations": "true"})).memory
     assert "host" not in on_cpu
+    # both tiers on a GPU: the pinned staging of the gradients joins, the kinds add up
+    both = plan_memory(_cfg(**{"memory.offload_activations": "true",
+                               "memory.offload_optimizer": "true"}), "cuda", caps)  # fmt: skip
+    kinds = both.host_by_kind
+    assert set(kinds) == {"optimizer states", "weight copies", "gradient buffers",
+                          "pinned staging", "activations"}  # fmt: skip
+    assert sum(kinds.values()) == both.memory["host"]

@@ -236,11 +236,15 @@ class HostOffloadOptimizer:
         """Host memory besides the optimizer's states: the weight copies (unless they are on
         the disk) and the gradient buffers (and, with an accelerator, the pinned staging
         buffers of the gradients)."""
+        return sum(self.host_bytes_by_kind(staging=staging).values())
+
+    def host_bytes_by_kind(self, *, staging: bool) -> dict[str, int]:
+        """`host_bytes`, split: weight copies, gradient buffers, pinned staging buffers."""
         copies = sum(h.numel() * h.element_size() for h in self._host.values())
-        host = copies if self.on_disk else 2 * copies
-        if not staging:
-            return host
-        return host + sum(p.numel() * p.element_size() for p in self._host)
+        by_kind = {"weight copies": 0 if self.on_disk else copies, "gradient buffers": copies}
+        if staging:  # one per parameter, in the gradient's dtype
+            by_kind["pinned staging"] = sum(p.numel() * p.element_size() for p in self._host)
+        return by_kind
 
     def disk_bytes(self) -> int:
         """Bytes of weight copies the disk tier holds (the states' come on top)."""

@@ -185,6 +185,10 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             f"  host memory: {host / GiB:,.1f} GiB of {cap / GiB:,.1f} GiB -> "
             + ("fits" if host <= cap else "DOES NOT FIT: raise --host-memory or offload less")
         )
+        if kinds := r.get("host_by_kind"):
+            lines.append(
+                "    by kind: " + ", ".join(f"{k} {v / GiB:,.1f} GiB" for k, v in kinds.items())
+            )
     if r.get("fixes"):
         lines.append(
             "  fixes, fastest first (planned alone, then with the ones above; device "

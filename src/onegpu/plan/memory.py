@@ -70,6 +70,9 @@ class MemoryPlan:
     step in or out of backward (forward, backward, ..., the optimizer step)."""
     offloaded_per_micro_batch: int = 0
     """Bytes activation offload copies to the host per micro-batch (and back in backward)."""
+    host_by_kind: dict[str, int] = field(default_factory=dict)
+    """memory['host'] split: optimizer states, weight copies, gradient buffers, pinned
+    staging, activations (the offload tiers' shares of host memory)."""
 
     @property
     def peak_key(self) -> str:
@@ -282,6 +285,23 @@ def _breakdown(
     return memory, weight_copies
 
 
+def _host_by_kind(
+    built: Built, memory: dict[str, int], activations: int, target: str
+) -> dict[str, int]:
+    """What memory['host'] holds, by kind (disk-tier states are on the disk, not here)."""
+    by_kind: dict[str, int] = {}
+    opt = built.optimizer
+    if isinstance(opt, HostOffloadOptimizer):
+        if not opt.on_disk:
+            by_kind["optimizer states"] = (
+                memory["host"] - activations - opt.host_bytes(staging=target == "cuda")
+            )
+        by_kind |= opt.host_bytes_by_kind(staging=target == "cuda")
+    if activations:
+        by_kind["activations"] = activations
+    return {k: v for k, v in by_kind.items() if v}
+
+
 def _label(
     built: Built, optim: OptimConfig, followed: _FollowedStep, n_micro: int, target: str
 ) -> MemoryPlan:
@@ -307,6 +327,7 @@ def _label(
         by_kind[_kind(op, made_in or module, dtype)] += nbytes // n_micro
         by_block[_block_of(module or made_in, prefixes)] += nbytes // n_micro
     return MemoryPlan(
+        host_by_kind=_host_by_kind(built, memory, tracker.host_peak, target),
         memory=memory,
         peak_phase="backward/optimizer" if tracker.peak_in_backward else "forward",
         peak_op=tracker.peak_op,

@@ -205,6 +205,7 @@ def _memory_report(cfg: Config, plan: MemoryPlan, mem: dict[str, int]) -> dict[s
         },
         "params": n,
         "memory": mem,
+        "host_by_kind": plan.host_by_kind,
         "prediction": True,
         "peak_at": f"{plan.peak_phase} ({plan.peak_op})",
         "saved_activations_per_micro_batch": plan.saved_per_micro_batch,
