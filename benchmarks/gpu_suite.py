@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpu_suite_report import markdown
 
 from onegpu.tools.bench import run_row
 
-GIB = 2**30
 SECTIONS = ("tests", "memory", "overlap", "speed")
 BASE = {"model.dropout": "0", "data.bin_dtype": "uint16", "train.compile": "none",
         # the peak is the caching allocator's either way: no profiled step, no startup plan
@@ -281,66 +281,6 @@ def section_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         args.save("speed", rows)
         print(f"speed: {name}: {row.get('ratio', row.get('failed'))}", flush=True)
     return rows
-
-
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GIB:.2f}"
-
-
-def markdown(results: dict[str, Any]) -> str:
-    env = results["environment"]
-    lines = [f"# GPU suite on {env['device']} ({env['date']})", "",
-             f"Command: `{results['command']}`; torch {env['torch']}, CUDA {env['cuda']}, "
-             f"host CPU {env['cpu']}. Written by benchmarks/gpu_suite.py.", ""]  # fmt: skip
-    if results.get("tests"):
-        t = results["tests"]
-        lines += ["## CUDA-only tests", "", f"`{t['command']}`: exit {t['rc']}, {t['summary']}", ""]
-    if results.get("memory"):
-        lines += ["## Planned against measured step peak (GPT-2 124M, seq 1024, batch 8)", "",
-                  "| configuration | planned GiB | measured GiB | error | step ms | predicted ms |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in results["memory"]:
-            if "failed" in r:
-                lines.append(f"| {r['name']} | failed: {r['failed'][-200:]!r} | | | | |")
-                continue
-            pred = r["predicted_step_time_s"]
-            lines.append(f"| {r['name']} | {_gib(r['planned_peak'])} | {_gib(r['measured_peak'])} | "
-                         f"{r['error']:+.1%} | {r['step_time_s'] * 1e3:.1f} | "
-                         f"{'-' if pred is None else f'{pred * 1e3:.1f}'} |")  # fmt: skip
-        lines += [
-            "",
-            "Measured: `torch.cuda.max_memory_allocated` over a 4-step `onegpu train`.",
-            "",
-        ]
-    if results.get("overlap"):
-        o = results["overlap"]
-        lines += ["## The optimizer on the host: overlap with backward", "",
-                  "| row | step ms | peak GiB |", "|---|---|---|"]  # fmt: skip
-        for name, r in o["rows"].items():
-            lines.append(f"| {name} | {r['step_time_s'] * 1e3:.1f} | {_gib(r['peak'])} |")
-        tr = o.get("trace") or {}
-        lines += ["", f"Trace of one in-backward step: {tr.get('host_steps')} host steps, "
-                  f"{tr.get('host_step_s', float('nan')) * 1e3:.1f} ms of host stepping, "
-                  f"{tr.get('exposed_s', float('nan')) * 1e3:.1f} ms of it after the GPU's last "
-                  f"kernel. {o.get('trace_failed', '')}", ""]  # fmt: skip
-    if results.get("speed"):
-        lines += ["## Speed against a nanoGPT-style compiled loop", "",
-                  "| model | onegpu tok/s | MFU | peak GiB (planned) | loop tok/s | loop MFU | "
-                  "loop peak GiB | onegpu / loop |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for r in results["speed"]:
-            if "failed" in r:
-                lines.append(f"| {r['model']} | failed: {r['failed'][-200:]!r} | | | | | | |")
-                continue
-            o, lp = r["onegpu"], r["loop"]
-            lines.append(f"| {r['model']} | {o['tokens_per_s']:,.0f} | {o['mfu'] or 0:.1%} | "
-                         f"{_gib(o['peak'])} ({_gib(o['planned_peak'])}) | {lp['tokens_per_s']:,.0f} | "
-                         f"{lp['mfu'] or 0:.1%} | {_gib(lp['peak'])} | {r['ratio']:.2f}x |")  # fmt: skip
-    failed = [
-        f"- {k.removesuffix('_failed')} failed: `{v}`"
-        for k, v in results.items()
-        if k.endswith("_failed")
-    ]
-    return "\n".join(lines + [""] + failed) + "\n"
 
 
 def _environment() -> dict[str, str]:

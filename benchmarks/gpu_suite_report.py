@@ -1,0 +1,81 @@
+"""The markdown of benchmarks/gpu_suite.py's results: one table per section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 2**30
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / GIB:.2f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _tests(t: dict[str, Any]) -> list[str]:
+    return ["## CUDA-only tests", "", f"`{t['command']}`: exit {t['rc']}, {t['summary']}", ""]
+
+
+def _memory(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Planned against measured step peak (GPT-2 124M, seq 1024, batch 8)", "",
+             "| configuration | planned GiB | measured GiB | error | step ms | predicted ms |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['name']} | failed: {r['failed'][-200:]!r} | | | | |")
+            continue
+        lines.append(
+            f"| {r['name']} | {_gib(r['planned_peak'])} | {_gib(r['measured_peak'])} | "
+            f"{r['error']:+.1%} | {_ms(r['step_time_s'])} | {_ms(r['predicted_step_time_s'])} |"
+        )
+    return lines + [
+        "",
+        "Measured: `torch.cuda.max_memory_allocated` of a 4-step `onegpu train`.",
+        "",
+    ]
+
+
+def _overlap(o: dict[str, Any]) -> list[str]:
+    lines = ["## The optimizer on the host: overlap with backward", "",
+             "| row | step ms | peak GiB |", "|---|---|---|"]  # fmt: skip
+    for name, r in o["rows"].items():
+        lines.append(f"| {name} | {_ms(r['step_time_s'])} | {_gib(r['peak'])} |")
+    tr = o.get("trace") or {}
+    return lines + ["", f"Trace of one in-backward step: {tr.get('host_steps')} host steps, "
+                    f"{_ms(tr.get('host_step_s'))} ms of host stepping, {_ms(tr.get('exposed_s'))} "
+                    f"ms of it after the GPU's last kernel. {o.get('trace_failed', '')}", ""]  # fmt: skip
+
+
+def _speed(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Speed against a nanoGPT-style compiled loop", "",
+             "| model | onegpu tok/s | MFU | peak GiB (planned) | loop tok/s | loop MFU | "
+             "loop peak GiB | onegpu / loop |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['model']} | failed: {r['failed'][-200:]!r} | | | | | | |")
+            continue
+        o, lp = r["onegpu"], r["loop"]
+        lines.append(f"| {r['model']} | {o['tokens_per_s']:,.0f} | {o['mfu'] or 0:.1%} | "
+                     f"{_gib(o['peak'])} ({_gib(o['planned_peak'])}) | {lp['tokens_per_s']:,.0f} | "
+                     f"{lp['mfu'] or 0:.1%} | {_gib(lp['peak'])} | {r['ratio']:.2f}x |")  # fmt: skip
+    return lines + [""]
+
+
+SECTIONS = {"tests": _tests, "memory": _memory, "overlap": _overlap, "speed": _speed}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The result file: the environment, each finished section's table, what failed."""
+    env = results["environment"]
+    lines = [f"# GPU suite on {env['device']} ({env['date']})", "",
+             f"Command: `{results['command']}`; torch {env['torch']}, CUDA {env['cuda']}, "
+             f"host CPU {env['cpu']}. Written by benchmarks/gpu_suite.py.", ""]  # fmt: skip
+    for name, section in SECTIONS.items():
+        if results.get(name):
+            lines += section(results[name])
+    failed = [f"- {k.removesuffix('_failed')} failed: `{v}`" for k, v in results.items()
+              if k.endswith("_failed")]  # fmt: skip
+    return "\n".join(lines + failed) + "\n"
