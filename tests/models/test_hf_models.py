@@ -103,6 +103,7 @@ def test_a_folder_without_weights_trains_from_its_architecture(hf_folder):
     assert torch.isfinite(rope).all() and rope[0] == 1.0  # buffers initialised too
 
 
+@pytest.mark.slow  # moved from the fast run to keep it under 5 minutes
 def test_regional_compile_and_optimizer_in_backward_run(hf_folder):
     folder = hf_folder("qwen2")
     x, y = _batch()

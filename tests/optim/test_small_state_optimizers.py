@@ -44,7 +44,13 @@ def _same_weights(a, b) -> bool:
     return all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param(m, marks=[pytest.mark.slow] if m in ("galore", "apollo") else [])
+        for m in METHODS
+    ],
+)
 def test_planned_state_bytes_equal_the_measured_and_undercut_adamw(method):
     cfg = _cfg(**METHODS[method])
     planned = plan_memory(cfg).memory["optimizer"]

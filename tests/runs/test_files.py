@@ -79,7 +79,13 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line_naming_onegpu_cache(
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("in_run_folder", [True, False], ids=["run-folder", "elsewhere"])
+@pytest.mark.parametrize(
+    "in_run_folder",
+    [
+        pytest.param(True, id="run-folder", marks=pytest.mark.slow),
+        pytest.param(False, id="elsewhere"),
+    ],
+)
 def test_the_resume_advice_comes_only_for_a_write_of_the_run_folder(
     tmp_path, monkeypatch, capsys, in_run_folder
 ):

@@ -220,6 +220,7 @@ def test_a_resumed_auto_keeps_what_the_checkpoints_run_decided(tmp_path):
     assert checkpoints.keep_decisions(None, resumed) is resumed
 
 
+@pytest.mark.slow  # moved from the fast run to keep it under 5 minutes
 def test_a_resume_with_auto_continues_what_the_run_decided(tmp_path):
     """Through the lifecycle: a run with attention 'math' (which `auto` never picks on a CPU)
     resumed with attention `auto` continues with math, where deciding afresh would refuse the

@@ -47,7 +47,7 @@ def _reads_of_a_run(tmp_path, precision: str, steps: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "precision", ["fp32", *(pytest.param(p, marks=pytest.mark.slow) for p in ("bf16", "fp16"))]
+    "precision", [pytest.param(p, marks=pytest.mark.slow) for p in ("fp32", "bf16", "fp16")]
 )
 def test_the_training_loop_reads_the_device_only_at_log_steps(precision, tmp_path):
     """The whole loop (data, step, metrics), not only the step: a run of 12 steps and one of 4,

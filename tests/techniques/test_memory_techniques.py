@@ -190,6 +190,7 @@ def test_bad_memory_options_are_refused(key, value):
         load_config("tiny", overrides={key: value})
 
 
+@pytest.mark.slow  # moved from the fast run to keep it under 5 minutes
 def test_train_reports_the_memory_breakdown(tmp_path):
     from onegpu.train import train
 

@@ -93,6 +93,7 @@ def test_twenty_random_budgets_on_three_shapes_are_planned_within():
             assert plan_memory(resolved).memory["peak"] == decided["planned_peak"]
 
 
+@pytest.mark.slow  # moved from the fast run to keep it under 5 minutes
 def test_a_budget_below_what_the_step_needs_says_the_minimum(capsys):
     args = ["train", "--preset", "tiny", "--train.device", "cpu", "--memory.checkpointing",
             "budget:1000"]  # fmt: skip

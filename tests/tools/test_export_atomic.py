@@ -112,6 +112,7 @@ def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path):
     assert dest.read_text() == "new" and (dest.stat().st_mode & 0o777) != 0o600
 
 
+@pytest.mark.slow  # moved from the fast run to keep it under 5 minutes
 def test_plot_and_tune_results_are_written_through_the_atomic_writer(tmp_path, capsys):
     from onegpu.cli import main
 

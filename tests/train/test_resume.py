@@ -279,6 +279,7 @@ def test_a_run_resumes_with_the_optimizer_moved_to_or_from_the_host(tmp_path, mo
         assert _losses(out) == _losses(tmp_path / "straight")
 
 
+@pytest.mark.slow  # moved from the fast run to keep it under 5 minutes
 def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monkeypatch, capsys):
     """Ctrl-C twice while a checkpoint is written: exit 130, one line, no traceback; the
     checkpoints written before load, the cut one left no file under a checkpoint's name, and

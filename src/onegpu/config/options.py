@@ -160,9 +160,18 @@ LOW_RANK_OPTIMIZERS = ("galore", "apollo", "apollo-mini")
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
     name: Literal[
-        "adamw", "adamw8bit", "adamw4bit", "adafactor", "sgd", "lamb", "lars",
-        "galore", "apollo", "apollo-mini", "adam-mini",
-    ] = "adamw"  # fmt: skip
+        "adamw",
+        "adamw8bit",
+        "adamw4bit",
+        "adafactor",
+        "sgd",
+        "lamb",
+        "lars",
+        "galore",
+        "apollo",
+        "apollo-mini",
+        "adam-mini",
+    ] = "adamw"
     """Optimizer: 'adamw' (fused where available; 8 bytes of state per parameter), 'adamw8bit'
     (torchao's block-wise 8-bit moments, ~2 bytes), 'adamw4bit' (torchao's 4-bit moments, ~1
     byte), 'adafactor' (factored second moment, no first moment), 'sgd' (momentum optim.beta1;

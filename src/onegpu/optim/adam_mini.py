@@ -44,8 +44,16 @@ def adam_mini_groups(groups: list[dict], model: nn.Module) -> list[dict]:
         for p in group["params"]:
             role = _role(names[id(p)], p, embeddings)
             extra = {"parameter_per_head": per_head} if role in QUERY_KEY.values() else {}
-            out.append({**group, "params": [p], "name": role, **extra,
-                        "num_embeds": cfg.d_model, "num_heads": cfg.n_head})  # fmt: skip
+            out.append(
+                {
+                    **group,
+                    "params": [p],
+                    "name": role,
+                    **extra,
+                    "num_embeds": cfg.d_model,
+                    "num_heads": cfg.n_head,
+                }
+            )
     return out
 
 

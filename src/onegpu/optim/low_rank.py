@@ -75,8 +75,12 @@ def low_rank_groups(
             f"({rec.rank}), and this model has none (its narrowest-sided matrix is at most "
             f"{widest} wide); lower optim.rank, or choose adamw / adamw8bit",
         )
-    settings = {"rank": rec.rank, "update_proj_gap": cfg.update_proj_gap, "scale": rec.scale,
-                "projection_type": "std"}  # fmt: skip
+    settings = {
+        "rank": rec.rank,
+        "update_proj_gap": cfg.update_proj_gap,
+        "scale": rec.scale,
+        "projection_type": "std",
+    }
     out, index = [], 0
     for group in groups:
         dense = [p for p in group["params"] if id(p) not in chosen]

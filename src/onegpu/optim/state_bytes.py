@@ -19,9 +19,11 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
-        tensor_bytes(t) for state in optimizer.state.values() for v in state.values()
+        tensor_bytes(t)
+        for state in optimizer.state.values()
+        for v in state.values()
         for t in _state_tensors(v)
-    )  # fmt: skip
+    )
 
 
 def _state_tensors(value: object) -> tuple[torch.Tensor, ...]:
