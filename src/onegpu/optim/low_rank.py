@@ -72,8 +72,8 @@ def low_rank_groups(
         raise ConfigError(
             "optim.rank",
             f"{cfg.name} projects the block matrices whose both sides exceed its rank "
-            f"({rec.rank}), and this model has none (its narrowest-sided matrix is at most "
-            f"{widest} wide); lower optim.rank, or choose adamw / adamw8bit",
+            f"({rec.rank}), and this model has none (no matrix has a shorter side above "
+            f"{widest}); lower optim.rank below that, or choose adamw / adamw8bit",
         )
     settings = {
         "rank": rec.rank,
@@ -102,7 +102,10 @@ class _Projectors:
         a generator seeded by its own seed and step number (the global generator left as it
         was): a matrix gets the same projection whether its optimizer steps it with the others
         or alone (optim.in_backward, the host tier), before or after a resume."""
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         groups = self.param_groups
         cuda = [p.device for g in groups for p in g["params"] if p.is_cuda][:1]
         try:
