@@ -14,7 +14,8 @@ pytestmark = pytest.mark.gpu
 def _run(**over):
     values = {"train.device": "cuda", "train.precision": "fp32", "model.attention": "math",
               "optim.name": "apollo", "optim.rank": "16", "optim.update_proj_gap": "2",
-              "optim.grad_clip": "0", "memory.loss_chunk": "0", "model.dropout": "0.1", **over}  # fmt: skip
+              "optim.grad_clip": "0", "memory.loss_chunk": "0", "model.dropout": "0.1",
+              "train.batch_size": "8", "train.micro_batch_size": "8", **over}  # fmt: skip
     built = build(load_config("tiny", overrides=values), with_data=False)
     g = torch.Generator().manual_seed(0)
     for i in range(4):
@@ -28,6 +29,6 @@ def test_apollo_on_a_gpu_draws_the_same_projections_in_backward():
     torch.manual_seed(0)
     plain = _run()
     torch.manual_seed(0)  # dropout's masks: the same global generator for both runs
-    alone = _run(**{"optim.in_backward": "true", "train.micro_batch_size": "8"})
+    alone = _run(**{"optim.in_backward": "true"})
     for name, w in plain.items():
         torch.testing.assert_close(alone[name], w, rtol=1e-5, atol=1e-6, msg=name)
