@@ -67,6 +67,8 @@ def runs(tmp_path_factory):
         "pp_gpipe": (2, {**UNTIED, "dist.pp": 2, "dist.pp_schedule": "gpipe"}),
         "pp_interleaved": (2, {**UNTIED, "dist.pp": 2, "dist.pp_schedule": "interleaved-1f1b"}),
         "pp_fsdp": (4, {**UNTIED, "dist.pp": 2, "dist.dp_shard": 2}),
+        # each stage's blocks split over 2 processes; sequence-parallel activations between stages
+        "tp_pp": (4, {**UNTIED, "dist.tp": 2, "dist.pp": 2}),
     }
     for name, (nproc, over) in made.items():
         launch(root / name, nproc, **over)
@@ -84,6 +86,7 @@ def runs(tmp_path_factory):
         ("pp_gpipe", "single_untied"),
         ("pp_interleaved", "single_untied"),
         ("pp_fsdp", "single_untied"),
+        ("tp_pp", "single_untied"),
     ],
 )
 def test_every_layout_equals_one_process(runs, layout, reference):

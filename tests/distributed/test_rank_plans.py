@@ -36,8 +36,9 @@ MODEL = {  # activations large enough to matter beside the weights, as in a real
         (2, {"dist.tp": 2}),
         (2, {"dist.pp": 2}),
         (4, {"dist.dp_replicate": 2, "dist.dp_shard": 2, "train.batch_size": 16}),
+        (4, {"dist.tp": 2, "dist.pp": 2}),
     ],
-    ids=["tp2", "pp2", "hsdp2x2"],
+    ids=["tp2", "pp2", "hsdp2x2", "tp2xpp2"],
 )
 def test_each_ranks_planned_peak_is_within_5_percent_of_its_measured_one(tmp_path, nproc, layout):
     over = {**MODEL, **layout}

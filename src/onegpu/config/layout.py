@@ -165,12 +165,6 @@ def _check_pipeline(cfg: Config) -> None:
         f"most {m.n_layer // (stages // d.pp)}",
     )
     _require(
-        d.tp == 1,
-        "dist.pp",
-        "pipeline and tensor parallelism together are not supported yet; use one of them "
-        "with FSDP (dist.dp_shard)",
-    )
-    _require(
         not m.tie_embeddings,
         "model.tie_embeddings",
         "a tied embedding lives on the first pipeline stage and the output layer on the "

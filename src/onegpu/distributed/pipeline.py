@@ -175,6 +175,7 @@ class Pipeline:
     micro_batches: int = 1
     n_stages: int = 1
     d_model: int = 0
+    stream_len: int = 0
     activation_dtype: torch.dtype = torch.float32
     denominator: float = 1.0
 
@@ -190,7 +191,9 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
     def loss(self, logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum(logits_BTV, targets_BT) / self.denominator
+        """The last stage's loss (under tensor parallelism on vocabulary-sharded logits, in
+        the step's `loss_parallel`), a plain tensor."""
+        return local_value(self.loss_sum(logits_BTV, targets_BT)) / self.denominator
 
     @torch.no_grad()
     def evaluate(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -207,13 +210,18 @@ class Pipeline:
             if me == owner:
                 dist.send(x.contiguous(), group_dst=receiver, group=self.group)
             elif me == receiver:
-                shape = (*inputs_BT.shape, self.d_model)
+                shape = (inputs_BT.shape[0], self.stream_len, self.d_model)
                 x = torch.empty(shape, dtype=self.activation_dtype, device=inputs_BT.device)
                 dist.recv(x, group_src=owner, group=self.group)
-        total = self.loss_sum(x, targets_BT) if self.last else torch.zeros(())
+        total = local_value(self.loss_sum(x, targets_BT)) if self.last else torch.zeros(())
         total = total.to(device=inputs_BT.device, dtype=torch.float32)
         dist.all_reduce(total, group=self.group)  # the last stage's, on every stage
         return total
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (a DTensor's replicated value under tensor parallelism)."""
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def build_pipeline(
@@ -225,6 +233,7 @@ def build_pipeline(
     n_microbatches: int,
     micro_batch: int,
     seq_len: int,
+    stream_len: int,
     activation_dtype: torch.dtype,
     device: torch.device,
     group: dist.ProcessGroup,
@@ -232,7 +241,9 @@ def build_pipeline(
     planned: bool = False,
 ) -> Pipeline:
     """The schedule over this process's stages of the (pruned, already sharded) model;
-    `planned`: the order of its schedule run here alone, for the planner's fake step."""
+    `planned`: the order of its schedule run here alone, for the planner's fake step.
+    `stream_len`: the positions of the residual stream a stage passes on (`seq_len`, or its
+    1/tp share under tensor parallelism's sequence parallelism)."""
     from torch.distributed import pipelining
 
     n_stages = len(ranges)
@@ -248,6 +259,7 @@ def build_pipeline(
         micro_batches=n_microbatches,
         n_stages=n_stages,
         d_model=model.cfg.d_model,
+        stream_len=stream_len,
         activation_dtype=activation_dtype,
     )
     if planned:  # a plan follows the schedule's order here alone (LocalSchedule)
@@ -256,7 +268,7 @@ def build_pipeline(
             schedule_order(schedule, stages, group.size(), n_microbatches),
             n_microbatches,
             pipe.loss,
-            (micro_batch, seq_len, model.cfg.d_model),
+            (micro_batch, stream_len, model.cfg.d_model),
             activation_dtype,
             n_stages - 1,
         )
@@ -266,7 +278,7 @@ def build_pipeline(
         shape, dtype = (
             ((micro_batch, seq_len), torch.long)
             if index == 0
-            else ((micro_batch, seq_len, model.cfg.d_model), activation_dtype)
+            else ((micro_batch, stream_len, model.cfg.d_model), activation_dtype)
         )
         example = torch.empty(shape, dtype=dtype, device="meta")  # what the stage takes in
         piped.append(

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from onegpu.config import Config, resolve_strategy, to_toml
@@ -59,6 +60,23 @@ def fake_processes(world_size: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_sharding_decisions()
+
+
+def _forget_sharding_decisions() -> None:
+    """DTensor caches its sharding decisions by mesh *shape*, and each cached decision holds
+    the mesh it was made on: the next rank's plan (same shape, new groups) would reuse a mesh
+    whose process groups died with this fake group. Cleared where this torch has the caches."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cache_clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path keeps its own copy
+        native()
 
 
 def plan_rank(

@@ -247,6 +247,8 @@ def make_pipeline(
             n_microbatches=n_micro,
             micro_batch=rows // n_micro,
             seq_len=cfg.train_seq_len,
+            # what passes between stages: the residual stream, sequence-parallel under TP
+            stream_len=cfg.train_seq_len // ctx.layout.tp,
             activation_dtype=resolved.precision.param_dtype,
             device=device,
             group=ctx.submesh("pp").get_group(),
