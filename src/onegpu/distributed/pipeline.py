@@ -273,18 +273,31 @@ def build_pipeline(
             n_stages - 1,
         )
         return pipe
-    piped = []
-    for index, view in views.items():
-        shape, dtype = (
-            ((micro_batch, seq_len), torch.long)
-            if index == 0
-            else ((micro_batch, stream_len, model.cfg.d_model), activation_dtype)
-        )
-        example = torch.empty(shape, dtype=dtype, device="meta")  # what the stage takes in
-        piped.append(
-            pipelining.PipelineStage(view, index, n_stages, device, input_args=example, group=group)
-        )
+    stream = ((micro_batch, stream_len, model.cfg.d_model), activation_dtype)
+    piped = _stages(views, n_stages, ((micro_batch, seq_len), torch.long), stream, device, group)
     kind = getattr(pipelining, SCHEDULES[schedule])
     one = piped if stages_per_process(schedule) > 1 else piped[0]
     pipe.schedule = kind(one, n_microbatches=n_microbatches, loss_fn=pipe.loss, scale_grads=False)
     return pipe
+
+
+def _stages(
+    views: dict[int, StageView],
+    n_stages: int,
+    tokens: tuple[tuple[int, ...], torch.dtype],
+    stream: tuple[tuple[int, ...], torch.dtype],
+    device: torch.device,
+    group: dist.ProcessGroup,
+) -> list:
+    """torch's PipelineStage of each view, told the (shape, dtype) it takes in: token ids for
+    the first stage, the residual stream for the others."""
+    from torch.distributed import pipelining
+
+    piped = []
+    for index, view in views.items():
+        shape, dtype = tokens if index == 0 else stream
+        example = torch.empty(shape, dtype=dtype, device="meta")
+        piped.append(
+            pipelining.PipelineStage(view, index, n_stages, device, input_args=example, group=group)
+        )
+    return piped
