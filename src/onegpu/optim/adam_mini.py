@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from onegpu.config import ConfigError, OptimConfig
+from onegpu.config import OptimConfig
+from onegpu.optim import packages
 
 QUERY_KEY = {"q": "q_proj.weight", "k": "k_proj.weight"}  # the names the library looks for
 
@@ -59,13 +60,7 @@ def adam_mini_groups(groups: list[dict], model: nn.Module) -> list[dict]:
 
 def make_adam_mini(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     """The library's AdamMini over groups made by `adam_mini_groups`."""
-    try:
-        from pytorch_optimizer import AdamMini
-    except ImportError as e:
-        raise ConfigError(
-            "optim.name",
-            f"adam-mini needs pytorch-optimizer ({e}); pip install 'onegpu[optimizers]'",
-        ) from None
+    AdamMini = packages.pytorch_optimizer(cfg.name).AdamMini
 
     class GivenGroups(AdamMini):
         def get_optimizer_groups(self, weight_decay: float) -> list[dict[str, Any]]:

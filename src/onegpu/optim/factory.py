@@ -10,6 +10,7 @@ from torch import nn
 from onegpu.config import LOW_RANK_OPTIMIZERS, ConfigError, OptimConfig
 from onegpu.offload.disk_tier import DiskTier
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.optim import packages
 from onegpu.optim.adam_mini import adam_mini_groups, adam_mini_state_bytes, make_adam_mini
 from onegpu.optim.in_backward import OptimizerInBackward, PerParameterOptimizers
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
@@ -90,13 +91,7 @@ def _low_bit_adamw(
 def _trust_ratio(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     """LAMB (Adam's update scaled per tensor by |w| / |update|) or LARS (momentum SGD scaled
     the same way), pytorch-optimizer's: the large-batch optimizers of the memory survey."""
-    try:
-        import pytorch_optimizer
-    except ImportError as e:
-        raise ConfigError(
-            "optim.name",
-            f"{cfg.name} needs pytorch-optimizer ({e}); pip install 'onegpu[optimizers]'",
-        ) from None
+    pytorch_optimizer = packages.pytorch_optimizer(cfg.name)
     if cfg.name == "lamb":
         return pytorch_optimizer.Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     return pytorch_optimizer.LARS(groups, lr=cfg.lr, momentum=cfg.beta1)

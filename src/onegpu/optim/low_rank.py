@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from onegpu.config import ConfigError, OptimConfig
+from onegpu.optim import packages
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +161,7 @@ def _projector_from_dict(saved: dict[str, Any]):
 
 def make_low_rank(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     """The method's optimizer over groups made by `low_rank_groups`."""
-    try:
-        import pytorch_optimizer
-    except ImportError as e:
-        raise ConfigError(
-            "optim.name",
-            f"{cfg.name} needs pytorch-optimizer ({e}); pip install 'onegpu[optimizers]'",
-        ) from None
+    pytorch_optimizer = packages.pytorch_optimizer(cfg.name)
     if cfg.name == "galore":
         base, extra = pytorch_optimizer.GaLore, {}
     else:
