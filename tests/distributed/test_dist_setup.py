@@ -106,6 +106,33 @@ def test_only_complete_sharded_folders_count_and_leftovers_go(tmp_path):
         ckpt.load(half)
 
 
+@pytest.mark.parametrize("flat", [True, False], ids=["per-parameter", "written-unflattened"])
+def test_a_sharded_checkpoint_loads_per_parameter_and_in_the_older_format(tmp_path, flat):
+    """Optimizer state is written one key per parameter (a pipeline stage's groups stay its
+    own); folders written before that, with one `param_groups` list, still load."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    from onegpu.distributed import dcp
+
+    def made(lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.9))
+
+    model, optimizer = made(1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    torch_dcp.save(dcp._state(model, optimizer, flat), checkpoint_id=str(tmp_path))
+    written = torch_dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    assert ("optimizer.param_groups.0.weight.lr" in written) is flat
+    loaded_model, loaded = made(5.0)
+    dcp.load(tmp_path, loaded_model, loaded)
+    assert loaded.param_groups[0]["lr"] == 1e-2 and loaded.param_groups[0]["betas"] == (0.8, 0.9)
+    for a, b in zip(model.parameters(), loaded_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(optimizer.state[a]["exp_avg_sq"], loaded.state[b]["exp_avg_sq"])
+
+
 @pytest.fixture
 def one_process_group():
     """A real gloo process group of one process, in this process."""

@@ -46,6 +46,18 @@ def test_ranks_are_laid_out_tp_innermost_and_rows_follow_the_data_parallel_rank(
     assert a.rows(32) == b.rows(32) == slice(8, 16)
 
 
+def test_dropout_streams_differ_across_tensor_and_pipeline_ranks_not_data_parallel_ones():
+    layout = Layout(dp_replicate=1, dp_shard=2, tp=2, pp=2)  # 8 processes
+    streams = {}
+    for rank in range(8):
+        ctx = DistContext(strategy="fsdp", rank=rank, world_size=8, layout=layout)
+        streams.setdefault(ctx.random_stream, set()).add(ctx.dp_rank)
+    # four (stage, tp rank) pairs, each shared by the two processes that split the batch
+    assert sorted(streams) == [0, 1, 2, 3]
+    assert all(ranks == {0, 1} for ranks in streams.values())
+    assert DistContext(strategy="fsdp", world_size=2, layout=Layout(dp_shard=2)).random_stream == 0
+
+
 @pytest.mark.parametrize(
     ("over", "world", "field"),
     [

@@ -53,26 +53,29 @@ def assert_same_weights(a: Path, b: Path) -> None:
         assert (wa[name] - t).norm() <= REL * t.norm() + REL, name
 
 
+# name: (processes, config overrides)
+LAYOUTS = {
+    "single": (1, TIED),
+    "tp": (2, {**TIED, "dist.tp": 2}),
+    "tp_chunked": (2, {**TIED, "dist.tp": 2, "memory.loss_chunk": 16}),
+    "tp_fsdp": (4, {**TIED, "dist.tp": 2, "dist.dp_shard": 2}),
+    "hsdp": (4, {**TIED, "dist.dp_replicate": 2, "dist.dp_shard": 2}),
+    "single_untied": (1, UNTIED),
+    "pp_1f1b": (2, {**UNTIED, "dist.pp": 2}),
+    "pp_gpipe": (2, {**UNTIED, "dist.pp": 2, "dist.pp_schedule": "gpipe"}),
+    "pp_interleaved": (2, {**UNTIED, "dist.pp": 2, "dist.pp_schedule": "interleaved-1f1b"}),
+    "pp_fsdp": (4, {**UNTIED, "dist.pp": 2, "dist.dp_shard": 2}),
+    # each stage's blocks split over 2 processes; sequence-parallel activations between stages
+    "tp_pp": (4, {**UNTIED, "dist.tp": 2, "dist.pp": 2}),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
-    made = {
-        "single": (1, TIED),
-        "tp": (2, {**TIED, "dist.tp": 2}),
-        "tp_chunked": (2, {**TIED, "dist.tp": 2, "memory.loss_chunk": 16}),
-        "tp_fsdp": (4, {**TIED, "dist.tp": 2, "dist.dp_shard": 2}),
-        "hsdp": (4, {**TIED, "dist.dp_replicate": 2, "dist.dp_shard": 2}),
-        "single_untied": (1, UNTIED),
-        "pp_1f1b": (2, {**UNTIED, "dist.pp": 2}),
-        "pp_gpipe": (2, {**UNTIED, "dist.pp": 2, "dist.pp_schedule": "gpipe"}),
-        "pp_interleaved": (2, {**UNTIED, "dist.pp": 2, "dist.pp_schedule": "interleaved-1f1b"}),
-        "pp_fsdp": (4, {**UNTIED, "dist.pp": 2, "dist.dp_shard": 2}),
-        # each stage's blocks split over 2 processes; sequence-parallel activations between stages
-        "tp_pp": (4, {**UNTIED, "dist.tp": 2, "dist.pp": 2}),
-    }
-    for name, (nproc, over) in made.items():
+    for name, (nproc, over) in LAYOUTS.items():
         launch(root / name, nproc, **over)
-    return {name: root / name for name in made}
+    return {name: root / name for name in LAYOUTS}
 
 
 @pytest.mark.parametrize(
@@ -120,6 +123,44 @@ def test_a_tensor_parallel_run_resumes_exactly_and_at_other_layouts(runs, tmp_pa
         resumed = losses(tmp_path / other)
         assert resumed.keys() == after.keys()
         assert max(abs(resumed[s] - after[s]) / after[s] for s in after) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["tp_fsdp", "hsdp", "tp_pp"])
+def test_a_2d_layout_resumes_bit_for_bit_on_itself(runs, tmp_path, layout):
+    """Each process reloads its own shards of the step-5 checkpoint and continues on the same
+    losses; under TP x PP each stage's processes hold other parameter groups (written one key
+    per parameter, so no stage reads another's)."""
+    nproc, over = LAYOUTS[layout]
+    folder = runs[layout] / "checkpoints" / ckpt.checkpoint_name(5, sharded=True)
+    launch(tmp_path / layout, nproc, **over, **{"train.resume": str(folder)})
+    assert losses(tmp_path / layout) == {s: v for s, v in losses(runs[layout]).items() if s > 5}
+
+
+def test_tensor_parallel_composes_with_regional_compile_bf16_and_checkpointing(tmp_path):
+    """TP 2 with each block compiled on its own, bf16 autocast and block checkpointing: the
+    same losses as one process with the same settings, to bf16's rounding."""
+    over = {**TIED, "train.max_steps": 4, "checkpoint.every": 0, "train.compile": "regional",
+            "train.precision": "bf16", "memory.checkpointing": "block"}  # fmt: skip
+    launch(tmp_path / "tp", 2, **over, **{"dist.tp": 2})
+    launch(tmp_path / "one", 1, **over)
+    tp, one = losses(tmp_path / "tp"), losses(tmp_path / "one")
+    assert tp.keys() == one.keys() == {1, 2, 3, 4}
+    assert max(abs(tp[s] - one[s]) / one[s] for s in one) <= 1e-4
+    assert json.loads((tmp_path / "tp" / "summary.json").read_text())["compile_time_s"] > 0
+
+
+def test_dropout_draws_its_own_masks_per_tensor_parallel_rank_and_resumes_exactly(tmp_path):
+    """Under TP each process holds other positions and heads of one activation: its dropout
+    generator runs on a stream of its own (else both would drop the same pattern at different
+    places); each stream is checkpointed and continues on resume, bit for bit."""
+    over = {**TIED, "dist.tp": 2, "model.dropout": 0.2}
+    launch(tmp_path / "full", 2, **over)
+    folder = tmp_path / "full" / "checkpoints" / ckpt.checkpoint_name(5, sharded=True)
+    first, second = (state["torch"] for state in ckpt.load(folder).state["rng"])
+    assert not torch.equal(first, second)
+    launch(tmp_path / "resumed", 2, **over, **{"train.resume": str(folder)})
+    full = losses(tmp_path / "full")
+    assert losses(tmp_path / "resumed") == {s: v for s, v in full.items() if s > 5}
 
 
 def test_a_pipeline_resumes_on_one_process_and_exports(runs, tmp_path):

@@ -72,6 +72,14 @@ class DistContext:
     def dp_size(self) -> int:
         return self.layout.dp if self.enabled else 1
 
+    @property
+    def random_stream(self) -> int:
+        """Which random stream this process's dropout draws from. Tensor-parallel processes
+        hold other positions and heads of one activation, pipeline stages other layers: each
+        needs masks of its own (Megatron offsets its seed per tp and pp rank alike). Processes
+        that split the batch share a stream: their masks fall on other samples."""
+        return self.coordinate("pp") * self.layout.tp + self.coordinate("tp")
+
     def stage_group(self) -> Any:
         """The process group along the pipeline (None: no pipeline)."""
         mesh = self.submesh("pp")

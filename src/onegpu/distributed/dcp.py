@@ -18,11 +18,30 @@ import torch
 from torch import nn
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _options(flat: bool = True) -> Any:
+    """Optimizer state flattened to one key per parameter (`param_groups.<name>.lr`), as
+    torchtitan writes it: a pipeline stage's processes each hold other parameters, and DCP
+    keeps one copy of a non-tensor value per key, so an unflattened `param_groups` list
+    written by every stage would come back as one stage's list on all of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, flat: bool = True) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(flat))
     return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _written_flat(folder: Path) -> bool:
+    """Whether a checkpoint holds the flattened optimizer state: those written before it was
+    flattened list each group's parameter names (`optimizer.param_groups.0.params...`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optimizer.param_groups.0.params") for k in keys)
 
 
 def save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -51,13 +70,15 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> No
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state(model, optimizer)
+    flat = _written_flat(folder)
+    state = _state(model, optimizer, flat)
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
+        options=_options(flat),
     )
 
 

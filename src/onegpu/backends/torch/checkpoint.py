@@ -109,16 +109,18 @@ def load_state(built: Built, previous: Checkpoint) -> None:
 
 
 def start_rng(built: Built, previous: Checkpoint | None) -> None:
-    """The generators the steps draw from: seeded afresh, or as the checkpoint saved them."""
+    """The generators the steps draw from: seeded afresh, or as the checkpoint saved them;
+    each tensor-parallel rank and pipeline stage on a stream of its own."""
+    ctx = built.dist
+    stream = ctx.random_stream << 32  # stream 0 (every layout without tp or pp): the seed
     if previous is None:
-        torch.manual_seed(built.cfg.train.seed)
+        torch.manual_seed(built.cfg.train.seed + stream)
         return
     rngs = previous.state["rng"] if previous.sharded else [previous.state["rng"]]
-    ctx = built.dist
     if len(rngs) == ctx.world_size:
         set_rng_state(rngs[ctx.rank])
         return
-    torch.manual_seed(built.cfg.train.seed + previous.step)
+    torch.manual_seed(built.cfg.train.seed + previous.step + stream)
     m = built.cfg.memory
     if built.cfg.model.dropout or m.randomized_linear:
         warnings.warn(
