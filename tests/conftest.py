@@ -57,6 +57,30 @@ def tiny_cfg():
     return load_config("tiny", overrides={"train.device": "cpu", "out.progress": "false"})
 
 
+def accumulate(model, x, y, n_micro: int):
+    """One batch's loss, its gradients left in `.grad`, accumulated over `n_micro`
+    micro-batches by the production step (fp32 policy, no update)."""
+    from onegpu.backends.torch.loader import count_targets
+    from onegpu.backends.torch.step import TrainStep
+    from onegpu.config import OptimConfig
+    from onegpu.techniques.loss import token_loss_sum
+    from onegpu.techniques.precision import resolve_precision
+
+    model.zero_grad(set_to_none=True)
+    cpu = torch.device("cpu")
+    step = TrainStep(
+        model=model,
+        loss_fn=token_loss_sum,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        policy=resolve_precision("fp32", cpu),
+        device=cpu,
+        optim=OptimConfig(),
+        max_steps=1,
+        n_micro=n_micro,
+    )
+    return step.forward_backward(x, y, count_targets(y))
+
+
 # ---------------------------------------------------------------------------- Hugging Face folders
 
 HF_ARCHS = ("llama", "qwen2", "gpt2", "mistral", "phi")

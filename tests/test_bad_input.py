@@ -33,10 +33,23 @@ def world(tmp_path_factory):
     (root / "preset-number.toml").write_text("preset = 3\n")
     (root / "top-level.toml").write_text("max_steps = 3\n")
     (root / "array.json").write_text('["a", "b"]\n')
+    (root / "chat-narrator.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"messages": [{"role": "narrator", "content": "x"}]}\n'
+    )
+    (root / "corrupt.parquet").write_bytes(b"PAR1 not really parquet PAR1")
+    _dataset_dict(root / "dataset-dict")
     (root / "binary-folder").mkdir()
     (root / "binary-folder" / "blob").write_bytes(bytes(range(256)) * 64)
     _hf_folders(root)
     return root
+
+
+def _dataset_dict(path: Path) -> None:
+    import datasets
+
+    rows = [{"prompt": f"{i} + 1 = ", "response": str(i + 1)} for i in range(20)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(path))
 
 
 def _hf_folders(root: Path) -> None:
@@ -72,7 +85,8 @@ def W(root: Path) -> dict[str, str]:
         "latin1": "not-utf8.txt", "new": "new-run", "llama": "hf-llama", "bert": "hf-bert",
         "gemma2": "hf-gemma2", "hfbad": "hf-bad", "pickled": "hf-pickled",
         "preset3": "preset-number.toml", "toplevel": "top-level.toml", "array": "array.json",
-        "nowidth": "hf-no-width", "binfolder": "binary-folder",
+        "nowidth": "hf-no-width", "binfolder": "binary-folder", "narrator": "chat-narrator.jsonl",
+        "parquet": "corrupt.parquet", "dsdict": "dataset-dict",
     }.items()}  # fmt: skip
 
 
@@ -161,6 +175,11 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("a JSON array as data", T + ["--data.source", "{array}"], "data.source"),
     ("a folder of binary files", T + ["--data.source", "{binfolder}"], "data.source"),
     ("hf: config.json without hidden_size", T + ["--model.hf", "{nowidth}"], "hidden_size"),
+    ("chat: a message with an unknown role", T + ["--data.source", "{narrator}", "--data.val_fraction", "0"], "data.messages_field"),
+    ("a corrupt Parquet file", T + ["--data.source", "{parquet}"], "data.source"),
+    ("a DatasetDict without the split", T + ["--data.source", "{dsdict}", "--data.split", "validation"], "data.split"),
+    ("a template that does not parse", T + ["--data.template", "{{prompt"], "data.template"),
+    ("train_on assistant for prompt-response", T + ["--data.source", "{dsdict}", "--data.train_on", "assistant"], "data.train_on"),
 ]  # fmt: skip
 
 

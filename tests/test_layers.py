@@ -152,7 +152,10 @@ def test_modules_and_functions_stay_small():
 TORCH_FREE = [
     "onegpu.config",
     "onegpu.cache",
-    "onegpu.data.corpus",
+    "onegpu.data.sources",
+    "onegpu.data.chat",
+    "onegpu.data.examples",
+    "onegpu.data.encode",
     "onegpu.data.tokenizer",
     "onegpu.data.tokens",
     "onegpu.runs.folder",

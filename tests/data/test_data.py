@@ -6,7 +6,7 @@ import torch
 
 from onegpu.backends.torch.loader import PackedSequences, make_train_loader
 from onegpu.config import ConfigError, DataConfig
-from onegpu.data.corpus import open_corpus
+from onegpu.data.sources import in_val, open_source
 from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer
 from onegpu.data.tokens import prepare_tokens, read_bin, write_bin
 
@@ -42,16 +42,14 @@ def test_packed_windows_are_shifted_targets_and_cover_each_epoch_once():
 
 @pytest.mark.slow  # reads every standard-library file
 def test_stdlib_split_is_deterministic_and_disjoint():
-    corpus = open_corpus("stdlib", val_fraction=0.05)
-    names = [n for n, _ in corpus._named_documents()]
+    source = open_source("stdlib", val_fraction=0.05)
+    names = [n for n, _ in source._named_records()]
     assert names == sorted(names) and len(names) > 100
     assert not any("site-packages" in n for n in names)
-    from onegpu.data.corpus import _in_val
-
-    val = {n for n in names if _in_val(n, 0.05)}
+    val = {n for n in names if in_val(n, 0.05)}
     assert 0 < len(val) < len(names) * 0.15
-    train_docs = set(corpus.documents("train"))
-    val_docs = list(corpus.documents("val"))
+    train_docs = {r["text"] for _, r in source.records("train")}
+    val_docs = [r["text"] for _, r in source.records("val")]
     assert len(val_docs) == len(val)
     assert not train_docs.intersection(val_docs)
 

@@ -3,6 +3,8 @@ profiler (`train.measure_memory`) counts in the losses and totals but in no toke
 
 import time
 
+import pytest
+
 from onegpu.runs.meter import Meter
 
 
@@ -52,3 +54,19 @@ def test_an_interval_of_the_profiled_step_alone_has_no_speed():
     assert meter.intervals == []
     meter.add(1.0, 100)
     assert meter.flush()["tokens_per_s"] > 0  # the next interval is timed again
+
+
+def test_trained_tokens_are_counted_beside_all_tokens_where_targets_are_masked():
+    plain = Meter(_Totals(), flops_per_token=0, peak=None)
+    plain.add(1.0, 100, 100)
+    assert "trained_tokens_per_s" not in plain.flush() and not plain.masked
+    meter = Meter(_Totals(), flops_per_token=0, peak=None)
+    for _ in range(3):
+        meter.add(1.0, 100, 25)  # a quarter of the targets are answers
+    row = meter.flush()
+    assert meter.trained == 75 and meter.tokens == 300
+    assert row["trained_tokens_per_s"] == pytest.approx(row["tokens_per_s"] / 4)
+    state = meter.state_dict()
+    resumed = Meter(_Totals(), flops_per_token=0, peak=None)
+    resumed.resume(3, state)
+    assert resumed.trained == 75

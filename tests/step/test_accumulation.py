@@ -1,30 +1,16 @@
 """Gradient accumulation equals the full-batch gradient, padding and uneven micro-batches too."""
 
 import torch
+from conftest import accumulate
 
 from onegpu.backends.torch.loader import IGNORE_INDEX, count_targets
-from onegpu.backends.torch.step import TrainStep
-from onegpu.config import OptimConfig
 from onegpu.models.gpt import GPT
 from onegpu.techniques.loss import token_loss_sum
-from onegpu.techniques.precision import resolve_precision
 
 
 def _grads(model, x, y, n_micro):
     """Gradients of one batch accumulated over n_micro micro-batches by the production step."""
-    model.zero_grad(set_to_none=True)
-    cpu = torch.device("cpu")
-    step = TrainStep(
-        model=model,
-        loss_fn=token_loss_sum,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        policy=resolve_precision("fp32", cpu),
-        device=cpu,
-        optim=OptimConfig(),
-        max_steps=1,
-        n_micro=n_micro,
-    )
-    loss = step.forward_backward(x, y, count_targets(y))
+    loss = accumulate(model, x, y, n_micro)
     return loss, [p.grad.clone() for p in model.parameters()]
 
 

@@ -85,7 +85,11 @@ def _report(cfg: Config, env: Env, summary: dict[str, Any]) -> int:
         "train_time_s",
     )
     if env.rank0:  # strict JSON: a run of no steps has no loss (null, not NaN)
-        print(json.dumps(strict({k: summary[k] for k in keys}), indent=1, allow_nan=False))
+        shown = {k: summary[k] for k in keys}
+        if "trained_tokens" in summary:  # instruction and chat data: the tokens that carry loss
+            shown["trained_tokens"] = summary["trained_tokens"]
+            shown["trained_tokens_per_s"] = summary["trained_tokens_per_s"]
+        print(json.dumps(strict(shown), indent=1, allow_nan=False))
     return 0
 
 
@@ -217,8 +221,9 @@ def _generate(ns, env: Env) -> int:
         temperature=ns.temperature,
         top_k=ns.top_k,
         seed=ns.seed,
+        chat=ns.chat,
     )
-    print(ns.prompt + text)
+    print(text if ns.chat else ns.prompt + text)
     return 0
 
 
@@ -364,6 +369,7 @@ COMMANDS: tuple[Command, ...] = (
             _a("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)"),
             _a("--top-k", type=int, default=50, help="0: no cut (default: 50)"),
             _a("--seed", type=int, default=0, help="same seed, same text (default: 0)"),
+            _a("--chat", action="store_true", help="the prompt is a user's message: answer it"),
         ),
     ),
     Command(

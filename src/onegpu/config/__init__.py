@@ -12,6 +12,7 @@ from onegpu.config.checkpointing import (
     parse_checkpointing,
     per_block_mode,
 )
+from onegpu.config.data_checks import check_data_sizes
 from onegpu.config.loading import (
     all_fields,
     all_keys,
@@ -43,7 +44,6 @@ from onegpu.config.options import (
 )
 from onegpu.config.validation import (
     check_batch_split,
-    check_data_sizes,
     check_distributed,
     resolve_strategy,
     validate,

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_type_hints
 
+from onegpu.config.data import DataConfig
+
 
 class ConfigError(ValueError):
     """Bad user input: the CLI prints the message and exits with code 2."""
@@ -73,31 +75,6 @@ class ModelConfig:
         """The vocabulary rounded up to pad_vocab_to (the padding rows' logits are -inf)."""
         step = max(1, self.pad_vocab_to)
         return -(-self.vocab_size // step) * step
-
-
-@dataclass(kw_only=True, slots=True)
-class DataConfig:
-    source: str = "stdlib"
-    """'stdlib' (the running Python's standard-library sources, on every machine), 'synthetic'
-    (uniform random tokens, HF's guide's dummy data: speed and memory measurements,
-    classifiers), or a path: a .txt file, a folder of text files, a .jsonl file, a nanoGPT .bin
-    token file, or a folder holding train.bin (and val.bin)."""
-    tokenizer: Literal["byte", "bpe"] = "byte"
-    """'byte': UTF-8 bytes, vocab 256; 'bpe': byte-level BPE trained locally on the training split."""
-    tokenizer_vocab: int = 0
-    """Vocabulary size of a trained BPE tokenizer (0: model.vocab_size)."""
-    seq_len: int = 0
-    """Training sequence length (0: model.seq_len); must not exceed model.seq_len."""
-    val_fraction: float = 0.05
-    """Share of documents (files, JSONL records) held out for validation; tail share for one file."""
-    text_field: str = "text"
-    """Field of each JSONL record that holds the text."""
-    bin_dtype: Literal["uint16", "uint32"] = "uint16"
-    """Element type of pre-tokenized .bin files (nanoGPT writes uint16)."""
-    num_workers: int = -1
-    """DataLoader worker processes (-1: 0 on CPU, where they only add overhead; 2 on CUDA)."""
-    cache_dir: str = ""
-    """Where token files and trained tokenizers are cached (empty: $ONEGPU_CACHE or ~/.cache/onegpu)."""
 
 
 @dataclass(kw_only=True, slots=True)

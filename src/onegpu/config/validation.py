@@ -8,6 +8,7 @@ import warnings
 
 from onegpu.config.backends import validate_backend
 from onegpu.config.checkpointing import parse_checkpointing
+from onegpu.config.data_checks import validate_data
 from onegpu.config.layout import check_layout, check_pipeline_batches, resolve_layout
 from onegpu.config.options import (
     LOW_RANK_OPTIMIZERS,
@@ -99,36 +100,7 @@ def _validate_shapes(cfg: Config) -> None:
         f"use a multiple of it, e.g. {t.micro_batch_size * max(1, t.batch_size // t.micro_batch_size)}",
     )
     _require(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
-    _require(d.seq_len >= 0, "data.seq_len", f"must be >= 0 (0: model.seq_len), got {d.seq_len}")
-    _require(
-        d.seq_len <= m.seq_len,
-        "data.seq_len",
-        f"{d.seq_len} is longer than the model's context model.seq_len={m.seq_len}; "
-        f"use data.seq_len <= {m.seq_len} or raise model.seq_len",
-    )
-    _require(
-        0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}"
-    )
-    if m.hf:  # the vocabulary is the folder's: checked when the build reads it
-        pass
-    elif d.tokenizer == "byte":
-        _require(
-            m.vocab_size >= 256,
-            "model.vocab_size",
-            f"{m.vocab_size} is smaller than the byte tokenizer's 256 symbols; use at least 256",
-        )
-    else:
-        tv = d.tokenizer_vocab or m.vocab_size
-        _require(
-            tv >= 257,
-            "data.tokenizer_vocab",
-            f"a BPE vocabulary needs more than 256 entries, got {tv}",
-        )
-        _require(
-            tv <= m.vocab_size,
-            "data.tokenizer_vocab",
-            f"{tv} exceeds model.vocab_size={m.vocab_size}; the model needs a row per token",
-        )
+    validate_data(d, m)
 
 
 def _validate_optim(cfg: Config) -> None:
@@ -362,24 +334,6 @@ def check_batch_split(t: TrainConfig, world_size: int) -> None:
         f"the global batch {t.batch_size} does not split into {world_size} processes x "
         f"micro-batches of {t.micro_batch_size}; use a multiple of "
         f"{t.micro_batch_size * world_size}",
-    )
-
-
-def check_data_sizes(cfg: Config, train_tokens: int, val_tokens: int) -> None:
-    """The splits must hold a batch (and a validation sequence when evaluation is on)."""
-    T = cfg.train_seq_len
-    need = cfg.train.batch_size * T + 1
-    _require(
-        train_tokens >= need,
-        "data.source",
-        f"the training split has {train_tokens} tokens, fewer than one batch "
-        f"(train.batch_size * seq_len + 1 = {need}); use more data or a smaller batch/seq_len",
-    )
-    _require(
-        not cfg.train.eval_every or val_tokens >= T + 1,
-        "data.val_fraction",
-        f"the validation split has {val_tokens} tokens, fewer than one sequence ({T + 1}); "
-        "raise data.val_fraction or turn evaluation off with --train.eval_every 0",
     )
 
 

@@ -23,6 +23,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int] | np.ndarray: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+    def encode_spans(self, text: str, special_tokens: bool) -> tuple[np.ndarray, np.ndarray]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
@@ -36,6 +37,13 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
+
+    def encode_spans(self, text: str, special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and each token's [start, end) characters of `text` ([N, 2])."""
+        ids = self.encode(text)
+        widths = np.array([len(c.encode("utf-8")) for c in text], dtype=np.int64)
+        starts = np.repeat(np.arange(len(text), dtype=np.int64), widths)
+        return ids, np.stack([starts, starts + 1], axis=1).reshape(-1, 2)
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if i != self.eot_id).decode("utf-8", errors="replace")
@@ -112,6 +120,13 @@ class BPETokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
 
+    def encode_spans(self, text: str, special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and each token's [start, end) characters of `text` ([N, 2]; a special
+        token the tokenizer adds covers none)."""
+        e = self._tok.encode(text, add_special_tokens=special_tokens)
+        spans = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(e.ids, dtype=np.int64), spans
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
@@ -140,3 +155,9 @@ class FileTokenizer(BPETokenizer):
         self.name = f"file-{digest}"
         self.eot_id = eot_id if eot_id is not None else 0
         self.path = path
+
+    def chat_template(self):
+        """The folder's chat template (data/chat.py), None where its tokenizer has none."""
+        from onegpu.data.chat import folder_template
+
+        return folder_template(self.path.parent)

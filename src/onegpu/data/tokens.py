@@ -10,17 +10,22 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from onegpu.cache import cache_root
 from onegpu.config import ConfigError, DataConfig
-from onegpu.data.corpus import Corpus, open_corpus
+from onegpu.data.chat import default_template
+from onegpu.data.encode import encode_example
+from onegpu.data.examples import Example, Format, detect_format, make_format
+from onegpu.data.sources import Source, open_source
 from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: loss masks and example starts beside the tokens
 
 
 @dataclass(slots=True)
@@ -29,6 +34,14 @@ class TokenSplits:
     val: np.ndarray
     tokenizer: Tokenizer | None  # None for pre-tokenized .bin input
     description: str
+    train_mask: np.ndarray | None = None
+    """1 where a token is trained as a target, 0 where masked (None: every token trained)."""
+    val_mask: np.ndarray | None = None
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per split: examples, tokens, trained tokens (empty for .bin and synthetic data)."""
+    chat_template: str | None = None
+    """The chat template conversations were rendered with (chat data only): the run folder
+    keeps it, so export and `generate --chat` render prompts as training did."""
     _fingerprint: str = ""
 
     def fingerprint(self) -> str:
@@ -38,7 +51,8 @@ class TokenSplits:
         changed data (text appended, another file) is caught."""
         if not self._fingerprint:
             h = hashlib.blake2b(digest_size=12)
-            for split in (self.train, self.val):
+            masks = [m for m in (self.train_mask, self.val_mask) if m is not None]
+            for split in (self.train, self.val, *masks):
                 a = np.ascontiguousarray(split).view(np.uint8).reshape(-1)
                 h.update(f"{split.dtype.str}:{len(split)};".encode())
                 if a.nbytes <= 64 * 2**20:
@@ -113,21 +127,20 @@ def synthetic_tokens(vocab_size: int) -> TokenSplits:
     return TokenSplits(train, val, None, f"synthetic (uniform over {vocab_size} ids)")
 
 
-def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokenizer:
+def _tokenizer_for(
+    source: Source, examples: Callable[[str], Iterator[Example]], data: DataConfig, vocab: int
+) -> Tokenizer:
     if data.tokenizer == "byte":
-        if model_vocab < 256:
+        if vocab < 256:
             raise ConfigError(
                 "data.tokenizer",
-                f"the byte tokenizer needs 256 ids, the model has {model_vocab}; use a model "
+                f"the byte tokenizer needs 256 ids, the model has {vocab}; use a model "
                 "folder with a tokenizer.json",
             )
         return ByteTokenizer()
-    vocab = data.tokenizer_vocab or model_vocab
-    path = (
-        cache_root(data.cache_dir)
-        / "tokenizers"
-        / f"{corpus.key}-v{corpus.val_fraction}-bpe{vocab}.json"
-    )
+    vocab = data.tokenizer_vocab or vocab
+    name = f"{source.key}-v{source.val_fraction}-bpe{vocab}.json"
+    path = cache_root(data.cache_dir) / "tokenizers" / name
     if path.exists():
         try:
             return BPETokenizer.load(path, vocab)
@@ -137,31 +150,32 @@ def _tokenizer_for(corpus: Corpus, data: DataConfig, model_vocab: int) -> Tokeni
                 "training it again"
             )
             path.unlink(missing_ok=True)
-    print(f"onegpu: training a {vocab}-token byte-level BPE on {corpus.path} (cached at {path})")
-    return BPETokenizer.train(corpus.documents("train"), vocab, path)
+    print(f"onegpu: training a {vocab}-token byte-level BPE on {source.path} (cached at {path})")
+    return BPETokenizer.train((ex.text for ex in examples("train")), vocab, path)
 
 
-def _tokenize_split(corpus: Corpus, split: str, tok: Tokenizer, out: Path, dtype: np.dtype) -> int:
-    n = 0
-    with open(out, "wb") as fh:
-        batch: list[str] = []
-
-        def flush() -> None:
-            nonlocal n
-            for ids in tok.encode_batch(batch):
-                arr = np.empty(len(ids) + 1, dtype=dtype)
-                arr[0] = tok.eot_id  # separates documents, as GPT-2's <|endoftext|>
-                arr[1:] = ids
-                arr.tofile(fh)
-                n += len(arr)
-            batch.clear()
-
-        for doc in corpus.documents(split):
-            batch.append(doc)
-            if len(batch) == 256:
-                flush()
-        flush()
-    return n
+def _write_split(
+    examples: Iterator[Example], fmt: Format, tok: Tokenizer, folder: Path, split: str, dtype
+) -> dict[str, int]:
+    """Tokens, loss mask (formats that mask) and example starts of one split, streamed to
+    `{split}.bin`, `{split}.mask.bin` and `{split}.docs.bin`; its counts."""
+    counts = {"examples": 0, "tokens": 0, "trained": 0}
+    with ExitStack() as files:
+        ids_out = files.enter_context(open(folder / f"{split}.bin", "wb"))
+        docs_out = files.enter_context(open(folder / f"{split}.docs.bin", "wb"))
+        mask_out = (
+            files.enter_context(open(folder / f"{split}.mask.bin", "wb")) if fmt.masks else None
+        )
+        for ex in examples:
+            ids, trained = encode_example(tok, fmt, ex)
+            np.array([counts["tokens"]], dtype=np.int64).tofile(docs_out)
+            ids.astype(dtype).tofile(ids_out)
+            if mask_out is not None:
+                trained.astype(np.uint8).tofile(mask_out)
+            counts["examples"] += 1
+            counts["tokens"] += len(ids)
+            counts["trained"] += int(trained.sum())
+    return counts
 
 
 def check_cache_writable(data: DataConfig) -> None:
@@ -180,13 +194,19 @@ def check_cache_writable(data: DataConfig) -> None:
 
 
 def _complete(folder: Path, dtype: np.dtype) -> bool:
-    """A token folder is complete when meta.json parses and each split has its counted size."""
+    """A token folder is complete when meta.json parses and each file has its counted size."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
-        return all(
-            (folder / f"{s}.bin").stat().st_size == int(meta[s]) * dtype.itemsize
-            for s in ("train", "val")
-        )
+        sizes = {"bin": dtype.itemsize, "docs.bin": 8, "mask.bin": 1}
+        for split in ("train", "val"):
+            c = meta[split]
+            want = {"bin": c["tokens"], "docs.bin": c["examples"]}
+            if meta["masked"]:
+                want["mask.bin"] = c["tokens"]
+            for suffix, n in want.items():
+                if (folder / f"{split}.{suffix}").stat().st_size != int(n) * sizes[suffix]:
+                    return False
+        return True
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -209,43 +229,51 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_token_cache(folder: Path, corpus, tok: Tokenizer, dtype) -> None:
+def _write_token_cache(
+    folder: Path,
+    source: Source,
+    fmt: Format,
+    examples: Callable[[str], Iterator[Example]],
+    tok,
+    dtype,
+) -> None:
     """Tokenize both splits into `folder` unless a complete cache is there: written under a
     temporary name and renamed into place, so a killed run leaves no half-made cache."""
     _remove_stale_tmp(folder)
     if folder.exists() and not _complete(folder, dtype):
         print(f"onegpu: the token cache {folder} is incomplete or corrupt; tokenizing again")
         shutil.rmtree(folder, ignore_errors=True)
-    if not (folder / "meta.json").exists():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    if (folder / "meta.json").exists():
+        return
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        counts = {s: _write_split(examples(s), fmt, tok, tmp, s, dtype) for s in ("train", "val")}
+    except BaseException:  # failed or interrupted: leave no half-made folder behind
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            counts = {
-                s: _tokenize_split(corpus, s, tok, tmp / f"{s}.bin", dtype)
-                for s in ("train", "val")
-            }
-        except BaseException:  # failed or interrupted: leave no half-made folder behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        meta = {
-            "source": str(corpus.path),
-            "kind": corpus.kind,
-            "tokenizer": tok.name,
-            "dtype": dtype.name,
-            **counts,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished first: use its files
-            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    meta = {
+        "source": str(source.path),
+        "kind": source.kind,
+        "format": fmt.name,
+        "masked": fmt.masks,
+        "tokenizer": tok.name,
+        "dtype": dtype.name,
+        **counts,
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process finished first: use its files
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepare_tokens(
     data: DataConfig, model_vocab: int, tokenizer: Tokenizer | None = None
 ) -> TokenSplits:
-    """Token arrays for the train and validation splits of `data.source`, cached on disk.
+    """Token arrays (and loss masks) for the train and validation splits of `data.source`,
+    cached on disk: source -> examples -> tokens and masks -> the cache both backends read.
     `tokenizer` (a model folder's own) replaces the one `data.tokenizer` names."""
     if data.source == "synthetic":
         return synthetic_tokens(model_vocab)
@@ -259,8 +287,14 @@ def prepare_tokens(
             raise ConfigError("data.source", f"{data.source!r} does not exist")
         return _load_pretokenized(source_path, data, model_vocab)
 
-    corpus = open_corpus(data.source, val_fraction=data.val_fraction, text_field=data.text_field)
-    tok = tokenizer or _tokenizer_for(corpus, data, model_vocab)
+    source = open_source(data.source, val_fraction=data.val_fraction, split=data.split)
+    fmt = source_format(source, data, tokenizer)
+
+    def examples(split: str) -> Iterator[Example]:
+        for name, record in source.records(split):
+            yield fmt.to_example(record, f"{name} of {source.path}")
+
+    tok = tokenizer or _tokenizer_for(source, examples, data, model_vocab)
     if tok.vocab_size > model_vocab:
         raise ConfigError(
             "data.tokenizer",
@@ -268,12 +302,49 @@ def prepare_tokens(
             f"{model_vocab} embedding rows; use a tokenizer that fits the model",
         )
     dtype = token_dtype(tok.vocab_size)
-    folder = (
-        cache_root(data.cache_dir)
-        / "tokens"
-        / f"{corpus.key}-v{corpus.val_fraction}-{tok.name}-f{FORMAT_VERSION}"
+    name = f"{source.key}-v{source.val_fraction}-{tok.name}-{fmt.key}-f{FORMAT_VERSION}"
+    folder = cache_root(data.cache_dir) / "tokens" / name
+    _write_token_cache(folder, source, fmt, examples, tok, dtype)
+    splits = _read_cache(
+        folder, dtype, tok, f"{source.kind}:{source.path} ({fmt.name}, {tok.name})"
     )
-    _write_token_cache(folder, corpus, tok, dtype)
-    train = read_bin(folder / "train.bin", dtype)
-    val = read_bin(folder / "val.bin", dtype)
-    return TokenSplits(train, val, tok, f"{corpus.kind}:{corpus.path} ({tok.name})")
+    splits.chat_template = fmt.chat_template
+    return splits
+
+
+def source_format(source: Source, data: DataConfig, tokenizer: Tokenizer | None) -> Format:
+    """The format of `source`'s records; a chat is rendered with the model folder's template
+    where it has one, else onegpu's default."""
+    if source.is_text:
+        if data.format not in ("auto", "text"):
+            raise ConfigError(
+                "data.format",
+                f"{data.format} needs records with fields; {source.path} is plain text (give "
+                "JSONL, JSON, Parquet or a datasets folder, or --data.format text)",
+            )
+        return make_format(replace(data, text_field="text"), {"text": ""}, None)
+    first = source.first_record()
+    chat = None
+    if detect_format(data, first) == "chat":
+        chat = getattr(tokenizer, "chat_template", lambda: None)()
+        if chat is None and tokenizer is not None:
+            print(f"onegpu: {tokenizer.name} has no chat template; using onegpu's default")
+        chat = chat or default_template()
+    return make_format(data, first, chat)
+
+
+def _read_cache(folder: Path, dtype: np.dtype, tok: Tokenizer, description: str) -> TokenSplits:
+    meta = json.loads((folder / "meta.json").read_text())
+    masks = {
+        s: read_bin(folder / f"{s}.mask.bin", np.uint8) if meta["masked"] else None
+        for s in ("train", "val")
+    }
+    return TokenSplits(
+        read_bin(folder / "train.bin", dtype),
+        read_bin(folder / "val.bin", dtype),
+        tok,
+        description,
+        train_mask=masks["train"],
+        val_mask=masks["val"],
+        counts={s: meta[s] for s in ("train", "val")},
+    )

@@ -27,6 +27,19 @@ def window(tokens: np.ndarray, i: int, seq_len: int) -> np.ndarray:
     return tokens[start : start + seq_len + 1].astype(np.int64)
 
 
+def pair(
+    tokens: np.ndarray, mask: np.ndarray | None, i: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Window i as (inputs, targets) of T int64 each; targets a mask leaves untrained (a
+    prompt, a user's turn) are IGNORE_INDEX."""
+    w = window(tokens, i, seq_len)
+    inputs, targets = w[:-1], w[1:].copy()
+    if mask is not None:
+        start = i * seq_len + 1
+        targets[mask[start : start + seq_len] == 0] = IGNORE_INDEX
+    return inputs, targets
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """Epoch `epoch`'s permutation of the n windows (numpy's PCG64: the same on every machine)."""
     return np.random.Generator(np.random.PCG64(seed * 1_000_003 + epoch)).permutation(n)
@@ -40,23 +53,39 @@ def sample_indices(n: int, seed: int, start: int = 0) -> Iterator[int]:
         epoch, offset = epoch + 1, 0
 
 
+def _batch(
+    tokens: np.ndarray, mask: np.ndarray | None, indices: list[int], seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [pair(tokens, mask, i, seq_len) for i in indices]
+    return np.stack([x for x, _ in pairs]), np.stack([y for _, y in pairs])
+
+
 def train_windows(
-    tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int, start: int = 0
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    start: int = 0,
+    mask: np.ndarray | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless (inputs, targets) batches of [batch_size, seq_len] int64, after `start` samples."""
     indices = sample_indices(window_count(len(tokens), seq_len), seed, start)
     while True:
-        rows = np.stack([window(tokens, next(indices), seq_len) for _ in range(batch_size)])
-        yield rows[:, :-1], rows[:, 1:]
+        yield _batch(tokens, mask, [next(indices) for _ in range(batch_size)], seq_len)
 
 
 def eval_windows(
-    tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    n_batches: int,
+    mask: np.ndarray | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The first n_batches batches of the validation split: the same every evaluation."""
     n = min(window_count(len(tokens), seq_len), batch_size * n_batches)
-    out = []
-    for s in range(0, n, batch_size):
-        rows = np.stack([window(tokens, i, seq_len) for i in range(s, min(s + batch_size, n))])
-        out.append((rows[:, :-1], rows[:, 1:]))
-    return out
+    return [
+        _batch(tokens, mask, list(range(s, min(s + batch_size, n))), seq_len)
+        for s in range(0, n, batch_size)
+    ]

@@ -68,6 +68,8 @@ class Stepped:
     """The backend's step output, summed on its device by the meter's Totals."""
     tokens: int
     """Tokens of the global batch (every process runs an equal share)."""
+    trained: int | None = None
+    """Of those, the targets that carry loss (None: every one)."""
     measured_s: float | None = None
     """Set when the step ran under the memory profiler: its seconds count in no speed figure."""
 
@@ -96,6 +98,8 @@ class Backend(Protocol):
 
     tokenizer: Any
     """The data's tokenizer (written into the run folder), once built."""
+    chat_template: str | None
+    """The chat template of chat data (written into the run folder), once built."""
 
     def data_fingerprint(self) -> str | None:
         """What the data is, for the same-data check of a resume."""

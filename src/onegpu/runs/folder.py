@@ -28,7 +28,10 @@ MODEL_FOLDER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
 )
+CHAT_TEMPLATE = "chat_template.jinja"
+"""The chat template a run's chat data was rendered with (transformers' file name)."""
 
 
 class RunFolderWriteError(OSError):
@@ -164,11 +167,14 @@ class RunFolder:
         self._metrics = JsonlSink(path / "metrics.jsonl")
         self._tensorboard = TensorBoardSink(path / "tensorboard") if cfg.out.tensorboard else None
 
-    def write_model_files(self, m: ModelConfig, tokenizer: Any | None) -> None:
+    def write_model_files(
+        self, m: ModelConfig, tokenizer: Any | None, chat_template: str | None = None
+    ) -> None:
         """What export and generate need besides the weights, so that they work after the
         model folder or the token cache is gone: `model/` holds a model.hf folder's
         config and tokenizer files; `tokenizer.json` the data's tokenizer (with its
-        end-of-text id in `tokenizer_eot.txt`)."""
+        end-of-text id in `tokenizer_eot.txt`); `chat_template.jinja` the template chat
+        data was rendered with."""
         if not self.main:
             return
         if m.hf:
@@ -182,6 +188,8 @@ class RunFolder:
             with atomic_path(self.path / "tokenizer.json") as tmp:
                 tokenizer.to_tokenizers().save(str(tmp))
             write_text_atomic(self.path / "tokenizer_eot.txt", f"{tokenizer.eot_id}\n")
+        if chat_template is not None:
+            write_text_atomic(self.path / CHAT_TEMPLATE, chat_template)
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.path / "metrics.jsonl"

@@ -104,7 +104,7 @@ def _run(
             )
             folder.close()
             return done
-    folder.write_model_files(cfg.model, backend.tokenizer)
+    folder.write_model_files(cfg.model, backend.tokenizer, backend.chat_template)
     group.barrier()  # the folder is ready (an overwritten run's checkpoints gone) for every rank
     # the batches first: a loader may draw its seed from the global generator, before the
     # random streams are set (or restored) by seed()
@@ -155,8 +155,8 @@ def _loop(
     for step in range(start, t.max_steps):
         stepped = backend.step(step)
         if stepped.measured_s is not None:
-            meter.leave_out(stepped.measured_s, stepped.tokens)
-        meter.add(stepped.out, stepped.tokens)
+            meter.leave_out(stepped.measured_s, stepped.tokens, stepped.trained)
+        meter.add(stepped.out, stepped.tokens, stepped.trained)
         bar.update(1)
         stop.agree(group.gather(stop.signum or 0))  # a signal to any process stops them all
         last = step + 1 == t.max_steps
@@ -209,6 +209,13 @@ def _compile_time(
     return (max(0.0, meter.first_step_s - step_s) if compiled else 0.0) + before_s
 
 
+def _trained(meter: Meter, steady: dict[str, Any]) -> dict[str, Any]:
+    """Trained tokens (those whose targets carry loss) beside all tokens, where data masks."""
+    if not meter.masked:
+        return {}
+    return {"trained_tokens": meter.trained, "trained_tokens_per_s": steady["trained_tokens_per_s"]}
+
+
 def _summary(
     cfg: Config, backend: Backend, meter: Meter, stop: GracefulStop, val_loss: float | None
 ) -> dict[str, Any]:
@@ -226,6 +233,7 @@ def _summary(
         "params": own.pop("params"),
         "tokens": meter.tokens,
         "tokens_per_s": steady["tokens_per_s"],
+        **_trained(meter, steady),
         "step_time_s": step_s,
         "first_step_s": meter.first_step_s,
         "compile_time_s": _compile_time(meter, step_s, compiled, compile_before),

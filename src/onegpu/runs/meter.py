@@ -48,9 +48,12 @@ class Meter:
         self._sync, self._peak_memory, self._extras = sync, peak_memory, extras
         self.skipped_in_a_row = 0
         self._left_s, self._left_tokens, self._left_steps = 0.0, 0, 0  # see leave_out
-        self.steps = self.tokens = 0  # whole run
-        self._steps = self._tokens = 0  # this interval
-        self.intervals: list[tuple[float, float | None]] = []  # (tokens/s, mfu) per interval
+        self._left_trained = 0
+        self.steps = self.tokens = self.trained = 0  # whole run
+        self._steps = self._tokens = self._trained = 0  # this interval
+        self.masked = False  # some targets carry no loss (instruction and chat data)
+        # (tokens/s, mfu, trained tokens/s) per interval
+        self.intervals: list[tuple[float, float | None, float | None]] = []
         self.skipped = 0
         self.loss = float("nan")
         self.t_start = self._t_last = time.perf_counter()
@@ -64,6 +67,8 @@ class Meter:
             **self.totals.state_dict(),
             "interval_steps": self._steps,
             "interval_tokens": self._tokens,
+            "trained": self.trained,
+            "interval_trained": self._trained,
         }
 
     def resume(self, steps: int, state: dict) -> None:
@@ -74,24 +79,32 @@ class Meter:
         self.tokens = int(state["tokens"])
         self.totals.load_state_dict(state)
         self._steps, self._tokens = int(state["interval_steps"]), int(state["interval_tokens"])
+        self.trained = int(state.get("trained", 0))  # older checkpoints did not count them
+        self._trained = int(state.get("interval_trained", 0))
 
-    def add(self, out: Any, tokens: int) -> None:
-        """Account one step (device-side adds only)."""
+    def add(self, out: Any, tokens: int, trained: int | None = None) -> None:
+        """Account one step (device-side adds only); `trained`: its targets that carry loss
+        (None: all of them)."""
         self.totals.add(out)
+        trained = tokens if trained is None else trained
+        self.masked = self.masked or trained != tokens
         self._steps += 1
         self._tokens += tokens
+        self._trained += trained
         self.steps += 1
         self.tokens += tokens
+        self.trained += trained
         if self._first:  # the first step, compilation and warm-up included
             self._first = False
             self._sync()
             self.first_step_s = time.perf_counter() - self.t_start
 
-    def leave_out(self, seconds: float, tokens: int) -> None:
+    def leave_out(self, seconds: float, tokens: int, trained: int | None = None) -> None:
         """The last step ran under the memory profiler: its time and tokens count in no speed
         figure (its loss, tokens and step count stay in the run's totals)."""
         self._left_s += seconds
         self._left_tokens += tokens
+        self._left_trained += tokens if trained is None else trained
         self._left_steps += 1
 
     def good_until(self) -> int:
@@ -107,6 +120,7 @@ class Meter:
         self.skipped, self.skipped_in_a_row = int(v["skipped"]), int(v["in_a_row"])
         timed_steps = self._steps - self._left_steps
         tok_s = (self._tokens - self._left_tokens) / dt
+        trained_s = (self._trained - self._left_trained) / dt if self.masked else None
         mfu = tok_s * self.flops_per_token / self.peak.flops if self.peak else None
         row = {
             "step": self.steps,
@@ -114,6 +128,7 @@ class Meter:
             "lr": v["lr"],
             "grad_norm": v["grad_norm"],
             "tokens_per_s": tok_s,
+            "trained_tokens_per_s": trained_s,
             "mfu": mfu,
             "step_time_s": dt / timed_steps if timed_steps else None,
             "peak_mem_bytes": self._peak_memory(),
@@ -121,11 +136,14 @@ class Meter:
             **self._extras(),
         }
         if timed_steps:  # an interval of the profiled step alone has no speed
-            self.intervals.append((tok_s, mfu))
+            self.intervals.append((tok_s, mfu, trained_s))
         else:
-            row["tokens_per_s"] = row["mfu"] = None
+            row["tokens_per_s"] = row["mfu"] = row["trained_tokens_per_s"] = None
+        if not self.masked:
+            del row["trained_tokens_per_s"]
         self.totals.reset_interval()
         self._steps = self._tokens = self._left_steps = self._left_tokens = 0
+        self._trained = self._left_trained = 0
         self._left_s = 0.0
         self.restart_clock()
         return row
@@ -140,6 +158,8 @@ class Meter:
     def steady(self) -> dict[str, float | None]:
         """Medians over the log intervals after the first (which holds warm-up and compilation)."""
         steady = self.intervals[1:] if len(self.intervals) > 1 else self.intervals
-        tok_s = statistics.median(t for t, _ in steady) if steady else None
-        mfu = statistics.median(m for _, m in steady) if steady and self.peak else None
-        return {"tokens_per_s": tok_s, "mfu": mfu}
+        tok_s = statistics.median(t for t, _, _ in steady) if steady else None
+        mfu = statistics.median(m for _, m, _ in steady) if steady and self.peak else None
+        trained = [t for _, _, t in steady if t is not None]
+        trained_s = statistics.median(trained) if trained else None
+        return {"tokens_per_s": tok_s, "mfu": mfu, "trained_tokens_per_s": trained_s}

@@ -21,7 +21,7 @@ from onegpu.models.convert import gpt2_config_kwargs, hf_gpt2_state_dict
 from onegpu.models.gpt import GPT
 from onegpu.models.hf import HFModel, require_transformers
 from onegpu.runs.atomic import recover, staging
-from onegpu.runs.folder import MODEL_FOLDER_FILES
+from onegpu.runs.folder import CHAT_TEMPLATE, MODEL_FOLDER_FILES
 from onegpu.tools.trained import Trained, load_trained
 
 
@@ -95,8 +95,10 @@ def _write_tokenizer(trained: Trained, out: Path) -> str | None:
     src = trained.source / "model"
     if (src / "tokenizer.json").is_file():
         for name in MODEL_FOLDER_FILES:
-            if name.startswith(("tokenizer", "special")) and (src / name).is_file():
+            if name.startswith(("tokenizer", "special", "chat")) and (src / name).is_file():
                 shutil.copyfile(src / name, out / name)
+        if (trained.source / CHAT_TEMPLATE).is_file():  # the template chat data trained with
+            shutil.copyfile(trained.source / CHAT_TEMPLATE, out / CHAT_TEMPLATE)
         return "the model folder's"
     run_tok = trained.source / "tokenizer.json"
     if not run_tok.is_file():
@@ -110,6 +112,9 @@ def _write_tokenizer(trained: Trained, out: Path) -> str | None:
     fast = transformers.PreTrainedTokenizerFast(  # pad = end of text: batched pipelines run
         tokenizer_object=tok, eos_token=eot_token, bos_token=eot_token, pad_token=eot_token
     )
+    chat = trained.source / CHAT_TEMPLATE
+    if chat.is_file():  # trained on chat data: prompts render as training rendered them
+        fast.chat_template = chat.read_text()
     fast.save_pretrained(out)
     return "the run's data tokenizer"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from onegpu.config import ConfigError
+from onegpu.data.chat import template_of
 from onegpu.tools.trained import load_trained
 
 
@@ -54,8 +55,10 @@ def generate(
     temperature: float = 0.8,
     top_k: int = 50,
     seed: int = 0,
+    chat: bool = False,
 ) -> str:
-    """The prompt's continuation as text."""
+    """The prompt's continuation as text; `chat`: the prompt is a user's message, rendered
+    with the chat template, and the text is the assistant's answer (to the end-of-text)."""
     if max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be at least 1, got {max_new_tokens}")
     if temperature < 0:
@@ -70,7 +73,11 @@ def generate(
         raise ConfigError(
             "RUN_DIR", f"{source} has no tokenizer (tokenizer.json) to turn the prompt into ids"
         )
-    ids = [int(i) for i in tok.encode(prompt)]
+    if chat:
+        rendered = template_of(trained.source).render([{"role": "user", "content": prompt}], True)
+        ids = [int(i) for i in tok.encode_spans(rendered, special_tokens=False)[0]]
+    else:
+        ids = [int(i) for i in tok.encode(prompt)]
     if not ids:
         ids = [tok.eot_id]  # an empty prompt starts a new document
     new = sample(
@@ -82,5 +89,6 @@ def generate(
         seed=seed,
         context=trained.cfg.model.seq_len,
         vocab_size=trained.cfg.model.vocab_size,
+        stop_id=tok.eot_id if chat else None,
     )
     return tok.decode(new)

@@ -39,6 +39,7 @@ class JaxBackend:
         self.built: JaxBuilt | None = None
         self._compile_s = 0.0
         self.tokenizer: Any = None
+        self.chat_template: str | None = None
         self._batches: Iterator | None = None
         self._val: list = []
         self._key: Any = None
@@ -53,6 +54,7 @@ class JaxBackend:
     def build(self, cfg: Config) -> Config:
         self.built = build(cfg)
         self.tokenizer = self.built.data.tokenizer
+        self.chat_template = self.built.data.chat_template
         # compiled once, ahead, for a step's shapes: the memory check reads XLA's analysis of
         # this very executable before anything is written, and so does the summary later
         t0 = time.perf_counter()
@@ -83,6 +85,7 @@ class JaxBackend:
                 seq_len=b.cfg.train_seq_len,
                 batch_size=t.micro_batch_size,
                 n_batches=t.eval_batches,
+                mask=b.data.val_mask,
             )
             if t.eval_every
             else []
@@ -126,7 +129,7 @@ class JaxBackend:
         b.params, b.opt_state, out = b.step(
             b.params, b.opt_state, x, y, n_tokens, jnp.float32(lr), key
         )
-        return Stepped(Out(out.loss, out.grad_norm, out.skipped, lr), x.size)
+        return Stepped(Out(out.loss, out.grad_norm, out.skipped, lr), x.size, n_tokens)
 
     def evaluate(self) -> float:
         total, count = 0.0, 0
@@ -198,6 +201,7 @@ def batches(built: JaxBuilt, start: int) -> Iterator[tuple[np.ndarray, np.ndarra
         batch_size=t.batch_size,
         seed=t.seed,
         start=start * t.batch_size,
+        mask=built.data.train_mask,
     ):
         n_tokens = int(np.count_nonzero(y != IGNORE_INDEX))
         yield x.reshape(n, -1, T), y.reshape(n, -1, T), n_tokens

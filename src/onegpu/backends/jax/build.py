@@ -18,7 +18,7 @@ from onegpu.backends.jax.model import GPT, Precision, precision_for
 from onegpu.backends.jax.precision import bf16_pays
 from onegpu.backends.jax.step import make_eval_step, make_optimizer, make_train_step
 from onegpu.config import Config
-from onegpu.config.validation import check_data_sizes
+from onegpu.config.data_checks import check_data_sizes
 from onegpu.data.tokens import TokenSplits, prepare_tokens
 from onegpu.perf.logits import padded_vocab
 

@@ -53,6 +53,7 @@ class TorchBackend:
         self.ctx: DistContext | None = None
         self.built: Built | None = None
         self.tokenizer: Any = None
+        self.chat_template: str | None = None
         self._batches: DevicePrefetcher | None = None
         self._eval_batches: list = []
         self._measure_at: int | None = None
@@ -100,6 +101,7 @@ class TorchBackend:
     def build(self, cfg: Config) -> Config:
         self.built = build(self._decided(cfg), dist_ctx=self.ctx)
         self.tokenizer = self.built.data.tokenizer
+        self.chat_template = self.built.data.chat_template
         return self.built.cfg
 
     def data_fingerprint(self) -> str | None:
@@ -139,8 +141,8 @@ class TorchBackend:
         if step == self._measure_at:  # optimizer states exist by then, as in every later step
             t0 = time.perf_counter()
             out, self._memory = measure_step(self.built, x, y, n_tokens, step)
-            return Stepped(out, tokens, measured_s=time.perf_counter() - t0)
-        return Stepped(self.built.step(x, y, n_tokens, step), tokens)
+            return Stepped(out, tokens, n_tokens, measured_s=time.perf_counter() - t0)
+        return Stepped(self.built.step(x, y, n_tokens, step), tokens, n_tokens)
 
     def evaluate(self) -> float:
         return self.built.step.evaluate(self._eval_batches)

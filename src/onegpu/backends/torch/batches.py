@@ -29,6 +29,7 @@ def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
         num_workers=_num_workers(cfg.data, built.device),
         pin_memory=built.device.type == "cuda",
         classes=built.classes,
+        mask=built.data.train_mask,
     )
     ctx = built.dist
     shares = ((x[ctx.rows(len(x))], y[ctx.rows(len(y))], count_targets(y)) for x, y in loader)
@@ -46,6 +47,7 @@ def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
         batch_size=t.micro_batch_size,
         n_batches=t.eval_batches,
         classes=built.classes,
+        mask=built.data.val_mask,
     )
 
 

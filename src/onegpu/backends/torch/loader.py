@@ -54,11 +54,15 @@ def classification_example(
 
 
 class PackedSequences(Dataset):
-    """Window i = tokens[i*T : i*T + T + 1], returned as (inputs, targets) int64 tensors
-    (`classes` > 0: a classifier's targets, see classification_targets)."""
+    """Window i = tokens[i*T : i*T + T + 1], returned as (inputs, targets) int64 tensors, the
+    targets `mask` leaves untrained IGNORE_INDEX (`classes` > 0: a classifier's targets, see
+    classification_targets)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, classes: int = 0):
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, classes: int = 0, mask: np.ndarray | None = None
+    ):
         self.tokens = tokens
+        self.mask = mask
         self.seq_len = seq_len
         self.classes = classes
         self.n = windows.window_count(len(tokens), seq_len)
@@ -67,10 +71,11 @@ class PackedSequences(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = torch.from_numpy(windows.window(self.tokens, i, self.seq_len))
         if self.classes:
+            window = torch.from_numpy(windows.window(self.tokens, i, self.seq_len))
             return classification_example(window[:-1], self.classes)
-        return window[:-1], window[1:]
+        inputs, targets = windows.pair(self.tokens, self.mask, i, self.seq_len)
+        return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -99,9 +104,10 @@ def make_train_loader(
     pin_memory: bool,
     start: int = 0,
     classes: int = 0,
+    mask: np.ndarray | None = None,
 ) -> DataLoader:
     """Endless shuffled batches, starting after `start` samples (a resumed run's position)."""
-    data = PackedSequences(tokens, seq_len, classes)
+    data = PackedSequences(tokens, seq_len, classes, mask)
     return DataLoader(
         data,
         batch_size=batch_size,
@@ -114,10 +120,16 @@ def make_train_loader(
 
 
 def make_eval_batches(
-    tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int, classes: int = 0
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    n_batches: int,
+    classes: int = 0,
+    mask: np.ndarray | None = None,
 ) -> list:
     """The first n_batches batches of the validation split: the same every evaluation."""
-    data = PackedSequences(tokens, seq_len, classes)
+    data = PackedSequences(tokens, seq_len, classes, mask)
     n = min(len(data), batch_size * n_batches)
     return [
         tuple(torch.stack(t) for t in zip(*(data[i] for i in range(s, min(s + batch_size, n)))))

@@ -1,0 +1,58 @@
+"""The data section's options: where records come from and how they become examples.
+Pure data, like the rest of config/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: str = "stdlib"
+    """'stdlib' (the running Python's standard-library sources, on every machine), 'synthetic'
+    (uniform random tokens, HF's guide's dummy data: speed and memory measurements,
+    classifiers), or a path: a .txt file, a folder of text files, a .jsonl file, a .json file
+    holding an array of records, a .parquet file or a folder of them, a folder written by
+    `datasets`' save_to_disk, a nanoGPT .bin token file, or a folder holding train.bin (and
+    val.bin)."""
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    """'byte': UTF-8 bytes, vocab 256; 'bpe': byte-level BPE trained locally on the training split."""
+    tokenizer_vocab: int = 0
+    """Vocabulary size of a trained BPE tokenizer (0: model.vocab_size)."""
+    seq_len: int = 0
+    """Training sequence length (0: model.seq_len); must not exceed model.seq_len."""
+    val_fraction: float = 0.05
+    """Share of documents (files, JSONL records) held out for validation; tail share for one file."""
+    text_field: str = "text"
+    """Field of each record (JSONL, JSON, Parquet, datasets folder) that holds the text."""
+    split: str = ""
+    """The split of a `datasets` DatasetDict folder to read (empty: 'train' where it has one)."""
+    format: Literal["auto", "text", "prompt-response", "chat"] = "auto"
+    """How a record becomes a training example: 'text' (plain text, every token trained),
+    'prompt-response' (a prompt and its answer, see data.template), 'chat' (a list of messages
+    with roles, rendered with the model's chat template), or 'auto': chat when records have
+    data.messages_field, prompt-response when they have data.response_field (or alpaca's
+    instruction/output), else text."""
+    prompt_field: str = "prompt"
+    """prompt-response: the field that holds the prompt (unused when data.template is set)."""
+    response_field: str = "response"
+    """prompt-response: the field that holds the answer ('output' for alpaca-style records)."""
+    template: str = ""
+    """prompt-response: the prompt as a template of the record's fields, e.g.
+    '### Instruction:\n{instruction}\n\n### Response:\n' (empty: data.prompt_field as it is;
+    alpaca-style records get Alpaca's template)."""
+    messages_field: str = "messages"
+    """chat: the field that holds the list of {role, content} messages (roles system, user,
+    assistant, tool)."""
+    train_on: Literal["auto", "prompt+response", "response", "assistant"] = "auto"
+    """Which tokens carry loss: 'prompt+response' (all), 'response' (the answer; chat: the
+    last assistant turn), 'assistant' (chat: every assistant turn), or 'auto': response for
+    prompt-response data, assistant for chat. Masked positions are left out of the loss and
+    of the token count the step divides by."""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of pre-tokenized .bin files (nanoGPT writes uint16)."""
+    num_workers: int = -1
+    """DataLoader worker processes (-1: 0 on CPU, where they only add overhead; 2 on CUDA)."""
+    cache_dir: str = ""
+    """Where token files and trained tokenizers are cached (empty: $ONEGPU_CACHE or ~/.cache/onegpu)."""
