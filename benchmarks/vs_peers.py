@@ -104,8 +104,8 @@ def _windows(model: str):
     from onegpu.data.tokens import prepare_tokens
 
     cfg = load_config(MODELS[model]["preset"], overrides=MODELS[model]["over"])
-    tokens = prepare_tokens(cfg.data, cfg.model.vocab_size).train
-    return PackedSequences(tokens, MODELS[model]["shape"]["seq_len"])
+    splits = prepare_tokens(cfg.data, cfg.model.vocab_size)
+    return PackedSequences(splits.cut(cfg.data, MODELS[model]["shape"]["seq_len"]).train_rows)
 
 
 def _schedule(step: int, steps: int) -> float:

@@ -158,6 +158,8 @@ TORCH_FREE = [
     "onegpu.data.encode",
     "onegpu.data.tokenizer",
     "onegpu.data.tokens",
+    "onegpu.data.splits",
+    "onegpu.data.windows",
     "onegpu.runs.folder",
     "onegpu.runs.meter",
     "onegpu.runs.sinks",

@@ -9,11 +9,12 @@ from onegpu.config import ConfigError, DataConfig
 from onegpu.data.sources import in_val, open_source
 from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer
 from onegpu.data.tokens import prepare_tokens, read_bin, write_bin
+from onegpu.data.windows import Rows
 
 
 def _first_batches(tokens, seed, n=3):
     loader = make_train_loader(
-        tokens, seq_len=16, batch_size=4, seed=seed, num_workers=0, pin_memory=False
+        Rows(tokens, 16), batch_size=4, seed=seed, num_workers=0, pin_memory=False
     )
     it = iter(loader)
     return [next(it) for _ in range(n)]
@@ -29,11 +30,11 @@ def test_loader_order_is_deterministic_and_seeded():
 
 def test_packed_windows_are_shifted_targets_and_cover_each_epoch_once():
     tokens = np.arange(1 + 16 * 10, dtype=np.uint16)
-    data = PackedSequences(tokens, 16)
+    data = PackedSequences(Rows(tokens, 16))
     x, y = data[3]
     assert torch.equal(y[:-1], x[1:]) and x[0] == 48
     loader = make_train_loader(
-        tokens, seq_len=16, batch_size=5, seed=0, num_workers=0, pin_memory=False
+        Rows(tokens, 16), batch_size=5, seed=0, num_workers=0, pin_memory=False
     )
     it = iter(loader)
     starts = torch.cat([next(it)[0][:, 0] for _ in range(2)])  # one epoch = 10 windows

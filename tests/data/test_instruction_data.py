@@ -165,7 +165,7 @@ def test_masked_loss_equals_the_hand_computed_one_over_uneven_micro_batches(tmp_
     source = str(write_jsonl(tmp_path / "pr.jsonl", rows))
     s = prepare_tokens(DataConfig(source=source, cache_dir=str(tmp_path), val_fraction=0), 256)
     T = 32
-    data = PackedSequences(s.train, T, mask=s.train_mask)
+    data = PackedSequences(s.cut(DataConfig(packing="stream"), T).train_rows)
     x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(8)), strict=True))
     counts = (y != IGNORE_INDEX).sum(1).view(4, 2).sum(1)
     assert counts.max() > 1.5 * counts.min() > 0  # uneven micro-batches
@@ -280,6 +280,8 @@ def test_a_chat_fine_tune_keeps_its_template_through_export_and_generate(tmp_pat
     train = ["train", "--model.hf", str(folder), "--data.source", str(data), "--out", str(run)]
     assert main([*train, "--model.seq_len", "64", "--train.max_steps", "2", *common]) == 0
     assert (run / "chat_template.jinja").read_text() == CHATML
+    data = json.loads((run / "summary.json").read_text())["data"]
+    assert data["packing"] == "none" and data["examples"] == data["counts"]["train"]["examples"]
     assert main(["export", str(run), "--out", str(out)]) == 0
     assert (
         template_of(out).render(rows[0]["messages"][:2], True).endswith("<|im_start|>assistant\n")

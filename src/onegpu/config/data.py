@@ -45,6 +45,14 @@ class DataConfig:
     messages_field: str = "messages"
     """chat: the field that holds the list of {role, content} messages (roles system, user,
     assistant, tool)."""
+    packing: Literal["auto", "stream", "none"] = "auto"
+    """How examples fill the rows of seq_len tokens: 'stream' (concatenated and cut into
+    windows across examples: no padding, but an example attends to the one before it),
+    'none' (one example per row, padded: each trains exactly as it would alone), or 'auto':
+    stream for text, none for instruction and chat data."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """packing none: an example longer than the row (seq_len + 1 tokens) keeps its first
+    tokens, or is left out; either is counted in the summary's data section."""
     train_on: Literal["auto", "prompt+response", "response", "assistant"] = "auto"
     """Which tokens carry loss: 'prompt+response' (all), 'response' (the answer; chat: the
     last assistant turn), 'assistant' (chat: every assistant turn), or 'auto': response for

@@ -65,19 +65,20 @@ def _parses(template: str) -> bool:
     return True
 
 
-def check_data_sizes(cfg: Config, train_tokens: int, val_tokens: int) -> None:
-    """The splits must hold a batch (and a validation sequence when evaluation is on)."""
-    T = cfg.train_seq_len
-    need = cfg.train.batch_size * T + 1
+def check_data_sizes(cfg: Config, train_rows: int, val_rows: int) -> None:
+    """The splits must hold a batch of rows (windows of seq_len, or examples) and a
+    validation row when evaluation is on."""
+    b = cfg.train.batch_size
     _require(
-        train_tokens >= need,
+        train_rows >= b,
         "data.source",
-        f"the training split has {train_tokens} tokens, fewer than one batch "
-        f"(train.batch_size * seq_len + 1 = {need}); use more data or a smaller batch/seq_len",
+        f"the training split makes {train_rows} rows of {cfg.train_seq_len} tokens, fewer than "
+        f"one batch (train.batch_size = {b}); use more data or a smaller batch/seq_len",
     )
     _require(
-        not cfg.train.eval_every or val_tokens >= T + 1,
+        not cfg.train.eval_every or val_rows >= 1,
         "data.val_fraction",
-        f"the validation split has {val_tokens} tokens, fewer than one sequence ({T + 1}); "
-        "raise data.val_fraction or turn evaluation off with --train.eval_every 0",
+        "the validation split makes no row of "
+        f"{cfg.train_seq_len} tokens; raise data.val_fraction or turn evaluation off with "
+        "--train.eval_every 0",
     )

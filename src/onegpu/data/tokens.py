@@ -6,13 +6,12 @@ header: nanoGPT's format, so files prepared by nanoGPT's scripts load as they ar
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,46 +22,10 @@ from onegpu.data.chat import default_template
 from onegpu.data.encode import encode_example
 from onegpu.data.examples import Example, Format, detect_format, make_format
 from onegpu.data.sources import Source, open_source
+from onegpu.data.splits import TokenSplits
 from onegpu.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 
 FORMAT_VERSION = 2  # 2: loss masks and example starts beside the tokens
-
-
-@dataclass(slots=True)
-class TokenSplits:
-    train: np.ndarray
-    val: np.ndarray
-    tokenizer: Tokenizer | None  # None for pre-tokenized .bin input
-    description: str
-    train_mask: np.ndarray | None = None
-    """1 where a token is trained as a target, 0 where masked (None: every token trained)."""
-    val_mask: np.ndarray | None = None
-    counts: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per split: examples, tokens, trained tokens (empty for .bin and synthetic data)."""
-    chat_template: str | None = None
-    """The chat template conversations were rendered with (chat data only): the run folder
-    keeps it, so export and `generate --chat` render prompts as training did."""
-    _fingerprint: str = ""
-
-    def fingerprint(self) -> str:
-        """What the run trains on, in a few words: the splits' sizes and a hash of their
-        tokens (all of them up to 64 MiB a split; beyond, 1,024 windows of 64 KiB spread over
-        it, first and last included), computed once. A checkpoint records it, so a resume on
-        changed data (text appended, another file) is caught."""
-        if not self._fingerprint:
-            h = hashlib.blake2b(digest_size=12)
-            masks = [m for m in (self.train_mask, self.val_mask) if m is not None]
-            for split in (self.train, self.val, *masks):
-                a = np.ascontiguousarray(split).view(np.uint8).reshape(-1)
-                h.update(f"{split.dtype.str}:{len(split)};".encode())
-                if a.nbytes <= 64 * 2**20:
-                    h.update(a.data)
-                    continue
-                window = 64 * 2**10
-                for start in np.linspace(0, a.nbytes - window, 1024).astype(np.int64):
-                    h.update(a[start : start + window].data)
-            self._fingerprint = f"{len(self.train)}+{len(self.val)} tokens, {h.hexdigest()}"
-        return self._fingerprint
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -309,6 +272,7 @@ def prepare_tokens(
         folder, dtype, tok, f"{source.kind}:{source.path} ({fmt.name}, {tok.name})"
     )
     splits.chat_template = fmt.chat_template
+    splits.format = fmt.name
     return splits
 
 
@@ -339,6 +303,7 @@ def _read_cache(folder: Path, dtype: np.dtype, tok: Tokenizer, description: str)
         s: read_bin(folder / f"{s}.mask.bin", np.uint8) if meta["masked"] else None
         for s in ("train", "val")
     }
+    docs = {s: read_bin(folder / f"{s}.docs.bin", np.int64) for s in ("train", "val")}
     return TokenSplits(
         read_bin(folder / "train.bin", dtype),
         read_bin(folder / "val.bin", dtype),
@@ -347,4 +312,6 @@ def _read_cache(folder: Path, dtype: np.dtype, tok: Tokenizer, description: str)
         train_mask=masks["train"],
         val_mask=masks["val"],
         counts={s: meta[s] for s in ("train", "val")},
+        train_docs=docs["train"],
+        val_docs=docs["val"],
     )

@@ -81,11 +81,9 @@ class JaxBackend:
         self._batches = batches(b, step)
         self._val = (
             eval_windows(
-                b.data.val,
-                seq_len=b.cfg.train_seq_len,
+                b.data.val_rows,
                 batch_size=t.micro_batch_size,
                 n_batches=t.eval_batches,
-                mask=b.data.val_mask,
             )
             if t.eval_every
             else []
@@ -112,7 +110,7 @@ class JaxBackend:
             f"onegpu: {b.n_params:,} parameters | jax {jax.__version__} on "
             f"{jax.devices()[0].platform} | {b.precision.name}{scan} | batch "
             f"{cfg.train.batch_size}x{cfg.train_seq_len} tokens in {b.n_micro} "
-            f"micro-batch(es) | data {b.data.description} | run folder {out_dir}{resumed}"
+            f"micro-batch(es) | data {b.data.description}{b.data.rows_note()} | run folder {out_dir}{resumed}"
         )
 
     def seed(self, checkpoint: Checkpoint | None) -> None:
@@ -179,6 +177,7 @@ class JaxBackend:
             "device": jax.default_backend(),
             "device_name": str(jax.devices()[0].device_kind),
             "config": to_dict(b.cfg),
+            "data": b.data.report(),
             "environment": environment(
                 jax=jax.__version__,
                 jax_platform=jax.default_backend(),
@@ -196,12 +195,10 @@ def batches(built: JaxBuilt, start: int) -> Iterator[tuple[np.ndarray, np.ndarra
     cfg, t = built.cfg, built.cfg.train
     T, n = cfg.train_seq_len, built.n_micro
     for x, y in train_windows(
-        built.data.train,
-        seq_len=T,
+        built.data.train_rows,
         batch_size=t.batch_size,
         seed=t.seed,
         start=start * t.batch_size,
-        mask=built.data.train_mask,
     ):
         n_tokens = int(np.count_nonzero(y != IGNORE_INDEX))
         yield x.reshape(n, -1, T), y.reshape(n, -1, T), n_tokens

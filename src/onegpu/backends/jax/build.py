@@ -19,7 +19,8 @@ from onegpu.backends.jax.precision import bf16_pays
 from onegpu.backends.jax.step import make_eval_step, make_optimizer, make_train_step
 from onegpu.config import Config
 from onegpu.config.data_checks import check_data_sizes
-from onegpu.data.tokens import TokenSplits, prepare_tokens
+from onegpu.data.splits import TokenSplits
+from onegpu.data.tokens import prepare_tokens
 from onegpu.perf.logits import padded_vocab
 
 
@@ -81,7 +82,8 @@ def count_params(params: Any, cfg: Config) -> int:
 
 def build(cfg: Config) -> JaxBuilt:
     data = prepare_tokens(cfg.data, cfg.model.vocab_size)
-    check_data_sizes(cfg, len(data.train), len(data.val))
+    data.cut(cfg.data, cfg.train_seq_len)
+    check_data_sizes(cfg, len(data.train_rows), len(data.val_rows))
     precision = precision_for(cfg, bf16_pays(cfg) if cfg.train.precision == "auto" else False)
     # what ran, not `auto`: config.toml and checkpoints hold the measured choice, so a resume
     # on another machine continues it (runs/checkpoints.keep_decisions) instead of re-deciding

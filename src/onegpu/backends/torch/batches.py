@@ -21,15 +21,13 @@ def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
     with the target count of the whole batch."""
     cfg = built.cfg
     loader = make_train_loader(
-        built.data.train,
-        seq_len=cfg.train_seq_len,
+        built.data.train_rows,
         batch_size=cfg.train.batch_size,
         seed=cfg.train.seed,
         start=start_step * cfg.train.batch_size,
         num_workers=_num_workers(cfg.data, built.device),
         pin_memory=built.device.type == "cuda",
         classes=built.classes,
-        mask=built.data.train_mask,
     )
     ctx = built.dist
     shares = ((x[ctx.rows(len(x))], y[ctx.rows(len(y))], count_targets(y)) for x, y in loader)
@@ -42,12 +40,10 @@ def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if not t.eval_every:
         return []
     return make_eval_batches(
-        built.data.val,
-        seq_len=built.cfg.train_seq_len,
+        built.data.val_rows,
         batch_size=t.micro_batch_size,
         n_batches=t.eval_batches,
         classes=built.classes,
-        mask=built.data.val_mask,
     )
 
 

@@ -28,7 +28,7 @@ from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
 from onegpu.backends.torch.step import TrainStep
 from onegpu.config import LOW_RANK_OPTIMIZERS, Config, check_distributed
 from onegpu.config.schedule import scaled_optim
-from onegpu.data.tokens import TokenSplits
+from onegpu.data.splits import TokenSplits
 from onegpu.distributed import DistContext, init_distributed, single_process
 from onegpu.distributed.context import shutdown
 from onegpu.memory.saved import SavedTensorCounter

@@ -4,8 +4,9 @@ cache), with the tokenizer of a model folder where it has one."""
 from __future__ import annotations
 
 from onegpu.config import Config, ModelConfig, check_data_sizes
+from onegpu.data.splits import TokenSplits
 from onegpu.data.tokenizer import FileTokenizer
-from onegpu.data.tokens import TokenSplits, prepare_tokens
+from onegpu.data.tokens import prepare_tokens
 from onegpu.distributed import DistContext
 from onegpu.models.hf import folder_eos_id, open_hf_folder
 
@@ -15,7 +16,8 @@ def prepare_data(cfg: Config, ctx: DistContext) -> TokenSplits:
     data = ctx.main_first(
         lambda: prepare_tokens(cfg.data, cfg.model.vocab_size, data_tokenizer(cfg.model))
     )
-    check_data_sizes(cfg, len(data.train), len(data.val))
+    data.cut(cfg.data, cfg.train_seq_len)
+    check_data_sizes(cfg, len(data.train_rows), len(data.val_rows))
     return data
 
 

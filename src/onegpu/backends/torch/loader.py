@@ -54,27 +54,22 @@ def classification_example(
 
 
 class PackedSequences(Dataset):
-    """Window i = tokens[i*T : i*T + T + 1], returned as (inputs, targets) int64 tensors, the
-    targets `mask` leaves untrained IGNORE_INDEX (`classes` > 0: a classifier's targets, see
+    """The rows of a split (data/windows.py: windows of the stream, or one example each) as
+    (inputs, targets) int64 tensors (`classes` > 0: a classifier's targets, see
     classification_targets)."""
 
-    def __init__(
-        self, tokens: np.ndarray, seq_len: int, classes: int = 0, mask: np.ndarray | None = None
-    ):
-        self.tokens = tokens
-        self.mask = mask
-        self.seq_len = seq_len
+    def __init__(self, rows: windows.Rows, classes: int = 0):
+        self.rows = rows
         self.classes = classes
-        self.n = windows.window_count(len(tokens), seq_len)
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.rows)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.classes:
-            window = torch.from_numpy(windows.window(self.tokens, i, self.seq_len))
+            window = torch.from_numpy(self.rows.window(i))
             return classification_example(window[:-1], self.classes)
-        inputs, targets = windows.pair(self.tokens, self.mask, i, self.seq_len)
+        inputs, targets = self.rows.pair(i)
         return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
@@ -95,19 +90,17 @@ class EpochShuffleSampler(Sampler[int]):
 
 
 def make_train_loader(
-    tokens: np.ndarray,
+    rows: windows.Rows,
     *,
-    seq_len: int,
     batch_size: int,
     seed: int,
     num_workers: int,
     pin_memory: bool,
     start: int = 0,
     classes: int = 0,
-    mask: np.ndarray | None = None,
 ) -> DataLoader:
     """Endless shuffled batches, starting after `start` samples (a resumed run's position)."""
-    data = PackedSequences(tokens, seq_len, classes, mask)
+    data = PackedSequences(rows, classes)
     return DataLoader(
         data,
         batch_size=batch_size,
@@ -120,16 +113,10 @@ def make_train_loader(
 
 
 def make_eval_batches(
-    tokens: np.ndarray,
-    *,
-    seq_len: int,
-    batch_size: int,
-    n_batches: int,
-    classes: int = 0,
-    mask: np.ndarray | None = None,
+    rows: windows.Rows, *, batch_size: int, n_batches: int, classes: int = 0
 ) -> list:
     """The first n_batches batches of the validation split: the same every evaluation."""
-    data = PackedSequences(tokens, seq_len, classes, mask)
+    data = PackedSequences(rows, classes)
     n = min(len(data), batch_size * n_batches)
     return [
         tuple(torch.stack(t) for t in zip(*(data[i] for i in range(s, min(s + batch_size, n)))))

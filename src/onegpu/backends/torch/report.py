@@ -59,7 +59,7 @@ def describe(built: Built, out_dir: Path, start: int) -> str:
     return (
         f"onegpu: {built.n_params:,} parameters | {where} | {built.policy.name} | "
         f"batch {cfg.train.batch_size}x{cfg.train_seq_len} tokens in {micro} | "
-        f"{describe_auto(built)}data {built.data.description} | run folder {out_dir}{resumed}"
+        f"{describe_auto(built)}data {built.data.description}{built.data.rows_note()} | run folder {out_dir}{resumed}"
     )
 
 
@@ -134,6 +134,7 @@ def torch_summary(
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         **torch_environment(),
         "config": to_dict(cfg),
+        "data": built.data.report() if built.data is not None else None,
         **({"dist": distributed_summary(built, memory)} if built.dist.enabled else {}),
     }
 

@@ -1,0 +1,146 @@
+"""Instruction and chat data on this CPU: what one example a row costs in padding against the
+stream of windows, trained tokens/s beside all tokens/s, and what training on the answers only
+buys over training on whole sequences.
+
+Two sets, made here (nothing downloads): the tests' arithmetic instructions ("What is 123 plus
+456?" -> "579.") and a chat set from the standard library (a user asks what a function does,
+the assistant answers with the first line of its docstring). Each row is `onegpu train
+--preset tiny` (2 x d64, byte-level, seq 64, batch 16) for the same steps in a fresh process;
+answers are scored by greedy generation on 64 held-out arithmetic prompts (exact match).
+
+    python benchmarks/instruction_data.py [--steps 300]
+
+Writes benchmarks/results/instruction-data-<date>.md (a new file each run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from records import bf16_kind, new_result_file
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "data"))
+from instruction_sets import arithmetic_rows, write_jsonl  # noqa: E402
+
+STDLIB_MODULES = ("json", "textwrap", "string", "shutil", "os.path", "functools", "itertools",
+                  "collections", "re", "math", "statistics", "heapq", "bisect", "base64")  # fmt: skip
+ROWS = {  # name: (backend, overrides)
+    "stream, answers trained": ("torch", {"data.packing": "stream"}),
+    "one a row, answers trained": ("torch", {"data.packing": "none"}),
+    "one a row, whole sequence trained": (
+        "torch",
+        {"data.packing": "none", "data.train_on": "prompt+response"},
+    ),
+    "one a row, answers trained (JAX)": ("jax", {"data.packing": "none"}),
+}
+FIXED = {"train.batch_size": "16", "train.micro_batch_size": "16", "model.seq_len": "64",
+         "train.eval_every": "50", "train.log_every": "10", "optim.lr": "3e-3"}  # fmt: skip
+
+
+def stdlib_chats() -> list[dict]:
+    """A user asks what a standard-library function does; the docstring's first line answers."""
+    import importlib
+
+    rows = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        for attr, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if callable(obj) and not attr.startswith("_") else None
+            if not doc or not doc.splitlines()[0].strip():
+                continue
+            answer = doc.splitlines()[0].strip()[:120]
+            question = f"What does {name}.{attr} do?"
+            rows.append({"messages": [{"role": "user", "content": question},
+                                      {"role": "assistant", "content": answer}]})  # fmt: skip
+    return rows
+
+
+def train(data: Path, backend: str, over: dict[str, str], steps: int, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--out", str(out),
+           "--data.source", str(data), "--train.max_steps", str(steps),
+           "--train.backend", backend, "--out.progress", "false"]  # fmt: skip
+    for k, v in {**FIXED, **over}.items():
+        cmd += [f"--{k}", v]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary["val_curve"] = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    return summary
+
+
+def exact_answers(run: Path, held_out: list[dict]) -> float:
+    """The share of held-out prompts whose greedy answer is exactly the response."""
+    from onegpu.tools.generate import sample
+    from onegpu.tools.trained import load_trained
+
+    trained = load_trained(run)
+    tok, right = trained.tokenizer, 0
+    for row in held_out:
+        ids = [int(i) for i in tok.encode(row["prompt"])]
+        new = sample(trained.model, ids, max_new_tokens=8, temperature=0, top_k=0, seed=0,
+                     context=64, vocab_size=256, stop_id=tok.eot_id)  # fmt: skip
+        right += tok.decode(new) == row["response"]
+    return right / len(held_out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as work:
+        root = Path(work)
+        sets = {
+            "arithmetic": write_jsonl(root / "arithmetic.jsonl", arithmetic_rows(4000)),
+            "stdlib chat": write_jsonl(root / "chat.jsonl", stdlib_chats()),
+        }
+        held_out = arithmetic_rows(64, seed=1)
+        for set_name, path in sets.items():
+            for name, (backend, over) in ROWS.items():
+                out = root / f"{set_name}-{len(results)}"
+                s = train(path, backend, over, args.steps, out)
+                score = exact_answers(out, held_out) if set_name == "arithmetic" else None
+                results.append((set_name, name, s, score))
+                print(f"{set_name} | {name}: {s['tokens_per_s']:,.0f} tok/s", flush=True)
+    write(results, args.steps)
+
+
+def write(results: list, steps: int) -> None:
+    lines = [
+        "# Instruction and chat data: rows, trained tokens, answers-only training (CPU)",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, bf16 kind: {bf16_kind()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}. `tiny` preset (2 x d64, "
+        f"byte-level), seq 64, batch 16, lr 3e-3, {steps} steps, precision auto.",
+        f"Command: `python benchmarks/instruction_data.py --steps {steps}`.",
+        "",
+        "| set | rows | tokens/s | trained tokens/s | padding | examples | val loss (its own "
+        "masks) by step | exact answers (64 held out) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for set_name, name, s, score in results:
+        data = s["data"]
+        curve = ", ".join(f"{step}: {v:.3f}" for step, v in s["val_curve"])
+        padding = f"{data['padding']:.0%}" if "padding" in data else "0%"
+        trained = s.get("trained_tokens_per_s")
+        lines.append(
+            f"| {set_name} | {name} | {s['tokens_per_s']:,.0f} | "
+            f"{f'{trained:,.0f}' if trained else '-'} | {padding} | "
+            f"{data['counts']['train']['examples']:,} | {curve} | "
+            f"{'-' if score is None else f'{score:.0%}'} |"
+        )
+    out = new_result_file("instruction-data")
+    out.write_text("\n".join(lines) + "\n")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
