@@ -6,7 +6,8 @@ Two sets, made here (nothing downloads): the tests' arithmetic instructions ("Wh
 456?" -> "579.") and a chat set from the standard library (a user asks what a function does,
 the assistant answers with the first line of its docstring). Each row is `onegpu train
 --preset tiny` (2 x d64, byte-level, seq 64, batch 16) for the same steps in a fresh process;
-answers are scored by greedy generation on 64 held-out arithmetic prompts (exact match).
+every row is scored by its model's loss on the validation split's answers (one example a row,
+answers only: the same figure whatever the row trained on).
 
     python benchmarks/instruction_data.py [--steps 300]
 
@@ -41,8 +42,9 @@ ROWS = {  # name: (backend, overrides)
     ),
     "one a row, answers trained (JAX)": ("jax", {"data.packing": "none"}),
 }
-FIXED = {"train.batch_size": "16", "train.micro_batch_size": "16", "model.seq_len": "64",
-         "train.eval_every": "50", "train.log_every": "10", "optim.lr": "3e-3"}  # fmt: skip
+FIXED = {"train.batch_size": "16", "train.micro_batch_size": "16", "train.eval_every": "50",
+         "train.log_every": "10", "optim.lr": "3e-3"}  # fmt: skip
+SEQ_LEN = {"arithmetic": 64, "stdlib chat": 256}  # the longest example fits its row
 
 
 def stdlib_chats() -> list[dict]:
@@ -76,19 +78,24 @@ def train(data: Path, backend: str, over: dict[str, str], steps: int, out: Path)
     return summary
 
 
-def exact_answers(run: Path, held_out: list[dict]) -> float:
-    """The share of held-out prompts whose greedy answer is exactly the response."""
-    from onegpu.tools.generate import sample
+def answer_loss(run: Path, data: Path, seq_len: int) -> float:
+    """The trained model's mean loss on the answers of the validation split (one example a
+    row, answers only): the same figure for every row, however it trained."""
+    from onegpu.config import DataConfig
+    from onegpu.data.tokens import prepare_tokens
+    from onegpu.techniques.loss import token_loss_sum
     from onegpu.tools.trained import load_trained
 
-    trained = load_trained(run)
-    tok, right = trained.tokenizer, 0
-    for row in held_out:
-        ids = [int(i) for i in tok.encode(row["prompt"])]
-        new = sample(trained.model, ids, max_new_tokens=8, temperature=0, top_k=0, seed=0,
-                     context=64, vocab_size=256, stop_id=tok.eot_id)  # fmt: skip
-        right += tok.decode(new) == row["response"]
-    return right / len(held_out)
+    answers = DataConfig(source=str(data), packing="none", train_on="response")
+    rows = prepare_tokens(answers, 256).cut(answers, seq_len).val_rows
+    model = load_trained(run).model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(rows)):
+            x, y = (torch.from_numpy(a)[None] for a in rows.pair(i))
+            total += float(token_loss_sum(model, x, y))
+            count += int((y >= 0).sum())
+    return total / count
 
 
 def main() -> None:
@@ -102,13 +109,12 @@ def main() -> None:
             "arithmetic": write_jsonl(root / "arithmetic.jsonl", arithmetic_rows(4000)),
             "stdlib chat": write_jsonl(root / "chat.jsonl", stdlib_chats()),
         }
-        held_out = arithmetic_rows(64, seed=1)
         for set_name, path in sets.items():
+            seq_len = SEQ_LEN[set_name]
             for name, (backend, over) in ROWS.items():
                 out = root / f"{set_name}-{len(results)}"
-                s = train(path, backend, over, args.steps, out)
-                score = exact_answers(out, held_out) if set_name == "arithmetic" else None
-                results.append((set_name, name, s, score))
+                s = train(path, backend, {**over, "model.seq_len": str(seq_len)}, args.steps, out)
+                results.append((set_name, name, s, answer_loss(out, path, seq_len)))
                 print(f"{set_name} | {name}: {s['tokens_per_s']:,.0f} tok/s", flush=True)
     write(results, args.steps)
 
@@ -119,11 +125,12 @@ def write(results: list, steps: int) -> None:
         "",
         f"Machine: {platform.processor() or platform.machine()}, bf16 kind: {bf16_kind()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}. `tiny` preset (2 x d64, "
-        f"byte-level), seq 64, batch 16, lr 3e-3, {steps} steps, precision auto.",
+        f"byte-level), seq 64 (arithmetic) and 256 (chat), batch 16, lr 3e-3, {steps} steps, "
+        "precision auto.",
         f"Command: `python benchmarks/instruction_data.py --steps {steps}`.",
         "",
-        "| set | rows | tokens/s | trained tokens/s | padding | examples | val loss (its own "
-        "masks) by step | exact answers (64 held out) |",
+        "| set | rows | tokens/s | trained tokens/s | padding | over-long | val loss (its own "
+        "masks) by step | loss on held-out answers |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for set_name, name, s, score in results:
@@ -134,8 +141,8 @@ def write(results: list, steps: int) -> None:
         lines.append(
             f"| {set_name} | {name} | {s['tokens_per_s']:,.0f} | "
             f"{f'{trained:,.0f}' if trained else '-'} | {padding} | "
-            f"{data['counts']['train']['examples']:,} | {curve} | "
-            f"{'-' if score is None else f'{score:.0%}'} |"
+            f"{data.get('overlong', 0)} of {data['counts']['train']['examples']:,} | {curve} | "
+            f"{score:.3f} |"
         )
     out = new_result_file("instruction-data")
     out.write_text("\n".join(lines) + "\n")
