@@ -15,8 +15,30 @@ from onegpu.optim.adam_mini import adam_mini_groups, adam_mini_state_bytes, make
 from onegpu.optim.in_backward import OptimizerInBackward, PerParameterOptimizers
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
 from onegpu.optim.low_rank import low_rank_groups, low_rank_state_bytes, make_low_rank
-from onegpu.optim.state_bytes import predicted_state_bytes
+from onegpu.optim.state_bytes import predicted_state_bytes, step_transient_bytes
 from onegpu.quiet import library_notes_off
+
+STAND_IN = "plan-stand-in"  # a fake build's optimizer name: plan-stand-in:<the real one's>
+
+
+class StandIn(torch.optim.SGD):
+    """The optimizer a fake build steps for one whose step cannot run on fake tensors: bare
+    SGD, stateless (under bf16-pure too, where onegpu's SGD is Kahan-compensated and would add
+    its buffers to the plan), holding during its step the bytes the real step holds at once
+    beyond its states (optim/state_bytes.py, which also counts the states by rule)."""
+
+    def __init__(self, groups: list[dict], lr: float, transient_bytes: int):
+        # no weight decay: SGD's would copy every gradient, which the real step does not
+        super().__init__([{**g, "weight_decay": 0.0} for g in groups], lr=lr, foreach=True)
+        self.transient_bytes = transient_bytes
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        device = self.param_groups[0]["params"][0].device
+        held = torch.empty(self.transient_bytes, dtype=torch.uint8, device=device)
+        out = super().step(closure)
+        del held
+        return out
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -133,6 +155,9 @@ def _make(
     groups: list[dict], cfg: OptimConfig, device: torch.device, param_dtype: torch.dtype
 ) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
+    if cfg.name.startswith(STAND_IN):  # a plan's step of an optimizer fake tensors cannot run
+        real = cfg.name.partition(":")[2]
+        return StandIn(groups, cfg.lr, step_transient_bytes(real, params))
     if param_dtype == torch.bfloat16:
         return _make_for_bf16_weights(groups, cfg)
     if cfg.name == "adamw":

@@ -79,3 +79,17 @@ def predicted_state_bytes(name: str, params: list[torch.Tensor], block_size: int
         else:
             raise ValueError(f"no allocation rule for {name!r}")
     return total
+
+
+STEP_TRANSIENT_BYTES = {"adamw8bit": 8, "adamw4bit": 26}
+"""Bytes per element of the largest parameter that torchao's low-bit step holds at once on a
+CPU (measured under fp32, bf16 and bf16-pure alike: the 8-bit step dequantizes both moments
+to fp32; the 4-bit step about six fp32 copies of the parameter). It steps one parameter at a
+time, so the largest one sets the peak. GPU plans use the same figures until a GPU measures
+them (the one H100 run held more than the planner then counted: docs/offload.md)."""
+
+
+def step_transient_bytes(name: str, params: list[torch.Tensor]) -> int:
+    """What the step of an optimizer the planner cannot run holds beyond its states."""
+    per_element = STEP_TRANSIENT_BYTES.get(name, 0)
+    return per_element * max((p.numel() for p in params), default=0)

@@ -38,6 +38,7 @@ from onegpu.offload.homes import homes
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.offload.weights import with_offload_params
 from onegpu.optim import build_optimizer
+from onegpu.optim.factory import STAND_IN
 from onegpu.optim.in_backward import OptimizerInBackward
 from onegpu.perf.flops import flops_per_token
 from onegpu.techniques.attention import check_attention_backend
@@ -266,10 +267,10 @@ def _model_with_techniques(
 
 def plannable(cfg: Config) -> Config:
     """The config a fake build runs: no compile, and a stateless stand-in for optimizers that
-    cannot step fake tensors."""
+    cannot step fake tensors, holding what their step holds (optim/state_bytes.py)."""
     optim = cfg.optim
     if optim.name in FAKE_UNSAFE_OPTIMIZERS:
-        optim = dataclasses.replace(optim, name="sgd", beta1=0.0)
+        optim = dataclasses.replace(optim, name=f"{STAND_IN}:{optim.name}", beta1=0.0)
     return dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, compile="none"), optim=optim
     )
