@@ -125,10 +125,12 @@ def test_a_tensor_parallel_run_resumes_exactly_and_at_other_layouts(runs, tmp_pa
         assert max(abs(resumed[s] - after[s]) / after[s] for s in after) <= 1e-6
 
 
-@pytest.mark.parametrize("layout", ["tp_fsdp", "hsdp", "tp_pp"])
-def test_a_2d_layout_resumes_bit_for_bit_on_itself(runs, tmp_path, layout):
+@pytest.mark.parametrize(
+    "layout", ["tp_fsdp", "hsdp", "tp_pp", "pp_1f1b", "pp_interleaved", "pp_fsdp"]
+)
+def test_a_layout_resumes_bit_for_bit_on_itself(runs, tmp_path, layout):
     """Each process reloads its own shards of the step-5 checkpoint and continues on the same
-    losses; under TP x PP each stage's processes hold other parameter groups (written one key
+    losses; in a pipeline each stage's processes hold other parameter groups (written one key
     per parameter, so no stage reads another's)."""
     nproc, over = LAYOUTS[layout]
     folder = runs[layout] / "checkpoints" / ckpt.checkpoint_name(5, sharded=True)
@@ -181,6 +183,32 @@ def test_a_pipeline_resumes_on_one_process_and_exports(runs, tmp_path):
         check=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("layout", ["tp", "tp_pp"])
+def test_export_from_a_split_model_gives_the_runs_model(runs, tmp_path, layout):
+    """`onegpu export` of a run whose newest weights are DCP shards (each process's piece of
+    the vocabulary-split embedding, or of its stage): transformers' model from the folder
+    computes the run's final model's logits."""
+    import transformers
+
+    from onegpu.tools.trained import load_trained
+
+    run = tmp_path / "run"
+    shutil.copytree(runs[layout], run)
+    (run / "model.safetensors").unlink()  # export reads the newest sharded checkpoint
+    out = tmp_path / "hf"
+    subprocess.run(
+        [sys.executable, "-m", "onegpu", "export", str(run), "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    x = torch.randint(0, 256, (2, 32))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    final = load_trained(str(runs[layout])).model.eval()  # the run's own model.safetensors
+    with torch.no_grad():
+        ours = final(x)[..., :256]
+        theirs = hf(x).logits[..., :256]
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
 
 def test_powersgd_sends_less_and_resumes_exactly(tmp_path):

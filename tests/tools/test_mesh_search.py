@@ -104,6 +104,27 @@ def test_plan_offers_a_mesh_when_data_parallelism_alone_does_not_fit(small_gpu, 
     assert written["dist"]["dp_shard"] * written["dist"]["tp"] * written["dist"]["pp"] <= 2
 
 
+@pytest.mark.slow  # plans the FSDP layouts at sequence 2048 before the one that fits (~1 min)
+def test_plan_offers_tensor_parallelism_when_sharding_the_states_is_not_enough(
+    small_gpu, tmp_path, capsys
+):
+    """Sequence 2048: activations dominate, FSDP shards none of them, so no FSDP or DDP layout
+    fits however it checkpoints; TP 2's sequence-parallel blocks halve them, and the plan's
+    fix list ends on a layout that splits the model."""
+    best = tmp_path / "best.toml"
+    args = ["plan", "--preset", "tiny", "--model.n_layer", "4", "--model.dropout", "0",
+            "--model.tie_embeddings", "false", "--model.d_model", "512", "--model.seq_len", "2048",
+            "--train.batch_size", "8", "--train.micro_batch_size", "2", "--gpu", small_gpu,
+            "--world-size", "2", "--best-toml", str(best)]  # fmt: skip
+    assert main(args) == 0
+    assert "FITS" in capsys.readouterr().out
+    written = tomllib.loads(best.read_text())["dist"]
+    assert written["tp"] > 1 or written["pp"] > 1, written
+    cfg = load_config(None, str(best))
+    peak, _ = largest_rank(cfg, "cuda", gpu_caps(small_gpu), 2)
+    assert peak <= GPUS[small_gpu].memory_bytes - 2**29
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="measures on a GPU here")
 @pytest.mark.slow  # ~30 s
 def test_tune_for_gpus_that_are_not_here_searches_the_mesh(small_gpu, tmp_path):
