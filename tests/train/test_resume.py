@@ -6,6 +6,7 @@ and in the slow suite for the rest."""
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,6 +97,10 @@ GRID = {
                                 "optim.update_proj_gap": "3", "optim.in_backward": "true",
                                 "optim.grad_clip": "0", "memory.offload_optimizer": "true",
                                 "train.micro_batch_size": "2"},
+    # instruction and chat data (made per test: CHAT / ARITHMETIC name the file)
+    "chat-one-a-row": {"data.source": "CHAT", "model.dropout": "0.1",
+                       "train.micro_batch_size": "2"},
+    "prompt-response-stream": {"data.source": "ARITHMETIC", "data.packing": "stream"},
 }  # fmt: skip
 
 
@@ -106,7 +111,7 @@ FAST = {"fp32"}  # the rest of the grid runs in the slow suite (CI runs both)
     "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in GRID]
 )
 def test_a_resumed_run_continues_bit_exactly(name, tmp_path, monkeypatch):
-    over = GRID[name]
+    over = {k: _data_file(v, tmp_path) for k, v in GRID[name].items()}
     train(_cfg(tmp_path / "straight", **over))
     _stop_after(monkeypatch, 3)  # off a checkpoint step: resume from step 2 redoes step 3
     s = train(_cfg(tmp_path / "resumed", **over))
@@ -117,6 +122,19 @@ def test_a_resumed_run_continues_bit_exactly(name, tmp_path, monkeypatch):
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _data_file(value: str, folder) -> str:
+    """A GRID value, or the data file it names, written into `folder`."""
+    import sys
+
+    if value not in ("CHAT", "ARITHMETIC"):
+        return value
+    sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
+    from instruction_sets import arithmetic_rows, chat_rows, write_jsonl
+
+    rows = chat_rows(120) if value == "CHAT" else arithmetic_rows(300)
+    return str(write_jsonl(folder / f"{value.lower()}.jsonl", rows))
 
 
 def _run_cli(args, **kw):
