@@ -165,6 +165,20 @@ def test_dropout_draws_its_own_masks_per_tensor_parallel_rank_and_resumes_exactl
     assert losses(tmp_path / "resumed") == {s: v for s, v in full.items() if s > 5}
 
 
+def _export_newest_shards(run_dir: Path, tmp_path: Path) -> Path:
+    """`onegpu export` of a copy of the run without its model.safetensors: export then reads
+    the newest sharded (DCP) checkpoint. The exported folder."""
+    run = tmp_path / "exported-run"
+    shutil.copytree(run_dir, run)
+    (run / "model.safetensors").unlink()
+    out = tmp_path / "hf"
+    subprocess.run(
+        [sys.executable, "-m", "onegpu", "export", str(run), "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return out
+
+
 def test_a_pipeline_resumes_on_one_process_and_exports(runs, tmp_path):
     """PP 2 x FSDP 2's checkpoint (each stage's processes wrote their own weights): resumed on
     one process, and `onegpu export` of the run makes the one process's weights."""
@@ -174,14 +188,7 @@ def test_a_pipeline_resumes_on_one_process_and_exports(runs, tmp_path):
     resumed = losses(tmp_path / "one")
     assert resumed.keys() == after.keys()
     assert max(abs(resumed[s] - after[s]) / after[s] for s in after) <= 1e-6
-    run = tmp_path / "exported-run"
-    shutil.copytree(runs["pp_fsdp"], run)
-    (run / "model.safetensors").unlink()  # export reads the newest sharded checkpoint
-    out = tmp_path / "hf"
-    subprocess.run(
-        [sys.executable, "-m", "onegpu", "export", str(run), "--out", str(out)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    out = _export_newest_shards(runs["pp_fsdp"], tmp_path)
     assert (out / "config.json").is_file()
 
 
@@ -194,14 +201,7 @@ def test_export_from_a_split_model_gives_the_runs_model(runs, tmp_path, layout):
 
     from onegpu.tools.trained import load_trained
 
-    run = tmp_path / "run"
-    shutil.copytree(runs[layout], run)
-    (run / "model.safetensors").unlink()  # export reads the newest sharded checkpoint
-    out = tmp_path / "hf"
-    subprocess.run(
-        [sys.executable, "-m", "onegpu", "export", str(run), "--out", str(out)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    out = _export_newest_shards(runs[layout], tmp_path)
     x = torch.randint(0, 256, (2, 32))
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     final = load_trained(str(runs[layout])).model.eval()  # the run's own model.safetensors
