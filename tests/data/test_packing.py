@@ -16,13 +16,13 @@ from onegpu.data.windows import IGNORE_INDEX, example_rows
 T = 48
 
 
-def _splits(tmp_path, packing: str, **over):
+def _splits(tmp_path, packing: str, seq_len: int = T, **over):
     rows = arithmetic_rows(12)
     source = str(write_jsonl(tmp_path / "pr.jsonl", rows))
     data = DataConfig(
         source=source, cache_dir=str(tmp_path), val_fraction=0, packing=packing, **over
     )
-    return prepare_tokens(data, 256).cut(data, T)
+    return prepare_tokens(data, 256).cut(data, seq_len)
 
 
 def _gpt(tiny_cfg):
@@ -109,3 +109,106 @@ def test_auto_packs_text_as_a_stream_and_examples_one_a_row(tmp_path):
     tokens = DataConfig(source=str(tmp_path / "t.bin"), packing="none")
     with pytest.raises(ConfigError, match="data.packing"):
         prepare_tokens(tokens, 8192).cut(tokens, T)
+
+
+PACKED_T = 128  # rows of two or three arithmetic examples
+
+
+def _built_model(arch: str, hf_folder):
+    """Our GPT or a tiny Llama through onegpu's build (the HF adapter), fp32, in eval mode."""
+    from conftest import hf_overrides
+
+    from onegpu.backends.torch.build import build
+    from onegpu.config import load_config
+
+    over = {"model.seq_len": str(PACKED_T), "train.device": "cpu", "train.precision": "fp32"}
+    if arch == "llama":
+        over = hf_overrides(hf_folder("llama"), seq_len=PACKED_T)
+    cfg = load_config("tiny", overrides=over)
+    return build(cfg, torch.device("cpu"), with_data=False).model.eval()
+
+
+def _example_losses(model, x, y, positions, groups):
+    """Each example's summed loss in one forward of the row (`groups`: its target slices)."""
+    from onegpu.models.documents import documents
+
+    with documents(model, positions):
+        logits = _logits(model, x)
+    per_token = torch.nn.functional.cross_entropy(
+        logits[0].float(), y[0], ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return [per_token[g].sum() for g in groups]
+
+
+@pytest.mark.parametrize("packing", ["greedy", "bfd"])
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_packed_examples_train_as_each_alone_and_without_isolation_they_leak(
+    tmp_path, hf_folder, arch, packing
+):
+    model = _built_model(arch, hf_folder)
+    splits = _splits(tmp_path, packing, PACKED_T)
+    rows, tokens, mask = splits.train_rows, splits.train, splits.train_mask
+    assert rows.isolated and len(rows) < len(rows.spans)  # several examples share rows
+    row = next(i for i in range(len(rows)) if rows.offsets[i + 1] - rows.offsets[i] >= 2)
+    x, y, pos = (torch.from_numpy(a)[None] for a in rows.row(row))
+    examples = rows.packs[rows.offsets[row] : rows.offsets[row + 1]]
+    groups, at = [], 0
+    for e in examples:
+        n = int(rows.spans[e][1] - rows.spans[e][0]) - 1
+        groups.append(slice(at, at + n))
+        at += n
+    params = [p for p in model.parameters() if p.requires_grad]
+    packed = _example_losses(model, x, y, pos, groups)
+    for e, loss, g in zip(examples, packed, groups, strict=True):
+        start, end = rows.spans[e]
+        alone = torch.from_numpy(tokens[start:end].astype(np.int64))[None]
+        alone_y = alone[:, 1:].clone()
+        alone_y[torch.from_numpy(mask[start + 1 : end].copy())[None] == 0] = IGNORE_INDEX
+        assert torch.equal(alone[:, :-1], x[:, g]) and torch.equal(alone_y, y[:, g])
+        own = _example_losses(model, alone[:, :-1], alone_y, None, [slice(None)])[0]
+        torch.testing.assert_close(loss, own, rtol=1e-6, atol=1e-6)
+        packed_grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        own_grads = torch.autograd.grad(own, params, allow_unused=True)
+        for a, b in zip(packed_grads, own_grads, strict=True):
+            if a is None or b is None:
+                assert a is None and b is None
+                continue
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # the same row without isolation: the second example attends to the first
+    leaked = _example_losses(model, x, y, None, groups)
+    assert abs(float(leaked[1].detach() - packed[1].detach())) > 1e-3
+
+
+def test_greedy_keeps_the_order_and_bfd_fills_the_fewest_rows():
+    from onegpu.data.packing import best_fit_decreasing, next_fit
+
+    lengths = np.array([5, 3, 7, 2, 4, 6, 1, 8])
+    order, offsets = next_fit(lengths, 10)
+    assert order.tolist() == list(range(8))
+    assert [lengths[order[a:b]].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == [
+        [5, 3],
+        [7, 2],
+        [4, 6],
+        [1, 8],
+    ]
+    order, offsets = best_fit_decreasing(lengths, 10)
+    rows = [lengths[order[a:b]].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    assert sorted(sum(rows, [])) == sorted(lengths.tolist())
+    assert all(sum(r) <= 10 for r in rows) and len(rows) == 4  # 36 positions: 4 rows at least
+    assert rows[0] == [8, 2]  # the longest first, topped up with the best fit
+    rng = np.random.default_rng(0)
+    many = rng.integers(1, 48, size=500)
+    greedy_rows = len(next_fit(many, 48)[1]) - 1
+    bfd_rows = len(best_fit_decreasing(many, 48)[1]) - 1
+    assert bfd_rows < greedy_rows and bfd_rows <= -(-int(many.sum()) // 48) * 11 / 9 + 1
+
+
+@pytest.mark.parametrize("packing", ["greedy", "bfd"])
+def test_packed_rows_hold_every_example_once_and_pad_less_than_one_a_row(tmp_path, packing):
+    one = _splits(tmp_path, "none", PACKED_T).train_rows
+    packed = _splits(tmp_path, packing, PACKED_T).train_rows
+    assert sorted(packed.packs.tolist()) == list(range(len(one.spans)))
+    assert packed.stats["examples"] == one.stats["examples"]
+    assert packed.stats["padding"] < one.stats["padding"] and len(packed) < len(one)
+    trained = sum(int((packed.row(i)[1] != IGNORE_INDEX).sum()) for i in range(len(packed)))
+    assert trained == sum(int((one.pair(i)[1] != IGNORE_INDEX).sum()) for i in range(len(one)))

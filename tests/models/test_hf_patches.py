@@ -42,3 +42,15 @@ def test_the_patch_holds_only_inside_the_context():
     with patches.never_packed():
         assert masking.find_packed_sequence_indices is patches.not_packed
     assert masking.find_packed_sequence_indices is original
+
+
+def test_for_packed_rows_the_original_finds_the_documents_onegpu_reads():
+    from onegpu.models.documents import document_ids
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1]])
+    found = _masking().find_packed_sequence_indices(positions)
+    assert torch.equal(found, document_ids(positions))
+    assert document_ids(positions).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 6 + [1, 1]]
+    masking = _masking()
+    with patches.packed_as(document_ids(positions)):
+        assert torch.equal(masking.find_packed_sequence_indices(positions), found)

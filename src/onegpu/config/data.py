@@ -45,14 +45,19 @@ class DataConfig:
     messages_field: str = "messages"
     """chat: the field that holds the list of {role, content} messages (roles system, user,
     assistant, tool)."""
-    packing: Literal["auto", "stream", "none"] = "auto"
+    packing: Literal["auto", "stream", "none", "greedy", "bfd"] = "auto"
     """How examples fill the rows of seq_len tokens: 'stream' (concatenated and cut into
     windows across examples: no padding, but an example attends to the one before it),
-    'none' (one example per row, padded: each trains exactly as it would alone), or 'auto':
-    stream for text, none for instruction and chat data."""
+    'none' (one example per row, padded), 'greedy' (examples in order, as many a row as fit)
+    or 'bfd' (best-fit decreasing: the fewest rows), the last two with each example's
+    positions from 0 and attention only within it: every example trains exactly as it would
+    alone; or 'auto': stream for text, none for instruction and chat data."""
+    max_len: int = 0
+    """The longest example kept, in tokens (0: the row, seq_len + 1; at most that): longer
+    ones are truncated or dropped (data.overlong). Packing none, greedy and bfd."""
     overlong: Literal["truncate", "drop"] = "truncate"
-    """packing none: an example longer than the row (seq_len + 1 tokens) keeps its first
-    tokens, or is left out; either is counted in the summary's data section."""
+    """An example longer than data.max_len keeps its first tokens, or is left out; either is
+    counted in the summary's data section and on the start line."""
     train_on: Literal["auto", "prompt+response", "response", "assistant"] = "auto"
     """Which tokens carry loss: 'prompt+response' (all), 'response' (the answer; chat: the
     last assistant turn), 'assistant' (chat: every assistant turn), or 'auto': response for

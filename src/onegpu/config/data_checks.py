@@ -27,6 +27,12 @@ def validate_data(d: DataConfig, m: ModelConfig) -> None:
         f"{d.seq_len} is longer than the model's context model.seq_len={m.seq_len}; "
         f"use data.seq_len <= {m.seq_len} or raise model.seq_len",
     )
+    row = (d.seq_len or m.seq_len) + 1
+    _require(
+        0 <= d.max_len <= row,
+        "data.max_len",
+        f"must be between 0 (the row) and the row's {row} tokens (seq_len + 1), got {d.max_len}",
+    )
     _require(
         0.0 <= d.val_fraction < 1.0, "data.val_fraction", f"must be in [0, 1), got {d.val_fraction}"
     )

@@ -320,6 +320,12 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         f"{' or '.join(DIST_OPTIMIZERS)}",
     )
     layout = resolve_layout(d, world_size)
+    _require(
+        layout.pp == 1 or cfg.data.packing not in ("greedy", "bfd"),
+        "data.packing",
+        f"{cfg.data.packing} packs examples with their own positions, which the pipeline's "
+        "stages do not pass on yet; use none under pipeline parallelism",
+    )
     check_batch_split(cfg.train, layout.dp)
     check_pipeline_batches(cfg, layout)
 

@@ -57,7 +57,8 @@ class TokenSplits:
         stats = self.train_rows.stats if self.train_rows is not None else {}
         if not stats:
             return ""
-        note = f", one example a row, {stats['padding']:.0%} padding"
+        per_row = "one example a row" if self.packing == "none" else f"{self.packing}-packed"
+        note = f", {per_row}, {stats['padding']:.0%} padding"
         if stats["overlong"]:
             kept = "dropped" if stats["dropped"] else "truncated"
             note += f", {stats['overlong']} over-long {kept} ({stats['tokens_lost']} tokens)"
@@ -69,9 +70,17 @@ class TokenSplits:
         if docs is None:
             raise ConfigError(
                 "data.packing",
-                f"none needs examples; {self.description} is a token stream (use stream)",
+                f"{self.packing} needs examples; {self.description} is a token stream (use stream)",
             )
-        return example_rows(tokens, docs, seq_len, mask=mask, drop_overlong=data.overlong == "drop")
+        return example_rows(
+            tokens,
+            docs,
+            seq_len,
+            mask=mask,
+            packing=self.packing,
+            max_len=data.max_len,
+            drop_overlong=data.overlong == "drop",
+        )
 
     _fingerprint: str = ""
 

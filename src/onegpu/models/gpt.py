@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from onegpu.config import ModelConfig
+from onegpu.models.documents import document_mask
 from onegpu.models.qkv import split_fused_qkv
 from onegpu.perf.logits import padded_vocab
 
@@ -35,8 +36,10 @@ def plain_attention(
     *,
     dropout_p: float = 0.0,
     softmax_dtype: torch.dtype = torch.float32,
+    mask_B1TT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention with scores and softmax in `softmax_dtype` (the numerically safe softmax of Lippe's tutorial).
+    `mask_B1TT`: where to attend instead of the causal mask (packed documents).
 
     Autocast is switched off around the score matmul, else it would cast the fp32 operands
     straight back to bf16/fp16 and defeat the point.
@@ -45,8 +48,9 @@ def plain_attention(
     with torch.autocast(q_BHTK.device.type, enabled=False):
         q = q_BHTK.to(softmax_dtype) * K**-0.5
         scores_BHTT = q @ k_BHTK.to(softmax_dtype).transpose(-2, -1)
-        causal_TT = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores_BHTT = scores_BHTT.masked_fill(~causal_TT, float("-inf"))
+        if mask_B1TT is None:
+            mask_B1TT = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores_BHTT = scores_BHTT.masked_fill(~mask_B1TT, float("-inf"))
         weights_BHTT = scores_BHTT.softmax(dim=-1)
     weights_BHTT = F.dropout(weights_BHTT.to(v_BHTK.dtype), p=dropout_p, training=dropout_p > 0)
     return weights_BHTT @ v_BHTK
@@ -73,6 +77,8 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.document_mask: torch.Tensor | None = None
+        """[B, 1, T, T]: packed documents attend only within themselves (GPT.use_positions)."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         K = x_BTD.shape[-1] // self.n_head
@@ -83,18 +89,21 @@ class Attention(nn.Module):
             proj(h_BTD).view(B, T, -1, K).transpose(1, 2) for proj in (self.q, self.k, self.v)
         )
         p = self.dropout if self.training else 0.0
+        mask = self.document_mask
+        sdpa = {"dropout_p": p, "is_causal": mask is None, "attn_mask": mask}
         if self.impl in ("sdpa", "auto"):  # auto unresolved (no device yet): sdpa
-            y_BHTK = F.scaled_dot_product_attention(
-                q_BHTK, k_BHTK, v_BHTK, dropout_p=p, is_causal=True
-            )
+            y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, **sdpa)
         elif self.impl in SDPA_BACKENDS:
             with sdpa_kernel(SDPA_BACKENDS[self.impl]):
-                y_BHTK = F.scaled_dot_product_attention(
-                    q_BHTK, k_BHTK, v_BHTK, dropout_p=p, is_causal=True
-                )
+                y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, **sdpa)
         else:
             y_BHTK = plain_attention(
-                q_BHTK, k_BHTK, v_BHTK, dropout_p=p, softmax_dtype=self.softmax_dtype
+                q_BHTK,
+                k_BHTK,
+                v_BHTK,
+                dropout_p=p,
+                softmax_dtype=self.softmax_dtype,
+                mask_B1TT=mask,
             )
         y_BTD = y_BHTK.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.proj(y_BTD))
@@ -139,6 +148,7 @@ class GPT(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.padded_vocab = padded_vocab(cfg)
         self.last_auxiliary: torch.Tensor | None = None  # dense: no auxiliary term
+        self.positions_BT: torch.Tensor | None = None  # packed rows' (use_positions)
         self.wte = nn.Embedding(self.padded_vocab, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -180,8 +190,19 @@ class GPT(nn.Module):
         if not self.cfg.tie_embeddings:
             self.lm_head.weight[self.vocab_size :].zero_()
 
+    def use_positions(self, positions_BT: torch.Tensor | None) -> None:
+        """The next forwards' rows hold documents with these positions (models/documents.py):
+        position embeddings from them, attention within each document. None: one a row."""
+        mask = None if positions_BT is None else document_mask(positions_BT)
+        self.positions_BT = positions_BT
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.document_mask = mask
+
     def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Token plus position embeddings (dropped out): the residual stream's start."""
+        if self.positions_BT is not None:
+            return self.drop(self.wte(idx_BT) + self.wpe(self.positions_BT))
         pos_T = torch.arange(idx_BT.shape[1], device=idx_BT.device)
         return self.drop(self.wte(idx_BT) + self.wpe(pos_T))
 

@@ -12,6 +12,7 @@ getattr/hasattr.
 - `last_auxiliary`: the auxiliary term the last step took (the log shows it); None where none
 - `logit_transform`: the config attribute by which the model changes its logits after the
   head (soft-capping, scaling), which a chunked loss would skip; None where there is none
+- `use_positions(positions_BT)`: rows of packed documents for the next forwards
 - `init_weights()`: initialise in place (after materialisation); `tie_weights()`: re-tie
   shared input/output weights after parameters were replaced; `padding_params()`: parameters
   that only pad the vocabulary
@@ -44,6 +45,11 @@ class LanguageModel(Protocol):
     """The auxiliary term `auxiliary_loss` took last (detached, for the log line); None: none."""
 
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor: ...
+
+    def use_positions(self, positions_BT: torch.Tensor | None) -> None:
+        """The next forwards' rows pack documents with these positions, each attending only
+        within itself (models/documents.py); None: one document a row."""
+        ...
 
     def init_weights(self) -> None: ...
 

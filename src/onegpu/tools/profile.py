@@ -79,8 +79,8 @@ def _profiled(built: Built, out: Path, steps: int, warmup: int) -> dict[str, Any
 
     def one_step(step: int) -> None:
         with torch.profiler.record_function("data"):
-            x, y, n_tokens = next(batches)
-        built.step(x, y, n_tokens, step)
+            x, y, n_tokens, positions = next(batches)
+        built.step(x, y, n_tokens, step, positions)
 
     for step in range(warmup):  # compilation, allocator growth, optimizer state creation
         one_step(step)

@@ -121,18 +121,18 @@ class JaxBackend:
 
     def step(self, step: int) -> Stepped:
         b = self.built
-        x, y, n_tokens = next(self._batches)
+        x, y, positions, n_tokens = next(self._batches)
         lr = lr_at(step, scaled_optim(b.cfg), b.cfg.train.max_steps)
         key = jax.random.fold_in(self._key, step)
         b.params, b.opt_state, out = b.step(
-            b.params, b.opt_state, x, y, n_tokens, jnp.float32(lr), key
+            b.params, b.opt_state, x, y, positions, n_tokens, jnp.float32(lr), key
         )
         return Stepped(Out(out.loss, out.grad_norm, out.skipped, lr), x.size, n_tokens)
 
     def evaluate(self) -> float:
         total, count = 0.0, 0
-        for x, y in self._val:
-            loss, n = self.built.evaluate(self.built.params, x, y)
+        for x, y, *positions in self._val:
+            loss, n = self.built.evaluate(self.built.params, x, y, *positions)
             total, count = total + float(loss), count + int(n)
         return total / max(count, 1)
 
@@ -189,19 +189,21 @@ class JaxBackend:
         pass
 
 
-def batches(built: JaxBuilt, start: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """(inputs, targets, target count) of each step from `start` on, split into micro-batches:
-    the torch backend's windows in the torch backend's order."""
+def batches(built: JaxBuilt, start: int) -> Iterator[tuple[Any, ...]]:
+    """(inputs, targets, positions, target count) of each step from `start` on, split into
+    micro-batches: the torch backend's rows in the torch backend's order; positions None
+    where rows hold one document each."""
     cfg, t = built.cfg, built.cfg.train
     T, n = cfg.train_seq_len, built.n_micro
-    for x, y in train_windows(
+    for x, y, *positions in train_windows(
         built.data.train_rows,
         batch_size=t.batch_size,
         seed=t.seed,
         start=start * t.batch_size,
     ):
         n_tokens = int(np.count_nonzero(y != IGNORE_INDEX))
-        yield x.reshape(n, -1, T), y.reshape(n, -1, T), n_tokens
+        packed = positions[0].reshape(n, -1, T) if positions else None
+        yield x.reshape(n, -1, T), y.reshape(n, -1, T), packed, n_tokens
 
 
 def check_fits(built: JaxBuilt) -> None:
@@ -235,8 +237,9 @@ def lower(built: JaxBuilt) -> Any:
     cfg, t = built.cfg, built.cfg.train
     shape = (built.n_micro, t.micro_batch_size, cfg.train_seq_len)
     x = jax.ShapeDtypeStruct(shape, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    positions = x if built.data.train_rows.isolated else None  # packed rows' positions
     return built.step.lower(
-        built.params, built.opt_state, x, x, 1, jnp.float32(0.0), jax.random.key(0)
+        built.params, built.opt_state, x, x, positions, 1, jnp.float32(0.0), jax.random.key(0)
     )
 
 

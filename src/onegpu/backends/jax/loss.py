@@ -99,13 +99,18 @@ chunked_loss_sum.defvjp(_fwd, _bwd)
 
 
 def make_loss(model: Any, cfg: Config, chunk: int) -> Callable:
-    """loss(params, x, y, key, deterministic) -> the micro-batch's summed token loss; `model`
-    the GPT, whose `hidden` twin gives the final hidden states when `chunk` > 0."""
+    """loss(params, x, y, key, deterministic, positions=None) -> the micro-batch's summed
+    token loss; `model` the GPT, whose `hidden` twin gives the final hidden states when
+    `chunk` > 0; `positions`: rows of packed documents."""
     m = cfg.model
 
-    def plain(params, x, y, key, deterministic):
+    def plain(params, x, y, key, deterministic, positions=None):
         logits = model.apply(
-            {"params": params}, x, deterministic=deterministic, rngs={"dropout": key}
+            {"params": params},
+            x,
+            deterministic=deterministic,
+            positions_BT=positions,
+            rngs={"dropout": key},
         )
         return token_loss_sum(logits, y)
 
@@ -113,8 +118,14 @@ def make_loss(model: Any, cfg: Config, chunk: int) -> Callable:
         return plain
     hidden = model.clone(logits=False)
 
-    def chunked(params, x, y, key, deterministic):
-        h = hidden.apply({"params": params}, x, deterministic=deterministic, rngs={"dropout": key})
+    def chunked(params, x, y, key, deterministic, positions=None):
+        h = hidden.apply(
+            {"params": params},
+            x,
+            deterministic=deterministic,
+            positions_BT=positions,
+            rngs={"dropout": key},
+        )
         head = params.get("lm_head", {})
         w = params["wte"] if m.tie_embeddings else head["weight"]
         b = head["bias"] if "bias" in head else jnp.zeros(w.shape[:1], jnp.float32)

@@ -85,7 +85,7 @@ class Attention(nn.Module):
     p: Precision
 
     @nn.compact
-    def __call__(self, x_BTD, deterministic: bool):
+    def __call__(self, x_BTD, deterministic: bool, mask_BTT=None):
         m, p = self.m, self.p
         B, T, D = x_BTD.shape
         H, K = m.n_head, D // m.n_head
@@ -99,8 +99,8 @@ class Attention(nn.Module):
         )
         s = p.softmax_dtype
         scores_BHTT = (q.astype(s) * K**-0.5) @ k.astype(s).swapaxes(-1, -2)
-        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores_BHTT, -jnp.inf), axis=-1)
+        allowed = jnp.tril(jnp.ones((T, T), dtype=bool)) if mask_BTT is None else mask_BTT[:, None]
+        weights = jax.nn.softmax(jnp.where(allowed, scores_BHTT, -jnp.inf), axis=-1)
         weights = nn.Dropout(m.dropout)(weights, deterministic=deterministic)
         y = (weights.astype(p.compute_dtype) @ v).transpose(0, 2, 1, 3).reshape(B, T, D)
         y = Linear(D, D, m.bias, resid, p, name="proj")(y)
@@ -144,15 +144,16 @@ class Block(nn.Module):
     remat_parts: tuple[str, ...] = ()
 
     @nn.compact
-    def __call__(self, x_BTD, deterministic: bool):
+    def __call__(self, x_BTD, deterministic: bool, mask_BTT=None):
         attn = _remat(Attention) if "attn" in self.remat_parts else Attention
         mlp = _remat(MLP) if "mlp" in self.remat_parts else MLP
-        x_BTD = x_BTD + attn(self.m, self.p, name="attn")(x_BTD, deterministic)
+        x_BTD = x_BTD + attn(self.m, self.p, name="attn")(x_BTD, deterministic, mask_BTT)
         return x_BTD + mlp(self.m, self.p, name="mlp")(x_BTD, deterministic)
 
 
 class ScanBlock(nn.Module):
-    """A Block as nn.scan wants it: (carry, x) -> (carry, y)."""
+    """A Block as nn.scan wants it: (carry, x) -> (carry, y); x is the packed rows' mask
+    (or None), the same for every layer (broadcast)."""
 
     m: ModelConfig
     p: Precision
@@ -160,9 +161,9 @@ class ScanBlock(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BTD, _):
+    def __call__(self, x_BTD, mask_BTT):
         return Block(self.m, self.p, self.remat_parts, name="block")(
-            x_BTD, self.deterministic
+            x_BTD, self.deterministic, mask_BTT
         ), None
 
 
@@ -190,7 +191,9 @@ def scan_block_class(kind: str):
 
 class GPT(nn.Module):
     """Logits over the padded vocabulary (padding masked to -inf); with `logits` False, the
-    final hidden states (for the chunked loss, which applies the output layer itself)."""
+    final hidden states (for the chunked loss, which applies the output layer itself).
+    `positions_BT`: rows of packed documents, each attending only within itself (the torch
+    model's rule, models/documents.py)."""
 
     m: ModelConfig
     p: Precision
@@ -199,13 +202,15 @@ class GPT(nn.Module):
     logits: bool = True
 
     @nn.compact
-    def __call__(self, idx_BT, deterministic: bool = True):
+    def __call__(self, idx_BT, deterministic: bool = True, positions_BT=None):
         m, p = self.m, self.p
         V, D, T = padded_vocab(m), m.d_model, idx_BT.shape[1]
         init = nn.initializers.normal(m.init_std)
         wte = self.param("wte", init, (V, D), p.param_dtype)
         wpe = self.param("wpe", init, (m.seq_len, D), p.param_dtype)
-        x = (wte[idx_BT] + wpe[:T]).astype(p.compute_dtype)
+        pos = wpe[:T] if positions_BT is None else wpe[positions_BT]
+        mask = None if positions_BT is None else document_mask(positions_BT)
+        x = (wte[idx_BT] + pos).astype(p.compute_dtype)
         x = nn.Dropout(m.dropout)(x, deterministic=deterministic)
         ck = parse_checkpointing(self.checkpointing)
         if self.scan:
@@ -214,13 +219,14 @@ class GPT(nn.Module):
                 cls,
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast,
                 length=m.n_layer,
             )
-            x, _ = scanned(m, p, parts, deterministic, name="blocks")(x, None)
+            x, _ = scanned(m, p, parts, deterministic, name="blocks")(x, mask)
         else:
             for i in range(m.n_layer):
                 cls, parts = block_class(ck.kind, i, ck.every)
-                x = cls(m, p, parts, name=f"blocks_{i}")(x, deterministic)
+                x = cls(m, p, parts, name=f"blocks_{i}")(x, deterministic, mask)
         h = LayerNorm(D, m.bias, p, name="norm_f")(x)
         if not self.logits:
             return h
@@ -232,3 +238,13 @@ class GPT(nn.Module):
         if m.vocab_size < V:
             logits = logits.at[..., m.vocab_size :].set(-jnp.inf)
         return logits
+
+
+def document_mask(positions_BT):
+    """[B, T, T]: query i attends to key j <= i of its own document (a document starts where
+    a position is not its predecessor's plus one, as models/documents.py reads them)."""
+    first = positions_BT[:, :1] - 1
+    docs = jnp.cumsum(jnp.diff(positions_BT, prepend=first, axis=-1) != 1, axis=-1)
+    T = positions_BT.shape[-1]
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    return (docs[:, :, None] == docs[:, None, :]) & causal

@@ -33,10 +33,11 @@ def profile_jax(cfg: Config, *, steps: int = 3, warmup: int = 2) -> dict[str, An
         key = jax.random.key(cfg.train.seed)
 
         def one_step(step: int) -> None:
-            x, y, n = next(stream)
+            x, y, positions, n = next(stream)
             lr = jnp.float32(lr_at(step, scaled_optim(cfg), cfg.train.max_steps))
+            key_i = jax.random.fold_in(key, step)
             built.params, built.opt_state, got = built.step(
-                built.params, built.opt_state, x, y, n, lr, jax.random.fold_in(key, step)
+                built.params, built.opt_state, x, y, positions, n, lr, key_i
             )
             jax.block_until_ready(got)
 

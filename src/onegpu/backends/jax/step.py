@@ -56,25 +56,27 @@ def make_optimizer(o: OptimConfig, params: dict) -> optax.GradientTransformation
 
 
 def make_train_step(loss: Callable, tx: optax.GradientTransformation, cfg: Config):
-    """step(params, opt_state, x, y, n_tokens, lr, key) -> (params, opt_state, StepOut);
-    x, y: [n_micro, micro_batch, T]; `loss` as loss.make_loss builds it."""
+    """step(params, opt_state, x, y, positions, n_tokens, lr, key) -> (params, opt_state,
+    StepOut); x, y: [n_micro, micro_batch, T], positions the same or None (rows of one
+    document each); `loss` as loss.make_loss builds it."""
     clip = cfg.optim.grad_clip
     no_dropout = cfg.model.dropout == 0
-    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss(p, x, y, k, no_dropout))
+    grad_fn = jax.value_and_grad(lambda p, x, y, k, pos: loss(p, x, y, k, no_dropout, pos))
 
-    def step(params, opt_state, x, y, n_tokens, lr, key):
+    def step(params, opt_state, x, y, positions, n_tokens, lr, key):
         denom = jnp.maximum(n_tokens, 1).astype(jnp.float32)
         zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(carry, xs):
             loss, grads = carry
-            xb, yb, k = xs
-            part, g = grad_fn(params, xb, yb, k)
+            xb, yb, k, pos = xs
+            part, g = grad_fn(params, xb, yb, k, pos)
             grads = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), grads, g)
             return (loss + part, grads), None
 
         keys = jax.random.split(key, x.shape[0])
-        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (x, y, keys))
+        start = (jnp.zeros((), jnp.float32), zeros)
+        (loss, grads), _ = jax.lax.scan(body, start, (x, y, keys, positions))
         loss = loss / denom
         grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
         norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
@@ -100,7 +102,8 @@ def make_train_step(loss: Callable, tx: optax.GradientTransformation, cfg: Confi
 def make_eval_step(loss: Callable):
     """(summed loss, counted targets) of one validation batch, dropout off."""
 
-    def evaluate(params, x, y):
-        return loss(params, x, y, jax.random.key(0), True), jnp.sum(y != IGNORE_INDEX)
+    def evaluate(params, x, y, positions=None):
+        counted = jnp.sum(y != IGNORE_INDEX)
+        return loss(params, x, y, jax.random.key(0), True, positions), counted
 
     return jax.jit(evaluate)

@@ -136,13 +136,13 @@ class TorchBackend:
 
     def step(self, step: int) -> Stepped:
         with record_function("data"):
-            x, y, n_tokens = next(self._batches)
+            x, y, n_tokens, positions = next(self._batches)
         tokens = x.numel() * self.built.dist.dp_size  # every data-parallel share is equal
         if step == self._measure_at:  # optimizer states exist by then, as in every later step
             t0 = time.perf_counter()
-            out, self._memory = measure_step(self.built, x, y, n_tokens, step)
+            out, self._memory = measure_step(self.built, x, y, n_tokens, step, positions)
             return Stepped(out, tokens, n_tokens, measured_s=time.perf_counter() - t0)
-        return Stepped(self.built.step(x, y, n_tokens, step), tokens, n_tokens)
+        return Stepped(self.built.step(x, y, n_tokens, step, positions), tokens, n_tokens)
 
     def evaluate(self) -> float:
         return self.built.step.evaluate(self._eval_batches)

@@ -16,9 +16,10 @@ from onegpu.config import DataConfig
 
 
 def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
-    """(inputs, targets, target count) batches from step `start_step` on, copied to the device
-    one step ahead: this process's rows of each global batch (all of them on one process),
-    with the target count of the whole batch."""
+    """(inputs, targets, target count, positions) batches from step `start_step` on, copied
+    to the device one step ahead: this process's rows of each global batch (all of them on
+    one process), with the target count of the whole batch; positions of packed rows (None
+    where rows hold one document each)."""
     cfg = built.cfg
     loader = make_train_loader(
         built.data.train_rows,
@@ -30,11 +31,15 @@ def training_batches(built: Built, start_step: int = 0) -> DevicePrefetcher:
         classes=built.classes,
     )
     ctx = built.dist
-    shares = ((x[ctx.rows(len(x))], y[ctx.rows(len(y))], count_targets(y)) for x, y in loader)
-    return DevicePrefetcher(shares, built.device)
+
+    def share(x, y, *positions):
+        mine = ctx.rows(len(x))
+        return x[mine], y[mine], count_targets(y), positions[0][mine] if positions else None
+
+    return DevicePrefetcher((share(*batch) for batch in loader), built.device)
 
 
-def validation_batches(built: Built) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def validation_batches(built: Built) -> list[tuple[torch.Tensor, ...]]:
     """The fixed validation batches of every evaluation (none when evaluation is off)."""
     t = built.cfg.train
     if not t.eval_every:

@@ -54,8 +54,8 @@ def classification_example(
 
 
 class PackedSequences(Dataset):
-    """The rows of a split (data/windows.py: windows of the stream, or one example each) as
-    (inputs, targets) int64 tensors (`classes` > 0: a classifier's targets, see
+    """The rows of a split (data/windows.py: windows of the stream, or examples) as (inputs,
+    targets[, positions]) int64 tensors (`classes` > 0: a classifier's targets, see
     classification_targets)."""
 
     def __init__(self, rows: windows.Rows, classes: int = 0):
@@ -65,12 +65,13 @@ class PackedSequences(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets), and the positions of packed rows (`rows.isolated`)."""
         if self.classes:
             window = torch.from_numpy(self.rows.window(i))
             return classification_example(window[:-1], self.classes)
-        inputs, targets = self.rows.pair(i)
-        return torch.from_numpy(inputs), torch.from_numpy(targets)
+        parts = self.rows.row(i)[: 3 if self.rows.isolated else 2]
+        return tuple(torch.from_numpy(a) for a in parts)
 
 
 class EpochShuffleSampler(Sampler[int]):

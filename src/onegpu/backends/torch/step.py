@@ -29,6 +29,7 @@ from onegpu.config import OptimConfig
 from onegpu.distributed import DistContext, single_process
 from onegpu.distributed.parallelize import full_tensor
 from onegpu.distributed.pipeline import Pipeline
+from onegpu.models.documents import documents
 from onegpu.models.protocol import LossFn
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim import lr_at, set_lr
@@ -104,12 +105,18 @@ class TrainStep:
         )
 
     def __call__(
-        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int, index: int
+        self,
+        inputs_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+        n_tokens: int,
+        index: int,
+        positions_BT: torch.Tensor | None = None,
     ) -> StepOutput:
-        """Optimizer step number `index` (0-based: it sets the scheduled learning rate)."""
+        """Optimizer step number `index` (0-based: it sets the scheduled learning rate).
+        `positions_BT`: rows of packed documents (models/documents.py); None: one a row."""
         lr = lr_at(index, self.optim, self.max_steps)
         set_lr(self.optimizer, lr)
-        loss = self.forward_backward(inputs_BT, targets_BT, n_tokens)
+        loss = self.forward_backward(inputs_BT, targets_BT, n_tokens, positions_BT)
         with record_function("optimizer"):
             grad_norm, skipped = self._update(loss)
         if grad_norm.device != loss.device:  # gradients on the host (offloaded): the meter
@@ -117,7 +124,11 @@ class TrainStep:
         return StepOutput(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr)
 
     def forward_backward(
-        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int
+        self,
+        inputs_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+        n_tokens: int,
+        positions_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Accumulate the batch's gradients over the micro-batches; returns its mean loss."""
         dp = self.dist.dp_size  # processes that split the batch (tensor-parallel ones share it)
@@ -125,7 +136,7 @@ class TrainStep:
         if self.pipeline is not None:
             total = self._through_pipeline(inputs_BT, targets_BT, denom)
         else:
-            total = self._micro_batches(inputs_BT, targets_BT, denom)
+            total = self._micro_batches(inputs_BT, targets_BT, positions_BT, denom)
         world = self.dist.world_size
         if world > 1:  # the mean over processes of their (dp-scaled) shares: the batch's loss
             dist.all_reduce(total)  # (a tensor-parallel group's processes hold the same; a
@@ -133,19 +144,24 @@ class TrainStep:
         return total
 
     def _micro_batches(
-        self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, denom: float
+        self,
+        inputs_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None,
+        denom: float,
     ) -> torch.Tensor:
         total: torch.Tensor | None = None
-        micro = list(
-            zip(inputs_BT.chunk(self.n_micro), targets_BT.chunk(self.n_micro), strict=True)
-        )
-        for i, (x_bT, y_bT) in enumerate(micro):
+        n = self.n_micro
+        positions = [None] * n if positions_BT is None else positions_BT.chunk(n)
+        micro = list(zip(inputs_BT.chunk(n), targets_BT.chunk(n), positions, strict=True))
+        for i, (x_bT, y_bT, pos_bT) in enumerate(micro):
             last = i == len(micro) - 1
             hold = self.no_sync is not None and not last
             with (
                 self.no_sync() if hold else contextlib.nullcontext(),
                 contextlib.nullcontext() if last else self._accumulating(),
                 self.loss_context(),
+                documents(self.model, pos_bT),
             ):
                 with record_function("forward"), self.policy.autocast(inputs_BT.device):
                     loss = self.loss_fn(self.model, x_bT, y_bT) / denom
@@ -225,16 +241,22 @@ class TrainStep:
         return extras
 
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean next-token loss over fixed batches (summed, then divided by target tokens)."""
+    def evaluate(self, batches: list[tuple[torch.Tensor, ...]]) -> float:
+        """Mean next-token loss over fixed batches (summed, then divided by target tokens);
+        a batch is (inputs, targets) or, packed, (inputs, targets, positions)."""
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         n = 0
-        for x, y in batches:
+        for x, y, *pos in batches:
             n += count_targets(y)
             x, y = x.to(self.device), y.to(self.device)
-            with self.policy.autocast(self.device), self.loss_context():
+            positions = pos[0].to(self.device) if pos else None
+            with (
+                self.policy.autocast(self.device),
+                self.loss_context(),
+                documents(self.model, positions),
+            ):
                 if self.pipeline is not None:
                     total += self.pipeline.evaluate(x, y).double()
                 else:

@@ -33,7 +33,12 @@ def measured_step(built: Built) -> int | None:
 
 
 def measure_step(
-    built: Built, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, n_tokens: int, index: int
+    built: Built,
+    inputs_BT: torch.Tensor,
+    targets_BT: torch.Tensor,
+    n_tokens: int,
+    index: int,
+    positions_BT: torch.Tensor | None = None,
 ) -> tuple[StepOutput, dict]:
     """Run `built.step` once, on this batch, under the memory profiler and the saved-tensor
     counter.
@@ -46,7 +51,7 @@ def measure_step(
 
     def step() -> None:
         with counter:
-            outputs.append(built.step(inputs_BT, targets_BT, n_tokens, index))
+            outputs.append(built.step(inputs_BT, targets_BT, n_tokens, index, positions_BT))
 
     memory: dict[str, Any] = profile_step_memory(step, built.device)
     release_free_memory()  # the profile's pages: otherwise kept for the rest of the run

@@ -21,6 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from onegpu.config import ConfigError, ModelConfig
+from onegpu.models.documents import document_ids
 from onegpu.models.hf.folder import HFFolder, open_hf_folder, require_transformers
 from onegpu.models.hf.patches import around_forward, experts_in_compute_dtype_always
 from onegpu.models.hf.translate import attn_implementation, config_logit_transform
@@ -73,6 +74,10 @@ class HFModel(nn.Module):
         self._aux: torch.Tensor | None = None
         self.last_auxiliary: torch.Tensor | None = None
         """The last training forward's term (detached), for the log line."""
+        self.positions_BT: torch.Tensor | None = None
+        """Packed rows' positions (use_positions), passed on as `position_ids`."""
+        self.documents_BT: torch.Tensor | None = None
+        """Their document ids: transformers' packed-sequence check answered with them."""
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -90,21 +95,31 @@ class HFModel(nn.Module):
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states of the decoder (the head is applied by the loss)."""
         decoder = self.hf.get_decoder()
-        with around_forward():
-            out = decoder(input_ids=idx_BT, use_cache=False, **self._router_kwargs())
+        with around_forward(self.documents_BT):
+            out = decoder(input_ids=idx_BT, use_cache=False, **self._forward_kwargs())
         self._keep_aux(out)
         return out.last_hidden_state
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Logits: [B, T, V] for a causal LM, [B, classes] for a classifier."""
-        kwargs = {} if self.is_classifier else {"use_cache": False, **self._router_kwargs()}
-        with around_forward():
+        kwargs = {} if self.is_classifier else {"use_cache": False, **self._forward_kwargs()}
+        with around_forward(self.documents_BT):
             out = self.hf(input_ids=idx_BT, **kwargs)
         self._keep_aux(out)
         return out.logits
 
-    def _router_kwargs(self) -> dict[str, bool]:
-        return {"output_router_logits": True} if self._balancing else {}
+    def use_positions(self, positions_BT: torch.Tensor | None) -> None:
+        """The next forwards' rows hold documents with these positions (models/documents.py):
+        transformers takes packed documents with `position_ids` and no attention mask, and
+        builds the block-diagonal mask for its attention kernels itself."""
+        self.positions_BT = positions_BT
+        self.documents_BT = None if positions_BT is None else document_ids(positions_BT)
+
+    def _forward_kwargs(self) -> dict[str, object]:
+        kwargs: dict[str, object] = {"output_router_logits": True} if self._balancing else {}
+        if self.positions_BT is not None:
+            kwargs["position_ids"] = self.positions_BT
+        return kwargs
 
     def _keep_aux(self, out) -> None:
         if self._balancing is not None:

@@ -2,12 +2,14 @@
 our own forward calls (never process-wide), checked against transformers 4.56 to 5.23.
 
 `transformers.masking_utils.find_packed_sequence_indices` looks at the position ids of every
-forward to detect packed sequences (positions restarting inside a row). onegpu's rows are never
-packed: positions are 0..T-1 in every row, so the answer is known ("not packed", None) without
-running the check. Running it costs a host-device sync per forward on a GPU (it reads the
-positions back with `.all()`), and on the planner's fake tensors it cannot run at all, so
-transformers would take another path there (an explicit [B, 1, T, T] mask, grouped-query
-key/value heads repeated) and the plan would not be the real step's.
+forward to detect packed sequences (positions restarting inside a row). onegpu knows the answer
+without running the check: rows of one document have positions 0..T-1 ("not packed", None),
+and packed rows (`data.packing greedy|bfd`) have the document ids onegpu reads from their
+positions by the same rule (models/documents.py). Running the check costs a host-device sync
+per forward on a GPU (it reads the positions back with `.all()`), and on the planner's fake
+tensors it cannot run at all, so transformers would take another path there (an explicit
+[B, 1, T, T] mask, grouped-query key/value heads repeated) and the plan would not be the real
+step's.
 
 A mixture of experts' expert matmuls (`transformers.integrations.moe._grouped_mm`, behind
 `torch._grouped_mm`) are not autocast ops: transformers casts the tokens to the weights' dtype,
@@ -45,8 +47,21 @@ CHECKED_WITH = ("4.56", "5.23")
 
 def never_packed() -> contextlib.AbstractContextManager:
     """Answer transformers' packed-sequence check with "not packed" inside the context."""
+    return packed_as(None)
+
+
+def packed_as(documents_BT: torch.Tensor | None) -> contextlib.AbstractContextManager:
+    """Answer transformers' packed-sequence check with what onegpu knows inside the context:
+    the rows' document ids, or None (one document a row)."""
+    if documents_BT is None:
+        answer = not_packed
+    else:
+
+        def answer(position_ids: torch.Tensor) -> torch.Tensor:
+            return documents_BT
+
     return _swapped(
-        "transformers.masking_utils", "find_packed_sequence_indices", lambda original: not_packed
+        "transformers.masking_utils", "find_packed_sequence_indices", lambda original: answer
     )
 
 
@@ -56,9 +71,10 @@ def not_packed(position_ids: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def around_forward():
-    """Every workaround, for the length of one forward call."""
-    with never_packed(), experts_in_compute_dtype():
+def around_forward(documents_BT: torch.Tensor | None = None):
+    """Every workaround, for the length of one forward call (`documents_BT`: packed rows'
+    document ids, models/documents.py)."""
+    with packed_as(documents_BT), experts_in_compute_dtype():
         yield
 
 
