@@ -212,3 +212,48 @@ def test_packed_rows_hold_every_example_once_and_pad_less_than_one_a_row(tmp_pat
     assert packed.stats["padding"] < one.stats["padding"] and len(packed) < len(one)
     trained = sum(int((packed.row(i)[1] != IGNORE_INDEX).sum()) for i in range(len(packed)))
     assert trained == sum(int((one.pair(i)[1] != IGNORE_INDEX).sum()) for i in range(len(one)))
+
+
+def _packed_step_grads(tmp_path, hf_folder, arch: str, **over):
+    """One packed batch's loss and gradients through the production step of a build."""
+    from conftest import hf_overrides
+
+    from onegpu.backends.torch.build import build
+    from onegpu.backends.torch.loader import count_targets
+    from onegpu.config import load_config
+
+    base = {"model.seq_len": str(PACKED_T), "train.device": "cpu", "train.precision": "fp32"}
+    if arch == "llama":
+        base = hf_overrides(hf_folder("llama"), seq_len=PACKED_T)
+    base |= {"train.batch_size": "4", "train.micro_batch_size": "4", "train.compile": "none"}
+    cfg = load_config("tiny", overrides={**base, **over})
+    built = build(cfg, torch.device("cpu"), with_data=False)
+    rows = _splits(tmp_path, "bfd", PACKED_T).train_rows
+    x, y, pos = (torch.from_numpy(np.stack(a)) for a in zip(*(rows.row(i) for i in range(4))))
+    loss = built.step.forward_backward(x, y, count_targets(y), pos)
+    return loss, [p.grad.clone() for p in built.model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"memory.checkpointing": "block", "train.micro_batch_size": "2"},
+        {"memory.checkpointing": "selective"},
+        pytest.param(
+            {"train.compile": "regional", "memory.checkpointing": "block"}, marks=pytest.mark.slow
+        ),
+    ],  # fmt: skip
+    ids=["block-4-micro", "selective", "regional-compile"],
+)
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_packed_batches_through_the_step_keep_their_gradients_under_each_technique(
+    tmp_path, hf_folder, arch, over
+):
+    """Recomputation in backward reads the same documents as the forward; accumulation
+    splits the positions with the rows."""
+    plain_loss, plain = _packed_step_grads(tmp_path, hf_folder, arch)
+    loss, grads = _packed_step_grads(tmp_path, hf_folder, arch, **over)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-6)
+    assert len(grads) == len(plain)
+    for a, b in zip(grads, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

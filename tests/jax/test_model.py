@@ -56,6 +56,31 @@ def test_the_torch_model_computes_the_same_logits_from_the_jax_weights(tmp_path,
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_packed_rows_give_the_torch_models_logits_and_each_document_its_own(tmp_path, scan):
+    from onegpu.models.documents import documents
+
+    cfg = _cfg()
+    model = _model(cfg, scan=scan)
+    params = init_params(cfg, model)
+    x = _batch(cfg)[:, :-1]
+    positions = np.array([list(range(12)) + list(range(20)), list(range(7)) + list(range(25))])
+    V = cfg.model.vocab_size
+    ours = np.asarray(model.apply({"params": params}, x, positions_BT=positions))[..., :V]
+    alone = np.asarray(model.apply({"params": params}, x[:1, 12:]))[..., :V]
+    np.testing.assert_allclose(ours[:1, 12:], alone, rtol=1e-4, atol=1e-5)
+    if scan:  # the torch model reads the unscanned tree
+        return
+    path = tmp_path / "model.safetensors"
+    weights.write_safetensors(jax.device_get(params), cfg.model, path)
+    torch_model = TorchGPT(cfg.model)
+    torch_model.init_weights()
+    load_initial_weights(torch_model, str(path))
+    with torch.no_grad(), documents(torch_model, torch.from_numpy(positions)):
+        theirs = torch_model(torch.from_numpy(np.array(x))).numpy()[..., :V]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("ck", "scan"),
     [("selective", False)]

@@ -23,6 +23,16 @@ def _cfg(out, **over):
     return load_config("tiny", overrides={**base, **over})
 
 
+def _instruction_file(folder):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
+    from instruction_sets import arithmetic_rows, write_jsonl
+
+    return write_jsonl(folder / "pr.jsonl", arithmetic_rows(300))
+
+
 def _losses(out):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}, [
@@ -45,10 +55,16 @@ def start(tmp_path_factory):
         ("torch", {}),
         ("jax", {}),
         ("torch", {"memory.loss_chunk": "96"}),
+        (
+            "torch",
+            {"data.packing": "bfd", "data.max_len": "24", "data.train_on": "prompt+response"},
+        ),
     ],  # 256 tokens a micro-batch: 3 chunks, the last padded
-    ids=["from-torch", "from-jax", "chunked-loss"],
+    ids=["from-torch", "from-jax", "chunked-loss", "packed-bfd"],
 )
 def test_both_backends_log_the_same_losses_from_the_same_weights(tmp_path, start, init_on, over):
+    if "data.packing" in over:  # instruction data, examples cut to 24 tokens: 2-3 a row
+        over = {**over, "data.source": str(_instruction_file(tmp_path))}
     if init_on == "jax":  # the other way round: a JAX run's weights start both
         train(_cfg(tmp_path / "jstart", **{"train.backend": "jax"}, **{"train.max_steps": 2, "train.eval_every": 0,
                                                "model.init_from": str(start)}))  # fmt: skip
@@ -64,3 +80,5 @@ def test_both_backends_log_the_same_losses_from_the_same_weights(tmp_path, start
     assert vj == pytest.approx(vt, rel=REL) and len(vt) == 2
     assert lt[STEPS] < lt[1] - 0.5  # it trained
     assert j["params"] == t["params"] and j["tokens"] == t["tokens"]
+    if "data.packing" in over:  # rows of several examples each, the same on both backends
+        assert t["data"]["rows"] < t["data"]["examples"] and j["data"] == t["data"]

@@ -101,6 +101,9 @@ GRID = {
     "chat-one-a-row": {"data.source": "CHAT", "model.dropout": "0.1",
                        "train.micro_batch_size": "2"},
     "prompt-response-stream": {"data.source": "ARITHMETIC", "data.packing": "stream"},
+    "prompt-response-bfd": {"data.source": "ARITHMETIC", "data.packing": "bfd",
+                            "model.seq_len": "128", "model.dropout": "0.1",
+                            "train.micro_batch_size": "2"},
 }  # fmt: skip
 
 
