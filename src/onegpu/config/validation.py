@@ -321,10 +321,11 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
     )
     layout = resolve_layout(d, world_size)
     _require(
-        layout.pp == 1 or cfg.data.packing not in ("greedy", "bfd"),
+        (layout.pp == 1 and layout.tp == 1) or cfg.data.packing not in ("greedy", "bfd"),
         "data.packing",
-        f"{cfg.data.packing} packs examples with their own positions, which the pipeline's "
-        "stages do not pass on yet; use none under pipeline parallelism",
+        f"{cfg.data.packing} packs examples with their own positions, which pipeline stages "
+        "and tensor-parallel layers do not take yet; use none with dist.pp or dist.tp "
+        "(FSDP and DDP take packed rows)",
     )
     check_batch_split(cfg.train, layout.dp)
     check_pipeline_batches(cfg, layout)
