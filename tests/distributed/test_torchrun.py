@@ -237,3 +237,18 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_ends_on_the_same_losses(tm
     final = losses(out)
     assert max(final) == steps
     assert final[steps] == pytest.approx(losses(straight)[steps], rel=REL)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_packed_rows_split_over_processes_equal_one_process(tmp_path, strategy):
+    """Each process takes its rows of a packed batch with their positions: the same losses."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "data"))
+    from instruction_sets import arithmetic_rows, write_jsonl
+
+    source = write_jsonl(tmp_path / "pr.jsonl", arithmetic_rows(300))
+    data = {"data.source": str(source), "data.packing": "bfd", "model.seq_len": "128"}
+    launch(tmp_path / "one", 1, **data, **{"train.micro_batch_size": 2})
+    launch(tmp_path / "two", 2, **data, **{"train.micro_batch_size": 2, "dist.strategy": strategy})
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["data"]["rows"] < summary["data"]["examples"]  # packed: several a row
+    assert_same_losses(losses(tmp_path / "two"), losses(tmp_path / "one"))
