@@ -1,11 +1,13 @@
 """Instruction and chat data on this CPU: what one example a row costs in padding against the
-stream of windows, trained tokens/s beside all tokens/s, and what training on the answers only
-buys over training on whole sequences.
+stream of windows and against packing (greedy, best-fit decreasing, each example isolated),
+trained tokens/s beside all tokens/s, and what training on the answers only buys over training
+on whole sequences.
 
 Two sets, made here (nothing downloads): the tests' arithmetic instructions ("What is 123 plus
 456?" -> "579.") and a chat set from the standard library (a user asks what a function does,
 the assistant answers with the first line of its docstring). Each row is `onegpu train
---preset tiny` (2 x d64, byte-level, seq 64, batch 16) for the same steps in a fresh process;
+--preset tiny` (2 x d64, byte-level, seq 128 or 256, batch 16) for the same steps in a fresh
+process;
 every row is scored by its model's loss on the validation split's answers (one example a row,
 answers only: the same figure whatever the row trained on).
 
@@ -40,11 +42,14 @@ ROWS = {  # name: (backend, overrides)
         "torch",
         {"data.packing": "none", "data.train_on": "prompt+response"},
     ),
+    "greedy-packed, answers trained": ("torch", {"data.packing": "greedy"}),
+    "bfd-packed, answers trained": ("torch", {"data.packing": "bfd"}),
     "one a row, answers trained (JAX)": ("jax", {"data.packing": "none"}),
+    "bfd-packed, answers trained (JAX)": ("jax", {"data.packing": "bfd"}),
 }
 FIXED = {"train.batch_size": "16", "train.micro_batch_size": "16", "train.eval_every": "50",
          "train.log_every": "10", "optim.lr": "3e-3"}  # fmt: skip
-SEQ_LEN = {"arithmetic": 64, "stdlib chat": 256}  # the longest example fits its row
+SEQ_LEN = {"arithmetic": 128, "stdlib chat": 256}  # the longest example fits, a few pack
 
 
 def stdlib_chats() -> list[dict]:
@@ -125,13 +130,14 @@ def write(results: list, steps: int) -> None:
         "",
         f"Machine: {platform.processor() or platform.machine()}, bf16 kind: {bf16_kind()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}. `tiny` preset (2 x d64, "
-        f"byte-level), seq 64 (arithmetic) and 256 (chat), batch 16, lr 3e-3, {steps} steps, "
-        "precision auto.",
+        f"byte-level), seq {SEQ_LEN['arithmetic']} (arithmetic) and {SEQ_LEN['stdlib chat']} "
+        f"(chat), batch 16, lr 3e-3, {steps} steps, precision auto. Packed rows hold several "
+        "examples, each with positions from 0 and attending only within itself.",
         f"Command: `python benchmarks/instruction_data.py --steps {steps}`.",
         "",
-        "| set | rows | tokens/s | trained tokens/s | padding | over-long | val loss (its own "
-        "masks) by step | loss on held-out answers |",
-        "|---|---|---|---|---|---|---|---|",
+        "| set | rows | tokens/s | trained tokens/s | trained tokens | padding | over-long | "
+        "val loss (its own rows and masks) by step | loss on held-out answers |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, name, s, score in results:
         data = s["data"]
@@ -140,7 +146,8 @@ def write(results: list, steps: int) -> None:
         trained = s.get("trained_tokens_per_s")
         lines.append(
             f"| {set_name} | {name} | {s['tokens_per_s']:,.0f} | "
-            f"{f'{trained:,.0f}' if trained else '-'} | {padding} | "
+            f"{f'{trained:,.0f}' if trained else '-'} | {s.get('trained_tokens', 0):,} | "
+            f"{padding} | "
             f"{data.get('overlong', 0)} of {data['counts']['train']['examples']:,} | {curve} | "
             f"{score:.3f} |"
         )
