@@ -63,6 +63,18 @@ def validate_data(d: DataConfig, m: ModelConfig) -> None:
         )
 
 
+def check_packing_layout(d: DataConfig, pp: int, tp: int) -> None:
+    """Packed rows need every layer to take their positions: FSDP and DDP do, pipeline
+    stages and tensor-parallel layers not yet."""
+    _require(
+        (pp == 1 and tp == 1) or d.packing not in ("greedy", "bfd"),
+        "data.packing",
+        f"{d.packing} packs examples with their own positions, which pipeline stages and "
+        "tensor-parallel layers do not take yet; use none with dist.pp or dist.tp (FSDP and "
+        "DDP take packed rows)",
+    )
+
+
 def _parses(template: str) -> bool:
     try:
         list(string.Formatter().parse(template))

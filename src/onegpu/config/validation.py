@@ -8,7 +8,7 @@ import warnings
 
 from onegpu.config.backends import validate_backend
 from onegpu.config.checkpointing import parse_checkpointing
-from onegpu.config.data_checks import validate_data
+from onegpu.config.data_checks import check_packing_layout, validate_data
 from onegpu.config.layout import check_layout, check_pipeline_batches, resolve_layout
 from onegpu.config.options import (
     LOW_RANK_OPTIMIZERS,
@@ -320,13 +320,7 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         f"{' or '.join(DIST_OPTIMIZERS)}",
     )
     layout = resolve_layout(d, world_size)
-    _require(
-        (layout.pp == 1 and layout.tp == 1) or cfg.data.packing not in ("greedy", "bfd"),
-        "data.packing",
-        f"{cfg.data.packing} packs examples with their own positions, which pipeline stages "
-        "and tensor-parallel layers do not take yet; use none with dist.pp or dist.tp "
-        "(FSDP and DDP take packed rows)",
-    )
+    check_packing_layout(cfg.data, layout.pp, layout.tp)
     check_batch_split(cfg.train, layout.dp)
     check_pipeline_batches(cfg, layout)
 
