@@ -257,3 +257,27 @@ def test_packed_batches_through_the_step_keep_their_gradients_under_each_techniq
     assert len(grads) == len(plain)
     for a, b in zip(grads, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_the_planner_follows_the_packed_step(hf_folder, arch):
+    """A packed step (explicit masks, position embeddings from the rows' positions) is planned
+    like a real one: the planned peak within 5% of the measured, the saved bytes exact."""
+    from conftest import hf_overrides
+
+    from onegpu.backends.torch.step_memory import measure_real_step
+    from onegpu.config import load_config
+    from onegpu.plan.memory import plan_memory
+
+    base = {"model.seq_len": str(PACKED_T), "train.device": "cpu", "train.precision": "fp32"}
+    if arch == "llama":
+        base = hf_overrides(hf_folder("llama"), seq_len=PACKED_T)
+    over = {**base, "data.packing": "bfd", "memory.checkpointing": "selective"}
+    cfg = load_config("tiny", overrides={**over, "train.compile": "none"})
+    plan = plan_memory(cfg)
+    _, measured = measure_real_step(cfg)
+    assert plan.memory["peak"] == pytest.approx(measured["peak"], rel=0.05)
+    saved = measured["saved_activations_per_micro_batch"]
+    assert plan.saved_per_micro_batch == pytest.approx(saved, rel=1e-3)
+    unpacked = plan_memory(load_config("tiny", overrides={**over, "data.packing": "none"}))
+    assert plan.memory["peak"] > unpacked.memory["peak"]  # the masks are followed

@@ -55,9 +55,10 @@ class DataConfig:
     max_len: int = 0
     """The longest example kept, in tokens (0: the row, seq_len + 1; at most that): longer
     ones are truncated or dropped (data.overlong). Packing none, greedy and bfd."""
-    overlong: Literal["truncate", "drop"] = "truncate"
-    """An example longer than data.max_len keeps its first tokens, or is left out; either is
-    counted in the summary's data section and on the start line."""
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+    """An example longer than data.max_len keeps its first tokens ('truncate'), is left out
+    ('drop'; either is counted in the summary's data section and on the start line), or
+    stops the run before it starts, naming the example ('error')."""
     train_on: Literal["auto", "prompt+response", "response", "assistant"] = "auto"
     """Which tokens carry loss: 'prompt+response' (all), 'response' (the answer; chat: the
     last assistant turn), 'assistant' (chat: every assistant turn), or 'auto': response for

@@ -13,6 +13,21 @@ from onegpu.data.tokenizer import Tokenizer
 from onegpu.data.windows import Rows, example_rows
 
 
+def refuse_overlong(split: str, n_tokens: int, starts: np.ndarray, limit: int) -> None:
+    """`data.overlong error`: the first example longer than `limit` tokens, named."""
+    lengths = np.diff(np.append(starts, n_tokens))
+    over = np.flatnonzero(lengths > limit)
+    if len(over):
+        first = int(over[0])
+        raise ConfigError(
+            "data.overlong",
+            f"example {first} of the {split} split has {int(lengths[first])} tokens, over the "
+            f"limit of {limit} (data.max_len, or the row's seq_len + 1; {len(over)} examples "
+            "are over); raise model.seq_len or data.max_len, or set data.overlong truncate or "
+            "drop",
+        )
+
+
 @dataclass(slots=True)
 class TokenSplits:
     train: np.ndarray
@@ -42,6 +57,12 @@ class TokenSplits:
         if packing == "auto":
             packing = "stream" if self.format == "text" else "none"
         self.packing = packing
+        for split, tokens, docs in (
+            ("training", self.train, self.train_docs),
+            ("validation", self.val, self.val_docs),
+        ):
+            if data.overlong == "error" and packing != "stream" and docs is not None:
+                refuse_overlong(split, len(tokens), docs, data.max_len or seq_len + 1)
         self.train_rows = self._rows(self.train, self.train_mask, self.train_docs, data, seq_len)
         self.val_rows = self._rows(self.val, self.val_mask, self.val_docs, data, seq_len)
         return self

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
-from onegpu.backends.torch.loader import placeholder_batch
+from onegpu.backends.torch.loader import placeholder_batch, placeholder_positions
 from onegpu.config import Config, ConfigError, OptimConfig
 from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import local_tensor
@@ -130,7 +130,12 @@ def _first_grad_hook(p: torch.Tensor, fn):
 
 
 def _follow_step(
-    built: Built, target: str, x: torch.Tensor, y: torch.Tensor, by_segment: bool = False
+    built: Built,
+    target: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    positions: torch.Tensor | None,
+    by_segment: bool = False,
 ) -> _FollowedStep:
     """Run the built step (a steady one: optimizer states already exist) op by op, labelling
     every storage it makes: saved for backward, gradient, or other."""
@@ -168,7 +173,7 @@ def _follow_step(
         hooks.append(built.optimizer.register_step_pre_hook(grads_at_step))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), host_saves, tracker:
-            built.step(x, y, y.numel(), 1)
+            built.step(x, y, y.numel(), 1, positions)
     finally:
         modules.remove()
         for h in hooks:
@@ -210,8 +215,9 @@ def plan_memory(
     try:
         with built.fake_mode:
             x, y = placeholder_batch(B, T, built.classes)
-            built.step(x, y, y.numel(), 0)  # creates the optimizer states, as a first step does
-            followed = _follow_step(built, target, x, y, by_segment)
+            positions = placeholder_positions(cfg.data.packing, B, T)  # packed rows' path
+            built.step(x, y, y.numel(), 0, positions)  # creates the optimizer states
+            followed = _follow_step(built, target, x, y, positions, by_segment)
     except DynamicOutputShapeException as e:
         raise Unplannable("model.hf", _unplannable(built, e)) from None
     plan = _label(built, cfg.optim, followed, n_micro, target)

@@ -169,8 +169,10 @@ def measured_row(out: Path) -> dict[str, Any]:
     if "dist" in summary:  # the process that peaked highest (rank 0 holds the unsharded root)
         peak = max(r["peak_mem_bytes"] for r in summary["dist"]["per_rank"])
         kind = f"highest of {summary['dist']['world_size']} ranks' {summary['peak_mem_kind']}"
+    trained = summary.get("trained_tokens")  # the tokens the loss counts (masks, padding)
     return {
         "tokens_per_s": summary["tokens"] / summary["steps"] / step_time,
+        "trained_tokens_per_s": trained / summary["steps"] / step_time if trained else None,
         "step_time_s": step_time,
         "peak_mem_bytes": peak,
         "peak_mem_kind": kind,

@@ -312,6 +312,15 @@ def _uniform_key(change: dict[str, str], policy: str) -> str:
     return json.dumps({**change, "memory.checkpointing": policy}, sort_keys=True)
 
 
+def _trained(res: dict[str, Any]) -> str:
+    """', N trained' where the loss counts fewer tokens than the rows hold (masked prompts,
+    padding): the figure instruction data is tuned for; every trial shares the data."""
+    trained = res.get("trained_tokens_per_s")
+    if not trained or trained >= 0.999 * res["tokens_per_s"]:
+        return ""
+    return f" ({trained:,.0f} trained)"
+
+
 def measure(
     fitting: Planned, run: dict[str, Any], base: dict[str, str], time_budget_s: float, log
 ) -> list[dict[str, Any]]:
@@ -336,7 +345,8 @@ def measure(
             res.update(change=change, planned_peak_bytes=peak)
             trials.append(res)
             log(
-                f"  {trial_label(change)}: {res['tokens_per_s']:,.0f} tokens/s, planned "
-                f"{peak / 2**20:,.0f} MiB, measured {res['peak_mem_bytes'] / 2**20:,.0f} MiB"
+                f"  {trial_label(change)}: {res['tokens_per_s']:,.0f} tokens/s"
+                f"{_trained(res)}, planned {peak / 2**20:,.0f} MiB, measured "
+                f"{res['peak_mem_bytes'] / 2**20:,.0f} MiB"
             )
     return trials

@@ -88,10 +88,16 @@ def frontier_table(result: dict[str, Any]) -> str:
             f"| {trial_label(t['change'])} | {t['tokens_per_s']:,.0f} | "
             f"{t['peak_mem_bytes'] / 2**20:,.0f} MiB | {t['planned_peak_bytes'] / 2**20:,.0f} MiB |"
         )
-    kind = result["best"].get("peak_mem_kind")
+    best = result["best"]
+    kind = best.get("peak_mem_kind")
+    trained = best.get("trained_tokens_per_s")
     lines += [
         "",
         f"Measured peak: {kind}." if kind else "",
+        f"Trained tokens (the loss's, without masked prompts and padding): {trained:,.0f}/s of "
+        f"the fastest's {best['tokens_per_s']:,.0f} tokens/s."
+        if trained and trained < 0.999 * best["tokens_per_s"]
+        else "",
         f"Fastest that fits: {trial_label(result['best']['change'])} (best.toml).",
         "",
     ]

@@ -40,6 +40,16 @@ def placeholder_batch(
     return x, classification_targets(x, classes) if classes else y
 
 
+def placeholder_positions(packing: str, batch: int, seq_len: int) -> torch.Tensor | None:
+    """Positions in a step's shapes where rows are packed (`data.packing` greedy or bfd: two
+    documents a row, so the model takes its packed path), None where rows hold one each."""
+    if packing not in ("greedy", "bfd"):
+        return None
+    half = seq_len // 2
+    row = torch.cat([torch.arange(half), torch.arange(seq_len - half)])
+    return row.repeat(batch, 1)
+
+
 def classification_example(
     window_T: torch.Tensor, classes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,11 @@ from typing import Any
 import torch
 
 from onegpu.backends.torch.build import Built, build
-from onegpu.backends.torch.loader import classification_targets, count_targets
+from onegpu.backends.torch.loader import (
+    classification_targets,
+    count_targets,
+    placeholder_positions,
+)
 from onegpu.backends.torch.step import StepOutput
 from onegpu.config import Config
 from onegpu.distributed.parallelize import local_tensor
@@ -79,6 +83,7 @@ def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any]]:
     if built.classes:
         y = classification_targets(x, built.classes)
     n = count_targets(y)
-    built.step(x, y, n, 0)
-    _, memory = measure_step(built, x, y, n, 1)
+    positions = placeholder_positions(cfg.data.packing, *x.shape)
+    built.step(x, y, n, 0, positions)
+    _, memory = measure_step(built, x, y, n, 1, positions)
     return built, memory
