@@ -180,6 +180,7 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("a DatasetDict without the split", T + ["--data.source", "{dsdict}", "--data.split", "validation"], "data.split"),
     ("a template that does not parse", T + ["--data.template", "{{prompt"], "data.template"),
     ("max_len longer than the row", T + ["--data.max_len", "1000"], "data.max_len"),
+    ("packed rows on the flash kernel", T + ["--model.attention", "flash", "--data.packing", "greedy"], "model.attention"),
     ("an over-long example under overlong error", T + ["--data.source", "{dsdict}", "--data.max_len", "8", "--data.overlong", "error"], "data.overlong"),
     ("packed rows under pipeline parallelism", ["plan", "--preset", "tiny", "--world-size", "2", "--dist.pp", "2", "--model.tie_embeddings", "false", "--data.packing", "bfd"], "data.packing"),
     ("train_on assistant for prompt-response", T + ["--data.source", "{dsdict}", "--data.train_on", "assistant"], "data.train_on"),

@@ -177,6 +177,20 @@ def test_packed_examples_train_as_each_alone_and_without_isolation_they_leak(
     # the same row without isolation: the second example attends to the first
     leaked = _example_losses(model, x, y, None, groups)
     assert abs(float(leaked[1].detach() - packed[1].detach())) > 1e-3
+    if arch == "gpt":  # its own positions but no mask: attention alone leaks
+        from onegpu.models.gpt import Attention
+
+        with torch.no_grad():
+            model.use_positions(pos)
+            for module in model.modules():
+                if isinstance(module, Attention):
+                    module.document_mask = None
+            unmasked = _logits(model, x)
+            model.use_positions(None)
+        per_token = torch.nn.functional.cross_entropy(
+            unmasked[0].float(), y[0], ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        assert abs(float(per_token[groups[1]].sum() - packed[1].detach())) > 1e-3
 
 
 def test_greedy_keeps_the_order_and_bfd_fills_the_fewest_rows():
@@ -281,3 +295,23 @@ def test_the_planner_follows_the_packed_step(hf_folder, arch):
     assert plan.saved_per_micro_batch == pytest.approx(saved, rel=1e-3)
     unpacked = plan_memory(load_config("tiny", overrides={**over, "data.packing": "none"}))
     assert plan.memory["peak"] > unpacked.memory["peak"]  # the masks are followed
+
+
+def test_a_transformers_model_that_ignores_position_ids_is_refused_packed_rows(tmp_path):
+    """OPT builds its positions from the attention mask: packed documents would see each
+    other, so the build refuses greedy and bfd on it (one line) and keeps none."""
+    import transformers
+    from conftest import hf_overrides
+
+    from onegpu.backends.torch.build import build
+    from onegpu.config import load_config
+
+    opt = transformers.OPTConfig(
+        hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+        vocab_size=320, max_position_embeddings=128, word_embed_proj_dim=64, dropout=0.0,
+    )  # fmt: skip
+    transformers.OPTForCausalLM(opt).save_pretrained(tmp_path / "opt")
+    over = hf_overrides(tmp_path / "opt", seq_len=64)
+    with pytest.raises(ConfigError, match="data.packing.*OPTForCausalLM"):
+        build(load_config("tiny", overrides={**over, "data.packing": "bfd"}), with_data=False)
+    build(load_config("tiny", overrides={**over, "data.packing": "none"}), with_data=False)

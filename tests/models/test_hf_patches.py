@@ -51,6 +51,3 @@ def test_for_packed_rows_the_original_finds_the_documents_onegpu_reads():
     found = _masking().find_packed_sequence_indices(positions)
     assert torch.equal(found, document_ids(positions))
     assert document_ids(positions).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 6 + [1, 1]]
-    masking = _masking()
-    with patches.packed_as(document_ids(positions)):
-        assert torch.equal(masking.find_packed_sequence_indices(positions), found)

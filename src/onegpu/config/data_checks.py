@@ -27,6 +27,12 @@ def validate_data(d: DataConfig, m: ModelConfig) -> None:
         f"{d.seq_len} is longer than the model's context model.seq_len={m.seq_len}; "
         f"use data.seq_len <= {m.seq_len} or raise model.seq_len",
     )
+    _require(
+        m.attention != "flash" or d.packing not in ("greedy", "bfd"),
+        "model.attention",
+        f"the flash kernel takes no attention mask, which data.packing {d.packing} needs to "
+        "keep examples apart; use sdpa (the efficient kernel takes the mask) or packing none",
+    )
     row = (d.seq_len or m.seq_len) + 1
     _require(
         0 <= d.max_len <= row,

@@ -39,18 +39,21 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     lengths = np.asarray(lengths, dtype=np.int64)
     _check(lengths, capacity)
     order = np.argsort(-lengths, kind="stable")
+    shortest = int(lengths.min()) if len(lengths) else 0
     rows: list[list[int]] = []
-    rooms: list[tuple[int, int]] = []  # (room left, row), sorted
+    rooms: list[tuple[int, int]] = []  # (room left, row), sorted; rows too full to take
+    # even the shortest example leave the list, which keeps its insertions short
     for i in order.tolist():
         n = int(lengths[i])
         at = bisect.bisect_left(rooms, (n, -1))
         if at == len(rooms):
             rows.append([i])
-            bisect.insort(rooms, (capacity - n, len(rows) - 1))
-            continue
-        room, row = rooms.pop(at)
-        rows[row].append(i)
-        bisect.insort(rooms, (room - n, row))
+            room, row = capacity, len(rows) - 1
+        else:
+            room, row = rooms.pop(at)
+            rows[row].append(i)
+        if room - n >= max(shortest, 1):
+            bisect.insort(rooms, (room - n, row))
     sizes = [len(r) for r in rows]
     indices = np.array([i for r in rows for i in r], dtype=np.int64)
     return indices, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

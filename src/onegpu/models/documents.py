@@ -52,3 +52,31 @@ def documents(model: nn.Module, positions_BT: torch.Tensor | None) -> Iterator[N
         yield
     finally:
         inner.use_positions(None)
+
+
+@torch.no_grad()
+def isolates_documents(model: nn.Module, vocab_size: int, device: torch.device) -> bool:
+    """Whether the model keeps packed documents apart: the second of two documents in a row
+    gives the logits it gives alone, where the same row without positions (cross-talk)
+    gives others. A transformers architecture that builds its own positions or mask and
+    ignores `position_ids` fails it. Eager (compiled regions are not traced for a probe)."""
+    ids_BT = (torch.arange(1, 10, device=device) * 7919 % vocab_size)[None]
+    first = 5
+    positions_BT = torch.cat([torch.arange(first), torch.arange(9 - first)]).to(device)[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            alone = _logits(model, ids_BT[:, first:])
+            with documents(model, positions_BT):
+                packed = _logits(model, ids_BT)[:, first:]
+            mixed = _logits(model, ids_BT)[:, first:]
+    finally:
+        model.train(was_training)
+    leak = (packed - alone).abs().max()
+    crosstalk = (mixed - alone).abs().max()
+    return bool(leak <= 0.1 * crosstalk)
+
+
+def _logits(model: nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
+    return language_model(model)(ids_BT).float()

@@ -132,10 +132,11 @@ rest, attention's batched matmuls included (the policy of "NanoGPT with JAX, par
 keeps every matmul's output, the attention scores and their product with V too."""
 
 
-def _remat(cls, policy=None, prevent_cse: bool = True):
-    # static argnum 2 is `deterministic` (0 is the module); inside a scan, CSE cannot defeat
-    # the rematerialisation and preventing it only costs (prevent_cse=False, Lippe's tutorial)
-    return nn.remat(cls, prevent_cse=prevent_cse, policy=policy, static_argnums=(2,))
+def _remat(cls, policy=None, prevent_cse: bool = True, static_argnums=(2,)):
+    # a Block's static argnum 2 is `deterministic` (0 is the module; a ScanBlock holds it as
+    # an attribute: none); inside a scan, CSE cannot defeat the rematerialisation and
+    # preventing it only costs (prevent_cse=False, Lippe's tutorial)
+    return nn.remat(cls, prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums)
 
 
 class Block(nn.Module):
@@ -183,7 +184,8 @@ def block_class(kind: str, index: int, every: int):
 def scan_block_class(kind: str):
     """The scanned block: every layer the same (memory.checkpointing every:K is refused)."""
     if kind == "block" or kind in REMAT_POLICIES:
-        return _remat(ScanBlock, REMAT_POLICIES.get(kind), prevent_cse=False), ()
+        policy = REMAT_POLICIES.get(kind)
+        return _remat(ScanBlock, policy, prevent_cse=False, static_argnums=()), ()
     return ScanBlock, {"attn": ("attn",), "mlp": ("mlp",), "attn+mlp": ("attn", "mlp")}.get(
         kind, ()
     )

@@ -26,12 +26,13 @@ from onegpu.backends.torch.data import data_tokenizer, prepare_data
 from onegpu.backends.torch.model import Applied, apply_techniques, make_model, materialize
 from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
 from onegpu.backends.torch.step import TrainStep
-from onegpu.config import LOW_RANK_OPTIMIZERS, Config, check_distributed
+from onegpu.config import LOW_RANK_OPTIMIZERS, Config, ConfigError, check_distributed
 from onegpu.config.schedule import scaled_optim
 from onegpu.data.splits import TokenSplits
 from onegpu.distributed import DistContext, init_distributed, single_process
 from onegpu.distributed.context import shutdown
 from onegpu.memory.saved import SavedTensorCounter
+from onegpu.models.documents import isolates_documents
 from onegpu.models.gpt import count_params
 from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.offload.homes import homes
@@ -139,6 +140,13 @@ def build(
         resolved = dataclasses.replace(resolved, config=cfg)
         model = applied.model
         optimizer = _optimizer(model, cfg, resolved, device, ctx, fake)
+    if model.is_classifier and data is not None and data.packing != "stream":
+        raise ConfigError(
+            "data.packing",
+            f"{data.packing}: a sequence classifier reads windows of the token stream; use stream",
+        )
+    if not fake and cfg.model.hf and cfg.data.packing in ("greedy", "bfd"):
+        _require_isolation(model, cfg, device)
     step = _train_step(cfg, applied, optimizer, resolved, device, ctx)
     whole = model if not applied.pipeline else _whole_model(cfg)
 
@@ -159,6 +167,17 @@ def build(
         asked=asked,
         comm_state=applied.comm_state,
     )
+
+
+def _require_isolation(model: LanguageModel, cfg: Config, device: torch.device) -> None:
+    """Packed rows on a transformers model: refused where its forward does not keep the
+    documents apart (models/documents.py's probe), before any step trains on cross-talk."""
+    if not isolates_documents(model, model.vocab_size, device):
+        raise ConfigError(
+            "data.packing",
+            f"{cfg.data.packing}: {type(model.hf).__name__} does not keep packed documents "
+            "apart (its attention or positions ignore position_ids); use none",
+        )
 
 
 def _whole_model(cfg: Config) -> LanguageModel:
