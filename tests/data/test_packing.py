@@ -315,3 +315,25 @@ def test_a_transformers_model_that_ignores_position_ids_is_refused_packed_rows(t
     with pytest.raises(ConfigError, match="data.packing.*OPTForCausalLM"):
         build(load_config("tiny", overrides={**over, "data.packing": "bfd"}), with_data=False)
     build(load_config("tiny", overrides={**over, "data.packing": "none"}), with_data=False)
+
+
+def test_the_plan_reports_what_a_step_trains_of_the_data(tmp_path):
+    from onegpu.config import load_config
+    from onegpu.plan.format import format_report
+    from onegpu.plan.report import plan_report
+
+    source = str(write_jsonl(tmp_path / "pr.jsonl", arithmetic_rows(200)))
+    over = {"data.source": source, "model.seq_len": str(PACKED_T), "train.device": "cpu",
+            "data.cache_dir": str(tmp_path)}  # fmt: skip
+    found = {}
+    for packing in ("none", "bfd"):
+        cfg = load_config("tiny", overrides={**over, "data.packing": packing})
+        report = plan_report(cfg, None, None)
+        found[packing] = report["data"]
+        assert f"{report['data']['trained_tokens_per_step']:,.0f} of" in format_report(report, None)
+    none, bfd = found["none"], found["bfd"]
+    assert none["tokens_per_step"] == bfd["tokens_per_step"] == 8 * PACKED_T
+    assert bfd["padding"] < none["padding"]
+    assert bfd["trained_tokens_per_step"] > 2 * none["trained_tokens_per_step"]
+    assert bfd["predicted_trained_tokens_per_s"] > 2 * none["predicted_trained_tokens_per_s"]
+    assert "data" not in plan_report(load_config("tiny"), None, None)  # stdlib text: no rows

@@ -7,6 +7,7 @@ from typing import Any
 
 from onegpu.memory.breakdown import GROUPS
 from onegpu.perf.devices import GiB
+from onegpu.plan.data_share import data_lines
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
 
 
@@ -102,6 +103,7 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             )
             + ")"
         )
+    lines += data_lines(r)
     if "offload" in r:
         o = r["offload"]
         link = (

@@ -17,6 +17,7 @@ from onegpu.offload.weights import with_offload_params
 from onegpu.perf.devices import GPUS
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.budget import plan_budget
+from onegpu.plan.data_share import data_share
 from onegpu.plan.fixes import fixes_for
 from onegpu.plan.memory import MemoryPlan, plan_memory
 from onegpu.plan.mesh import mesh_plans, mesh_section, predicted_step
@@ -84,6 +85,7 @@ def plan_report(
             cfg, plan, world_size, GPUS[gpu].memory_bytes, target, caps
         )
     report.update(predicted_speed(cfg, plan, gpu, world_size))
+    report.update(data_share(cfg, report.get("predicted_tokens_per_s")))
     capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
     if capacity:
         overhead = CUDA_OVERHEAD_BYTES if gpu else 0
