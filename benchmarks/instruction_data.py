@@ -45,6 +45,11 @@ ROWS = {  # name: (backend, overrides)
     "greedy-packed, answers trained": ("torch", {"data.packing": "greedy"}),
     "bfd-packed, answers trained": ("torch", {"data.packing": "bfd"}),
     "one a row, answers trained (JAX)": ("jax", {"data.packing": "none"}),
+    "one a row, whole sequence trained (JAX)": (
+        "jax",
+        {"data.packing": "none", "data.train_on": "prompt+response"},
+    ),
+    "greedy-packed, answers trained (JAX)": ("jax", {"data.packing": "greedy"}),
     "bfd-packed, answers trained (JAX)": ("jax", {"data.packing": "bfd"}),
 }
 FIXED = {"train.batch_size": "16", "train.micro_batch_size": "16", "train.eval_every": "50",
