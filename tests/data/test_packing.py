@@ -337,3 +337,40 @@ def test_the_plan_reports_what_a_step_trains_of_the_data(tmp_path):
     assert bfd["trained_tokens_per_step"] > 2 * none["trained_tokens_per_step"]
     assert bfd["predicted_trained_tokens_per_s"] > 2 * none["predicted_trained_tokens_per_s"]
     assert "data" not in plan_report(load_config("tiny"), None, None)  # stdlib text: no rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_on_a_gpu_packed_rows_train_as_each_example_alone(tmp_path, hf_folder, arch, precision):
+    """CUDA's SDPA takes the explicit mask on its memory-efficient kernel (our GPT) and
+    transformers builds its own packed mask: each example's loss in its row is its own."""
+    from conftest import hf_overrides
+
+    from onegpu.backends.torch.build import build
+    from onegpu.config import load_config
+    from onegpu.models.documents import documents
+
+    base = {"model.seq_len": str(PACKED_T), "train.precision": precision}
+    if arch == "llama":
+        base = {**hf_overrides(hf_folder("llama"), seq_len=PACKED_T), **base}
+    cfg = load_config("tiny", overrides={**base, "train.device": "cuda", "train.compile": "none"})
+    built = build(cfg, torch.device("cuda"), with_data=False)
+    model = built.model.eval()
+    rows = _splits(tmp_path, "bfd", PACKED_T).train_rows
+    x, y, pos = (
+        torch.from_numpy(np.stack(a)).cuda() for a in zip(*(rows.row(i) for i in range(4)))
+    )
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    with torch.no_grad(), built.resolved.precision.autocast(torch.device("cuda")):
+        with documents(model, pos):
+            packed = _logits(model, x).float()
+        for r in range(4):
+            at = 0
+            for e in rows.packs[rows.offsets[r] : rows.offsets[r + 1]]:
+                n = int(rows.spans[e][1] - rows.spans[e][0]) - 1
+                alone = _logits(model, x[r : r + 1, at : at + n]).float()
+                torch.testing.assert_close(
+                    packed[r : r + 1, at : at + n], alone, rtol=tol, atol=tol
+                )
+                at += n
