@@ -66,6 +66,11 @@ def test_the_host_optimizer_on_a_gpu_follows_the_device_optimizer(initial_weight
     assert all(p.grad is None for p in host[0].model.parameters())
     assert host[1] == pytest.approx(plain[1], rel=1e-5)
     for name, w in plain[2].items():
+        if name.endswith("attn.k.bias"):
+            # A key bias adds the same q.b to every score of a query: softmax ignores it, so
+            # its gradient is rounding noise (1e-10), which AdamW scales to full steps of
+            # either sign: the GPU's and the CPU's noise differ (the H200 run saw this).
+            continue
         torch.testing.assert_close(host[2][name], w, rtol=1e-4, atol=1e-6, msg=name)
 
 
