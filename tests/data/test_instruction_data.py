@@ -292,3 +292,22 @@ def test_a_chat_fine_tune_keeps_its_template_through_export_and_generate(tmp_pat
     answer = capsys.readouterr().out
     assert "<|im_start|>" not in answer  # the answer alone, not the rendered prompt
     assert load_trained(str(out)).tokenizer.eot_id == 2
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 1 << 20])
+def test_a_json_array_streams_record_by_record_across_any_window(tmp_path, window):
+    """The array is decoded one element at a time from a window of the file: whatever the
+    window, the elements are json.loads' (strings with brackets and commas, nesting, numbers
+    cut at a window's edge, unicode)."""
+    from onegpu.data.sources import _json_array_items
+
+    rows = [{"prompt": "a, [b]", "response": "}{ ", "n": 12345678901234},
+            {"messages": [{"role": "user", "content": "ünï ☃"}]}, 3.25, [1, [2, 3]], "x"]  # fmt: skip
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows, indent=2, ensure_ascii=False), encoding="utf-8")
+    assert list(_json_array_items(path, window)) == rows
+    (tmp_path / "empty.json").write_text(" [ ] ")
+    assert list(_json_array_items(tmp_path / "empty.json", window)) == []
+    (tmp_path / "cut.json").write_text('[{"a": 1}, {"b": ')
+    with pytest.raises(json.JSONDecodeError):
+        list(_json_array_items(tmp_path / "cut.json", window))

@@ -108,18 +108,73 @@ def _jsonl_rows(source: Source) -> Iterator[Record]:
 
 
 def _json_array_rows(source: Source) -> Iterator[Record]:
+    """The records of a JSON array file, decoded one at a time from a window of the text: a
+    file larger than memory streams (`datasets` reads a JSON array whole)."""
+    number = 0
     try:
-        rows = json.loads(source.path.read_text(encoding="utf-8-sig"))
+        for number, record in enumerate(_json_array_items(source.path), 1):
+            yield _as_record(record, f"record {number} of {source.path}")
     except json.JSONDecodeError as e:
-        raise ConfigError("data.source", f"{source.path} is not valid JSON ({e})") from None
-    if not isinstance(rows, list):
+        raise ConfigError(
+            "data.source", f"{source.path} is not valid JSON after record {number} ({e.msg})"
+        ) from None
+    except _NotAnArray as e:
         raise ConfigError(
             "data.source",
-            f"{source.path} holds a JSON {type(rows).__name__}; give an array of records "
+            f"{source.path} holds a JSON {e}, not an array; give an array of records "
             "([{...}, ...]) or JSON Lines (.jsonl)",
-        )
-    for number, record in enumerate(rows, 1):
-        yield _as_record(record, f"record {number} of {source.path}")
+        ) from None
+
+
+class _NotAnArray(Exception):
+    """The file's top-level JSON value is not an array (the message names what it is)."""
+
+
+def _json_array_items(path: Path, window: int = 1 << 20) -> Iterator[Any]:
+    """Each element of the JSON array in `path`, with the stdlib decoder's raw_decode at each
+    element of a text window that grows only while an element is unfinished."""
+    decoder = json.JSONDecoder()
+    with path.open(encoding="utf-8-sig") as f:
+        text, at, done = "", 0, False
+
+        def more() -> bool:
+            nonlocal text, at, done
+            chunk = f.read(window)
+            done = not chunk
+            text, at = text[at:] + chunk, 0
+            return not done
+
+        def next_char() -> str:
+            nonlocal at
+            while True:
+                while at < len(text) and text[at].isspace():
+                    at += 1
+                if at < len(text) or not more():
+                    return text[at] if at < len(text) else ""
+
+        first = next_char()
+        if first != "[":
+            raise _NotAnArray("object" if first == "{" else "value")
+        at += 1
+        if next_char() == "]":
+            return
+        while True:
+            try:
+                item, end = decoder.raw_decode(text, at)
+                after = end
+                while after < len(text) and text[after].isspace():
+                    after += 1
+                if after == len(text) or text[after] not in ",]":  # unfinished: "3" of "3.25"
+                    raise json.JSONDecodeError("expected ',' or ']'", text, after)
+            except json.JSONDecodeError:
+                if done or not more():
+                    raise
+                continue
+            yield item
+            at = after + 1
+            if text[after] == "]":
+                return
+            next_char()
 
 
 def _as_record(record: Any, where: str) -> Record:
