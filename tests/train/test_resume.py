@@ -226,10 +226,10 @@ def test_out_of_memory_is_answered_with_the_planners_cheapest_fixes(tmp_path, mo
 
     real = TrainStep.__call__
 
-    def step(self, inputs, targets, n_tokens, index):
+    def step(self, inputs, targets, n_tokens, index, positions=None):
         if index == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(self, inputs, targets, n_tokens, index)
+        return real(self, inputs, targets, n_tokens, index, positions)
 
     monkeypatch.setattr(TrainStep, "__call__", step)
     out = tmp_path / "run"
