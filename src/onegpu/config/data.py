@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+PACKED = ("greedy", "bfd")
+"""data.packing values that put several examples in a row, each isolated by its positions."""
+
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import string
 from typing import TYPE_CHECKING
 
-from onegpu.config.data import DataConfig
+from onegpu.config.data import PACKED, DataConfig
 from onegpu.config.options import ConfigError, ModelConfig
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ def validate_data(d: DataConfig, m: ModelConfig) -> None:
         f"use data.seq_len <= {m.seq_len} or raise model.seq_len",
     )
     _require(
-        m.attention != "flash" or d.packing not in ("greedy", "bfd"),
+        m.attention != "flash" or d.packing not in PACKED,
         "model.attention",
         f"the flash kernel takes no attention mask, which data.packing {d.packing} needs to "
         "keep examples apart; use sdpa (the efficient kernel takes the mask) or packing none",
@@ -73,7 +73,7 @@ def check_packing_layout(d: DataConfig, pp: int, tp: int) -> None:
     """Packed rows need every layer to take their positions: FSDP and DDP do, pipeline
     stages and tensor-parallel layers not yet."""
     _require(
-        (pp == 1 and tp == 1) or d.packing not in ("greedy", "bfd"),
+        (pp == 1 and tp == 1) or d.packing not in PACKED,
         "data.packing",
         f"{d.packing} packs examples with their own positions, which pipeline stages and "
         "tensor-parallel layers do not take yet; use none with dist.pp or dist.tp (FSDP and "

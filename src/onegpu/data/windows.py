@@ -81,12 +81,12 @@ class Rows:
         document of its own (never attended to by an example: its targets are ignored)."""
         T = self.seq_len
         if self.spans is None:
-            return self._placed(np.empty(0, np.int64), [(i * T, i * T + T + 1)])
+            return self._placed([(i * T, i * T + T + 1)])
         assert self.packs is not None and self.offsets is not None
         examples = self.packs[self.offsets[i] : self.offsets[i + 1]]
-        return self._placed(examples, self.spans[examples].tolist())
+        return self._placed(self.spans[examples].tolist())
 
-    def _placed(self, examples, spans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _placed(self, spans: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         T = self.seq_len
         inputs = np.full(T, PAD_ID, dtype=np.int64)
         targets = np.full(T, IGNORE_INDEX, dtype=np.int64)

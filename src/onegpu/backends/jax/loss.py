@@ -104,28 +104,24 @@ def make_loss(model: Any, cfg: Config, chunk: int) -> Callable:
     `chunk` > 0; `positions`: rows of packed documents."""
     m = cfg.model
 
-    def plain(params, x, y, key, deterministic, positions=None):
-        logits = model.apply(
+    def run(module, params, x, key, deterministic, positions):
+        return module.apply(
             {"params": params},
             x,
             deterministic=deterministic,
             positions_BT=positions,
             rngs={"dropout": key},
         )
-        return token_loss_sum(logits, y)
+
+    def plain(params, x, y, key, deterministic, positions=None):
+        return token_loss_sum(run(model, params, x, key, deterministic, positions), y)
 
     if not chunk:
         return plain
     hidden = model.clone(logits=False)
 
     def chunked(params, x, y, key, deterministic, positions=None):
-        h = hidden.apply(
-            {"params": params},
-            x,
-            deterministic=deterministic,
-            positions_BT=positions,
-            rngs={"dropout": key},
-        )
+        h = run(hidden, params, x, key, deterministic, positions)
         head = params.get("lm_head", {})
         w = params["wte"] if m.tie_embeddings else head["weight"]
         b = head["bias"] if "bias" in head else jnp.zeros(w.shape[:1], jnp.float32)

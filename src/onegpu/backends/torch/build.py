@@ -27,6 +27,7 @@ from onegpu.backends.torch.model import Applied, apply_techniques, make_model, m
 from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
 from onegpu.backends.torch.step import TrainStep
 from onegpu.config import LOW_RANK_OPTIMIZERS, Config, ConfigError, check_distributed
+from onegpu.config.data import PACKED
 from onegpu.config.schedule import scaled_optim
 from onegpu.data.splits import TokenSplits
 from onegpu.distributed import DistContext, init_distributed, single_process
@@ -145,7 +146,7 @@ def build(
             "data.packing",
             f"{data.packing}: a sequence classifier reads windows of the token stream; use stream",
         )
-    if not fake and cfg.model.hf and cfg.data.packing in ("greedy", "bfd"):
+    if not fake and cfg.model.hf and cfg.data.packing in PACKED:
         _require_isolation(model, cfg, device)
     step = _train_step(cfg, applied, optimizer, resolved, device, ctx)
     whole = model if not applied.pipeline else _whole_model(cfg)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from onegpu.config.data import PACKED
 from onegpu.data import windows
 from onegpu.data.windows import IGNORE_INDEX, sample_indices
 
@@ -43,7 +44,7 @@ def placeholder_batch(
 def placeholder_positions(packing: str, batch: int, seq_len: int) -> torch.Tensor | None:
     """Positions in a step's shapes where rows are packed (`data.packing` greedy or bfd: two
     documents a row, so the model takes its packed path), None where rows hold one each."""
-    if packing not in ("greedy", "bfd"):
+    if packing not in PACKED:
         return None
     half = seq_len // 2
     row = torch.cat([torch.arange(half), torch.arange(seq_len - half)])
