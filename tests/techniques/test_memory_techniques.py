@@ -163,8 +163,14 @@ def test_chunked_linear_cross_entropy_with_bias_padding_and_ignored_rows():
     assert w.grad[n_valid:].abs().max() == 0 and b.grad[n_valid:].abs().max() == 0
 
 
-def test_chunked_loss_under_bf16_tracks_the_plain_path():
-    common = {"model.dropout": "0.0", "train.precision": "bf16"}
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_chunked_loss_under_bf16_tracks_the_plain_path(precision, monkeypatch):
+    """Under autocast the head's fp32 gradient is summed a block of rows at a time (here 100
+    of 256); under bf16-pure in bf16 over the chunks, as autograd would sum a chunked loss's."""
+    from onegpu.techniques import chunked_loss
+
+    monkeypatch.setattr(chunked_loss, "VOCAB_BLOCK", 100)
+    common = {"model.dropout": "0.0", "train.precision": precision}
     x = torch.randint(0, 256, (4, 64))
     plain_loss, plain_grads, _ = _step(_built(**common, **{"memory.loss_chunk": "0"}), x, x)
     loss, grads, _ = _step(_built(**common, **{"memory.loss_chunk": "64"}), x, x)

@@ -67,6 +67,7 @@ def _refuse_torch_memory_techniques(cfg: Config, none_yet: str) -> None:
     _refuse(mem.offload_activations, "memory.offload_activations", none_yet)
     _refuse(mem.offload_params, "memory.offload_params", none_yet)
     _refuse(mem.offload_optimizer, "memory.offload_optimizer", none_yet)
+    _refuse(mem.offload_states, "memory.offload_states", none_yet)
     _refuse(mem.gelu_bits != 0, "memory.gelu_bits", f"(few-bit GELU) {none_yet}")
     _refuse(mem.randomized_linear != 0, "memory.randomized_linear", none_yet)
     _refuse(

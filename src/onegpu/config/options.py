@@ -220,6 +220,13 @@ class MemoryConfig:
     """Optimizer states and the weights it updates in host memory (ZeRO-Offload on one device):
     gradients leave the device as backward produces them, the step runs on the CPU, the updated
     weights are copied back. Any optimizer (8-bit AdamW then keeps 8-bit states on the host)."""
+    offload_states: bool = False
+    """Optimizer states in host memory, stepped on the device: each parameter's states cross
+    the link just before its step and back after it (the next one's sent while it steps), so
+    the CPU computes nothing (an 8-bit step on a CPU is slow) and the device holds the states
+    of at most two parameters. With optim.in_backward each parameter steps as its gradient is
+    whole; without, one at a time after backward. Any optimizer; 8-bit AdamW sends 2 bytes
+    per parameter each way (docs/offload.md)."""
     offload_dir: str = ""
     """With memory.offload_optimizer: a folder on a local disk where the optimizer's states and
     its weight copies live in memory-mapped files (ZeRO-Infinity's disk tier), for when host

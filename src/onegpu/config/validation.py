@@ -214,6 +214,18 @@ def _validate_offload(cfg: Config) -> None:
             "made); give a folder on a local disk with room for the optimizer's states",
         )
     _require(
+        not (cfg.memory.offload_states and cfg.memory.offload_optimizer),
+        "memory.offload_states",
+        "keeps the states on the host and steps on the device; memory.offload_optimizer "
+        "steps on the host; choose one",
+    )
+    _require(
+        not (cfg.memory.offload_states and cfg.memory.offload_params),
+        "memory.offload_states",
+        "the weights in host memory (memory.offload_params) are stepped on the host with "
+        "their states already; drop one of the two",
+    )
+    _require(
         not (cfg.memory.offload_dir and o.in_backward),
         "memory.offload_dir",
         "states on the disk are stepped a file at a time after backward, which "
@@ -278,11 +290,13 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
     )
     if strategy == "none" and world_size == 1:
         return
-    _require(
-        not cfg.memory.offload_optimizer,
-        "memory.offload_optimizer",
-        "is for one process; under torchrun use dist.cpu_offload (FSDP2's shards on the host)",
-    )
+    for field in ("offload_optimizer", "offload_states"):
+        _require(
+            not getattr(cfg.memory, field),
+            f"memory.{field}",
+            "is for one process; under torchrun use dist.cpu_offload (FSDP2's shards on the "
+            "host)",
+        )
     _require(
         t.compile not in ("default", "max-autotune"),
         "train.compile",

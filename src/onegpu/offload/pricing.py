@@ -5,6 +5,8 @@ optimizer step (a prediction, labelled as one; docs/offload.md).
   copy each), the updated weights come back once per step.
 - memory.offload_activations: every micro-batch's saved activations go to the host in forward
   and come back in backward.
+- memory.offload_states: every parameter's states come to the device for its step and go
+  back, once per step; the CPU computes nothing.
 - FSDP's CPU offload (memory.offload_params, dist.cpu_offload): every micro-batch gathers the
   weights to the device for forward and again for backward (once, with reshard_after_forward
   false) and sends the gradients back; each process moves its shard over its own link.
@@ -48,6 +50,9 @@ def offload_costs(cfg: Config, plan: Any, gpu: str | None, world_size: int) -> d
             moved += n_micro * stored + stored
         rate, how = host_step_rate(cfg.optim.name)
         out.update(host_step_s=numel / rate, host_step_source=how)
+    if cfg.memory.offload_states:  # each parameter's states come for its step and go back
+        moved += 2 * plan.host_by_kind.get("optimizer states", 0)
+        out["states_on_host"] = True
     if not moved:
         return {}
     out["link_bytes"] = int(moved)

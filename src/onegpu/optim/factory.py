@@ -10,9 +10,15 @@ from torch import nn
 from onegpu.config import LOW_RANK_OPTIMIZERS, ConfigError, OptimConfig
 from onegpu.offload.disk_tier import DiskTier
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.offload.host_states import HostStates
 from onegpu.optim import packages
 from onegpu.optim.adam_mini import adam_mini_groups, adam_mini_state_bytes, make_adam_mini
-from onegpu.optim.in_backward import OptimizerInBackward, PerParameterOptimizers
+from onegpu.optim.in_backward import (
+    ELEMENTWISE,
+    OneParameterAtATime,
+    OptimizerInBackward,
+    PerParameterOptimizers,
+)
 from onegpu.optim.kahan import KahanAdamW, KahanSGD
 from onegpu.optim.low_rank import low_rank_groups, low_rank_state_bytes, make_low_rank
 from onegpu.optim.state_bytes import predicted_state_bytes, step_transient_bytes
@@ -127,37 +133,60 @@ def build_optimizer(
     param_dtype: torch.dtype = torch.float32,
     offload: bool = False,
     offload_dir: str = "",
+    states_on_host: bool = False,
     fake: bool = False,
     seed: int = 0,
-) -> torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer:
+) -> torch.optim.Optimizer | PerParameterOptimizers | HostOffloadOptimizer:
     """The configured optimizer for weights stored in `param_dtype` (the precision policy's);
     stepped inside backward, per parameter, if optim.in_backward; on host copies of the
     weights, stepped on the CPU, if `offload` (memory.offload_optimizer), their copies and
-    states in files under `offload_dir` if given (none made on a `fake` build: a plan).
+    states in files under `offload_dir` if given (none made on a `fake` build: a plan); with
+    its states in host memory, each parameter stepped alone on the device, if
+    `states_on_host` (memory.offload_states).
     `seed`: the run's, from which low-rank optimizers draw their random projections."""
     groups = optimizer_groups(model, cfg, seed)
+    if states_on_host:
+        make = lambda gs: _make(gs, cfg, device, param_dtype, states_on_host=True)  # noqa: E731
+        kind = OptimizerInBackward if cfg.in_backward else OneParameterAtATime
+        return kind(groups, make, states=HostStates(device), slice_block=_slice_block(cfg))
     if offload:
         cpu = torch.device("cpu")
         make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731
         if cfg.in_backward:  # one per host copy, stepped as its gradient lands
-            per_param = make
-            make = lambda gs: PerParameterOptimizers(gs, per_param)  # noqa: E731
+            per_param, block = make, _slice_block(cfg)
+            make = lambda gs: PerParameterOptimizers(gs, per_param, slice_block=block)  # noqa: E731
         disk = DiskTier(offload_dir) if offload_dir and not fake else None
         return HostOffloadOptimizer(
             groups, make, device, list(model.parameters()), disk=disk, on_disk=bool(offload_dir)
         )
     if cfg.in_backward:
-        return OptimizerInBackward(groups, lambda gs: _make(gs, cfg, device, param_dtype))
+        make = lambda gs: _make(gs, cfg, device, param_dtype)  # noqa: E731
+        return OptimizerInBackward(groups, make, slice_block=_slice_block(cfg))
     return _make(groups, cfg, device, param_dtype)
 
 
+def _slice_block(cfg: OptimConfig) -> int | None:
+    """An elementwise optimizer's state block: large parameters step in slices of it (a
+    plan's stand-in as the optimizer it stands in for)."""
+    name = cfg.name.partition(":")[2] if cfg.name.startswith(STAND_IN) else cfg.name
+    return ELEMENTWISE.get(name)
+
+
 def _make(
-    groups: list[dict], cfg: OptimConfig, device: torch.device, param_dtype: torch.dtype
+    groups: list[dict],
+    cfg: OptimConfig,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    *,
+    states_on_host: bool = False,
 ) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
     if cfg.name.startswith(STAND_IN):  # a plan's step of an optimizer fake tensors cannot run
         real = cfg.name.partition(":")[2]
-        return StandIn(groups, cfg.lr, step_transient_bytes(real, params))
+        held = step_transient_bytes(real, params)
+        if states_on_host:  # the states it steps are brought to the device for the step
+            held += predicted_state_bytes(real, params)
+        return StandIn(groups, cfg.lr, held)
     if param_dtype == torch.bfloat16:
         return _make_for_bf16_weights(groups, cfg)
     if cfg.name == "adamw":

@@ -286,6 +286,10 @@ def _breakdown(
         else:
             memory["host"] = memory["optimizer"] + host
         memory["optimizer"] = 0
+    if getattr(opt, "states", None) is not None:  # memory.offload_states: parked on the host
+        memory["peak"] -= memory["optimizer"]
+        memory["host"] = memory.get("host", 0) + memory["optimizer"]
+        memory["optimizer"] = 0  # those on the device for their step are among "other"
     if tracker.host_peak:  # offloaded activations, at their most (the end of forward)
         memory["host"] = memory.get("host", 0) + tracker.host_peak
     return memory, weight_copies
@@ -303,6 +307,8 @@ def _host_by_kind(
                 memory["host"] - activations - opt.host_bytes(staging=target == "cuda")
             )
         by_kind |= opt.host_bytes_by_kind(staging=target == "cuda")
+    if getattr(opt, "states", None) is not None:
+        by_kind["optimizer states"] = memory["host"] - activations
     if activations:
         by_kind["activations"] = activations
     return {k: v for k, v in by_kind.items() if v}

@@ -90,6 +90,24 @@ def _sharded_softmax_grad(
     return loss, g_cV
 
 
+VOCAB_BLOCK = 32768
+"""Rows of the output weight whose fp32 gradient a chunk adds at a time (fp32 weights under
+autocast): the 16-bit product and its fp32 copy stay this many rows, not the whole vocabulary
+(3 GiB for Llama-3's 128k x 4096 head)."""
+
+
+def _add_weight_grad(grad_w_VD: torch.Tensor, g_cV: torch.Tensor, h_cD: torch.Tensor) -> None:
+    """grad_w += g^T h without a [vocab, d_model] temporary: straight into the gradient where
+    it has the matmul's dtype (fp32; 16-bit weights, whose gradient is summed in their own
+    dtype over the chunks, as autograd sums a chunked loss's), else a block of rows at a
+    time."""
+    if grad_w_VD.dtype == g_cV.dtype:
+        grad_w_VD.addmm_(g_cV.T, h_cD)
+        return
+    for v in range(0, grad_w_VD.shape[0], VOCAB_BLOCK):
+        grad_w_VD[v : v + VOCAB_BLOCK] += (g_cV[:, v : v + VOCAB_BLOCK].T @ h_cD).float()
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -106,7 +124,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h_ND.device.type, enabled=False), torch.no_grad():
             w_VD = weight_VD.to(compute_dtype)
             grad_h_ND = torch.empty_like(h_ND)
-            grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=h_ND.device)
+            # the weight's gradient in fp32, or in the weight's own 16-bit dtype (bf16-pure):
+            # then it costs what the gradient costs anyway, not twice that
+            grad_dtype = torch.float32 if weight_VD.dtype == torch.float32 else weight_VD.dtype
+            grad_w_VD = torch.zeros(weight_VD.shape, dtype=grad_dtype, device=h_ND.device)
             grad_b_V = (
                 torch.zeros(bias_V.shape, dtype=torch.float32, device=h_ND.device)
                 if bias_V is not None
@@ -136,12 +157,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if grad_b_V is not None:
                     grad_b_V += g_cV.T @ valid_c1.squeeze(1).to(g_cV.dtype)
                 g_cV = g_cV.to(compute_dtype)
-                if fp32:  # straight into the gradients: no [vocab, d_model] temporary
+                if fp32:  # straight into the hidden states' gradient: no temporary
                     torch.mm(g_cV, w_VD, out=grad_h_ND[s : s + chunk])
-                    grad_w_VD.addmm_(g_cV.T, h_cD)
                 else:
                     grad_h_ND[s : s + chunk] = g_cV @ w_VD
-                    grad_w_VD += (g_cV.T @ h_cD).float()
+                _add_weight_grad(grad_w_VD, g_cV, h_cD)
                 grad_h_ND[s : s + chunk] *= valid_c1
                 del g_cV
         ctx.save_for_backward(grad_h_ND, grad_w_VD, grad_b_V)
@@ -149,9 +169,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
+        """The gradients made in forward, scaled by the loss's; the weight's in place where it
+        is in the weight's dtype already (this backward runs once: no [vocab, d_model] copy)."""
         grad_h_ND, grad_w_VD, grad_b_V = ctx.saved_tensors
-        gw = (grad_w_VD * grad_loss).to(ctx.weight_dtype)
+        if grad_w_VD.dtype == ctx.weight_dtype:
+            gw = grad_w_VD.mul_(grad_loss)  # in fp32 arithmetic, rounded once
+        else:
+            gw = (grad_w_VD * grad_loss).to(ctx.weight_dtype)
         gb = (grad_b_V * grad_loss).to(ctx.weight_dtype) if grad_b_V is not None else None
         return grad_h_ND * grad_loss.to(grad_h_ND.dtype), gw, gb, None, None, None, None, None
 

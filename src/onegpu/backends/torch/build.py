@@ -41,7 +41,7 @@ from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.offload.weights import with_offload_params
 from onegpu.optim import build_optimizer
 from onegpu.optim.factory import STAND_IN
-from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.optim.in_backward import PerParameterOptimizers
 from onegpu.perf.flops import flops_per_token
 from onegpu.techniques.attention import check_attention_backend
 from onegpu.techniques.checkpointing import selective_cache_tensors
@@ -69,7 +69,7 @@ class Built:
     """The resolved config: what runs (config.toml)."""
     resolved: Resolved
     model: LanguageModel
-    optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer
+    optimizer: torch.optim.Optimizer | PerParameterOptimizers | HostOffloadOptimizer
     loss_fn: LossFn
     step: TrainStep
     data: TokenSplits | None
@@ -191,7 +191,7 @@ def _whole_model(cfg: Config) -> LanguageModel:
 def _train_step(
     cfg: Config,
     applied: Applied,
-    optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer,
+    optimizer: torch.optim.Optimizer | PerParameterOptimizers | HostOffloadOptimizer,
     resolved: Resolved,
     device: torch.device,
     ctx: DistContext,
@@ -219,7 +219,7 @@ def _optimizer(
     device: torch.device,
     ctx: DistContext,
     fake: bool,
-) -> torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer:
+) -> torch.optim.Optimizer | PerParameterOptimizers | HostOffloadOptimizer:
     on_host = cfg.dist.cpu_offload and ctx.enabled  # FSDP's shards live on the host
     return build_optimizer(
         model,
@@ -228,6 +228,7 @@ def _optimizer(
         param_dtype=resolved.precision.param_dtype,
         offload=cfg.memory.offload_optimizer,
         offload_dir=cfg.memory.offload_dir,
+        states_on_host=cfg.memory.offload_states,
         fake=fake,
         seed=cfg.train.seed,
     )

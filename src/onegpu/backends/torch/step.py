@@ -33,7 +33,7 @@ from onegpu.models.documents import documents
 from onegpu.models.protocol import LossFn
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim import lr_at, set_lr
-from onegpu.optim.in_backward import OptimizerInBackward
+from onegpu.optim.in_backward import PerParameterOptimizers
 from onegpu.techniques.precision import PrecisionPolicy
 
 
@@ -69,7 +69,7 @@ class TrainStep:
         *,
         model: nn.Module,
         loss_fn: LossFn,
-        optimizer: torch.optim.Optimizer | OptimizerInBackward | HostOffloadOptimizer,
+        optimizer: torch.optim.Optimizer | PerParameterOptimizers | HostOffloadOptimizer,
         policy: PrecisionPolicy,
         device: torch.device,
         optim: OptimConfig,
