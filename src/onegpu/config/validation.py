@@ -294,8 +294,7 @@ def check_distributed(cfg: Config, strategy: str, world_size: int) -> None:
         _require(
             not getattr(cfg.memory, field),
             f"memory.{field}",
-            "is for one process; under torchrun use dist.cpu_offload (FSDP2's shards on the "
-            "host)",
+            "is for one process; under torchrun use dist.cpu_offload (FSDP2's shards on the host)",
         )
     _require(
         t.compile not in ("default", "max-autotune"),
