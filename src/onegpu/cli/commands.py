@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onegpu.cli.arguments import GRID_HELP, INTERCONNECT, WORLD_SIZE, Arg, _a
-from onegpu.config import Config
+from onegpu.cli.arguments import GRID_HELP, PLAN_ARGS, TUNE_ARGS, Arg, _a
+from onegpu.config import Config, ConfigError
 from onegpu.runs.atomic import write_text_atomic
 from onegpu.runs.sinks import strict
 
@@ -132,6 +132,19 @@ def _bench(ns, env: Env) -> int:
 
 
 def _plan(ns, env: Env) -> int:
+    from onegpu.offload.host_step import priced_for
+
+    with priced_for(_host_cpus(ns)):
+        return _plan_priced(ns, env)
+
+
+def _host_cpus(ns) -> int | None:
+    if ns.host_cpus is not None and ns.host_cpus < 1:
+        raise ConfigError("--host-cpus", f"must be at least 1 core, got {ns.host_cpus}")
+    return ns.host_cpus
+
+
+def _plan_priced(ns, env: Env) -> int:
     from onegpu.plan.format import format_report
     from onegpu.plan.report import gpu_table, plan_report
 
@@ -159,6 +172,13 @@ def _plan(ns, env: Env) -> int:
 
 
 def _tune(ns, env: Env) -> int:
+    from onegpu.offload.host_step import priced_for
+
+    with priced_for(_host_cpus(ns)):
+        return _tune_priced(ns, env)
+
+
+def _tune_priced(ns, env: Env) -> int:
     from onegpu.tools.tune import budget, launch_line, predicted_only, tune
 
     overrides = env.load(overrides_only=True)
@@ -264,30 +284,7 @@ COMMANDS: tuple[Command, ...] = (
         "predict a step's memory (any model, any GPU) before anything runs",
         _plan,
         config=True,
-        args=(
-            _a("--gpu", help="a GPU of the table (e.g. A100-40, RTX4090), or 'list'"),
-            _a("--memory", type=int, help="a memory budget in bytes (e.g. this machine's RAM)"),
-            _a("--json", action="store_true", help="print one JSON object"),
-            _a(
-                "--host-memory",
-                type=int,
-                metavar="BYTES",
-                help="host memory for offloaded state (default: this machine's RAM)",
-            ),
-            _a(
-                "--largest",
-                action="store_true",
-                help="the largest model of the configured one's family (depth and width "
-                "scaled together) that trains in full on --gpu / --memory, and how",
-            ),
-            _a(
-                "--best-toml",
-                metavar="PATH",
-                help="where the fix list finds a configuration that fits: write it here",
-            ),
-            WORLD_SIZE,
-            INTERCONNECT,
-        ),
+        args=PLAN_ARGS,
     ),
     Command(
         "tune",
@@ -296,34 +293,7 @@ COMMANDS: tuple[Command, ...] = (
         config=True,
         own_out=True,
         epilog=" Options set the starting configuration; the global batch is kept.",
-        args=(
-            _a("--gpu", help="budget: a GPU of the table (onegpu plan --gpu list)"),
-            _a("--memory", type=int, help="budget in bytes (on a CPU: required)"),
-            _a(
-                "--time-budget",
-                type=float,
-                default=300,
-                help="seconds of measured trials (default: 300)",
-            ),
-            _a("--steps", type=int, default=6, help="steps per trial (default: 6)"),
-            _a("--with-compile", action="store_true", help="also try regional compile"),
-            _a(
-                "--host-memory",
-                type=int,
-                metavar="BYTES",
-                help="host memory for offloaded state (default: this machine's RAM)",
-            ),
-            _a(
-                "--world-size",
-                type=int,
-                default=1,
-                metavar="N",
-                help="tune one of N processes under torchrun: the mesh (DDP, FSDP, HSDP, TP, PP "
-                "and their products) joins the search, the budget is per process; trials launch "
-                "N processes (with --gpu and no GPU here: predicted, not measured)",
-            ),
-            INTERCONNECT,
-        ),
+        args=TUNE_ARGS,
     ),
     Command(
         "bench",

@@ -2,34 +2,66 @@
 cached like the matmul peak (under the same key: CPU, rate flags, clock, threads, torch).
 
 An offloaded optimizer (memory.offload_optimizer, memory.offload_params) runs its step on the
-CPU over every parameter: at a few hundred million parameters a second on a desktop CPU, the
-step of an 8B model takes seconds, which the planner's predicted step time must include.
+CPU over every parameter: fused AdamW steps over a billion parameters a second on two cores,
+torchao's 8-bit AdamW about 30 million a core (its quantization looks every moment up in a
+256-entry code book), so the planner measures the optimizer it is asked about. A plan for
+another machine names its CPU count (`onegpu plan --host-cpus N`): the rate is scaled by
+N / this machine's threads, which assumes the step parallelises and memory bandwidth keeps up
+(labelled as such).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import time
+from collections.abc import Iterator
 
 import torch
 
 from onegpu.cache import cached, has
 from onegpu.perf.devices import cpu_peak_key
 
-MEASURED = ("adamw", "sgd")
+MEASURED = ("adamw", "sgd", "adamw8bit", "adamw4bit")
 """Optimizers timed as themselves; the others are planned at AdamW's rate (labelled)."""
 
+_HOST_CPUS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "onegpu_host_cpus", default=None
+)
 
-def _measure(name: str, numel: int = 1 << 24) -> float:
-    """Parameters per second of a CPU step of `name` over one fp32 tensor (best of 5)."""
+
+@contextlib.contextmanager
+def priced_for(host_cpus: int | None) -> Iterator[None]:
+    """Host steps planned inside are priced for a CPU of `host_cpus` cores (None: this one)."""
+    token = _HOST_CPUS.set(host_cpus)
+    try:
+        yield
+    finally:
+        _HOST_CPUS.reset(token)
+
+
+def _optimizer(name: str, p: torch.Tensor) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW([p], lr=1e-3, fused=True)
+    if name == "sgd":
+        return torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=True)
+    from onegpu.quiet import library_notes_off
+
+    library_notes_off()
+    from torchao.optim import AdamW4bit, AdamW8bit
+
+    return (AdamW8bit if name == "adamw8bit" else AdamW4bit)([p], lr=1e-3)
+
+
+def _measure(name: str) -> float:
+    """Parameters per second of a CPU step of `name` over one fp32 tensor (best of 5; the
+    low-bit steps, compiled by torchao, over a smaller one)."""
+    numel = 1 << 24 if name in ("adamw", "sgd") else 1 << 22
     p = torch.zeros(numel, requires_grad=True)
     p.grad = torch.randn(numel)
-    opt = (
-        torch.optim.AdamW([p], lr=1e-3, fused=True)
-        if name == "adamw"
-        else torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=True)
-    )
-    opt.step()  # states allocated
+    opt = _optimizer(name, p)
+    opt.step()  # states allocated (and the low-bit step compiled)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
@@ -38,9 +70,22 @@ def _measure(name: str, numel: int = 1 << 24) -> float:
     return numel / best
 
 
+def _measurable(optimizer: str) -> str:
+    """The optimizer timed for `optimizer`: itself where it can be, else AdamW."""
+    if optimizer not in MEASURED:
+        return "adamw"
+    if optimizer in ("adamw8bit", "adamw4bit"):
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            return "adamw"
+    return optimizer
+
+
 def host_step_rate(optimizer: str, *, refresh: bool = False) -> tuple[float, str]:
-    """(parameters/s of this CPU's optimizer step, how it was obtained), cached."""
-    name = optimizer if optimizer in MEASURED else "adamw"
+    """(parameters/s of the host CPU's optimizer step, how it was obtained), measured here
+    once (cached), scaled to the CPU count `priced_for` names."""
+    name = _measurable(optimizer)
 
     def measure() -> dict[str, object]:
         when = datetime.datetime.now().isoformat(timespec="seconds")
@@ -53,7 +98,13 @@ def host_step_rate(optimizer: str, *, refresh: bool = False) -> tuple[float, str
         refresh=refresh,
         valid=has("params_per_s", text=("measured",)),
     )
-    how = f"measured {name} step on this CPU ({entry['measured']})"
+    rate = float(entry["params_per_s"])
+    threads = torch.get_num_threads()
+    how = f"measured {name} step on this CPU, {threads} threads ({entry['measured']})"
     if name != optimizer:
         how += f"; {optimizer} planned at AdamW's rate"
-    return float(entry["params_per_s"]), how
+    cpus = _HOST_CPUS.get()
+    if cpus:
+        rate *= cpus / threads
+        how += f"; scaled to {cpus} host cores (linear: assumes memory bandwidth keeps up)"
+    return rate, how

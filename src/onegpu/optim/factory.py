@@ -81,11 +81,15 @@ def rule_state_bytes(model: nn.Module, cfg: OptimConfig) -> int:
     """State bytes of optimizers whose step cannot run on the planner's fake tensors, from
     their own allocation rules (checked against the real ones in the tests)."""
     params = list({id(p): p for p in model.parameters()}.values())
-    if cfg.name in LOW_RANK_OPTIMIZERS:
-        return low_rank_state_bytes(cfg.name, params, optimizer_groups(model, cfg))
-    if cfg.name == "adam-mini":
-        return adam_mini_state_bytes(optimizer_groups(model, cfg))
-    return predicted_state_bytes(cfg.name, params)
+    return _rule_bytes(cfg.name, params, optimizer_groups(model, cfg))
+
+
+def _rule_bytes(name: str, params: list[torch.Tensor], groups: list[dict]) -> int:
+    if name in LOW_RANK_OPTIMIZERS:
+        return low_rank_state_bytes(name, params, groups)
+    if name == "adam-mini":
+        return adam_mini_state_bytes(groups)
+    return predicted_state_bytes(name, params)
 
 
 def _fused_ok(device: torch.device, params: list[torch.Tensor]) -> bool:
@@ -185,7 +189,7 @@ def _make(
         real = cfg.name.partition(":")[2]
         held = step_transient_bytes(real, params)
         if states_on_host:  # the states it steps are brought to the device for the step
-            held += predicted_state_bytes(real, params)
+            held += _rule_bytes(real, params, groups)
         return StandIn(groups, cfg.lr, held)
     if param_dtype == torch.bfloat16:
         return _make_for_bf16_weights(groups, cfg)

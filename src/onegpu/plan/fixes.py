@@ -44,6 +44,11 @@ FIXES: list[tuple[str, dict[str, str]]] = [
     ("selective checkpointing", {"memory.checkpointing": "selective"}),
     # a policy per block, the least recompute that fits the device (plan/budget.py)
     ("checkpointing by budget", {"memory.checkpointing": "budget:auto"}),
+    # the states on the host, the step on the device: free where the link keeps up
+    (
+        "optimizer states in host memory",
+        {"memory.offload_states": "true", "memory.offload_optimizer": "false"},
+    ),
     ("bf16-pure weights", {"train.precision": "bf16-pure"}),
     # rank-1 moments, SGD's memory for AdamW-like steps; after bf16-pure, which it cannot
     # join (its updates would round away in bf16): it never displaces bf16-pure from a chain
@@ -51,13 +56,29 @@ FIXES: list[tuple[str, dict[str, str]]] = [
     ("activations in host memory", {"memory.offload_activations": "true"}),
     (
         "optimizer in host memory",
-        {"memory.offload_optimizer": "true", "optim.in_backward": "false"},
+        {
+            "memory.offload_optimizer": "true",
+            "memory.offload_states": "false",
+            "optim.in_backward": "false",
+        },
     ),
     ("block checkpointing", {"memory.checkpointing": "block"}),
-    ("weights in host memory", {"memory.offload_params": "true", "optim.in_backward": "false"}),
+    (
+        "weights in host memory",
+        {
+            "memory.offload_params": "true",
+            "memory.offload_states": "false",
+            "optim.in_backward": "false",
+        },
+    ),
     ("half the micro-batch (accumulate)", {"train.micro_batch_size": "/2"}),
 ]
-HOST_TIERS = {"activations in host memory", "optimizer in host memory", "weights in host memory"}
+HOST_TIERS = {
+    "activations in host memory",
+    "optimizer states in host memory",
+    "optimizer in host memory",
+    "weights in host memory",
+}
 
 
 def resolved(cfg: Config, change: dict[str, str]) -> dict[str, str]:
@@ -138,12 +159,13 @@ def fixes_for(
     fast: bool = True,
 ) -> list[dict[str, Any]]:
     """The changes, fastest first, that bring the device peak under `budget` (and the host's
-    bytes under `host_budget`). A change that does not lower `base_peak` (the configuration's
-    own planned peak) alone is left out: e.g. the chunked loss at a huge vocabulary and
-    micro-batch 1, where its fp32 weight gradient buffer outweighs the logits it saves. The
-    entry that fits carries the whole configuration (`best_toml`, `best_overrides`)."""
+    bytes under `host_budget`). A change is applied only where it lowers the peak so far
+    (starting from `base_peak`, the configuration's own): e.g. not the chunked loss at a huge
+    vocabulary and micro-batch 1, where its fp32 weight gradient buffer outweighs the logits it
+    saves. The entry that fits carries the whole configuration (`best_toml`,
+    `best_overrides`)."""
     search = _Search(target, caps, gpu, budget, host_budget or 2**62, fast)
-    alone = search.alone(cfg, base_peak)
+    alone = search.alone(cfg)
     found = search.chain(cfg, base_peak, alone)
     return search.single_instead(cfg, alone, found)
 
@@ -168,10 +190,12 @@ class _Search:
         """`p` if it does not fit or was planned in full; else the full model's plan."""
         return self.plan(cfg, full=True) if self.fits(p) and self.fast else p
 
-    def alone(self, cfg: Config, base_peak: int | None) -> list[tuple[str, dict, Planned]]:
-        """Each fix that lowers the peak by itself, fastest first; within 1% of the same
+    def alone(self, cfg: Config) -> list[tuple[str, dict, Planned]]:
+        """Each fix that applies, planned by itself, fastest first; within 1% of the same
         predicted time in the list's order of usual cost (the prediction counts FLOPs and
-        bytes: a smaller micro-batch costs more than it shows)."""
+        bytes: a smaller micro-batch costs more than it shows). One that saves nothing alone
+        stays a candidate: it may save once another has moved the peak (the optimizer step
+        in backward, once the activations no longer set it)."""
         out = []
         for name, change in FIXES:
             if self.target == "cpu" and name in HOST_TIERS:
@@ -180,42 +204,55 @@ class _Search:
                 p = self.plan(with_fix(cfg, change))
             except ConfigError:
                 continue
-            if base_peak is None or p.peak < base_peak:
-                out.append((name, change, p))
+            out.append((name, change, p))
         order = {name: i for i, (name, _) in enumerate(FIXES)}
         out.sort(key=lambda a: (round(math.log(a[2].step_s or 1.0) / math.log(1.01)), order[a[0]]))
         return out
 
     def chain(self, cfg: Config, base_peak: int | None, alone: list) -> list[dict[str, Any]]:
-        """The fastest change that lowers the peak of the configuration so far, again and
-        again until it fits: a change that saved nothing earlier may save once another has
-        moved the peak (block checkpointing after the optimizer states left the device)."""
+        """The fastest change that lowers the peak of the configuration so far (planned on
+        top of it), again and again until it fits: a change that saved nothing earlier may
+        save once another has moved the peak (block checkpointing after the optimizer states
+        left the device), and one that is fast alone may be slow on top of the others (the
+        optimizer on the host after its states were quantized)."""
         found: list[dict[str, Any]] = []
         current, current_peak, applied = cfg, base_peak, {}
         remaining = list(alone)
         while remaining and not (found and found[-1]["fits_with_previous"]):
-            for i, (name, change, p) in enumerate(remaining):
-                try:
-                    candidate = with_fix(current, change)
-                    together = self.plan(candidate)
-                except ConfigError:
-                    continue
-                if current_peak is not None and together.peak >= current_peak:
-                    continue  # nothing more saved on top of the ones above (or it undoes one)
-                together = self.confirmed(candidate, together)
-                fits = self.fits(together)
-                applied.update(
-                    {k: v for k, v in resolved(current, change).items() if differs(current, k, v)}
-                )
-                current, current_peak = candidate, together.peak
-                found.append(self.entry(name, change, p, together, fits, found))
-                if fits:
-                    found[-1].update(best_toml=to_toml(current), best_overrides=dict(applied))
-                del remaining[i]
-                break
-            else:
+            best = self._fastest_lowering(current, current_peak, remaining)
+            if best is None:
                 break  # nothing left lowers the peak
+            i, candidate, together = best
+            name, change, p = remaining.pop(i)
+            together = self.confirmed(candidate, together)
+            fits = self.fits(together)
+            applied.update(
+                {k: v for k, v in resolved(current, change).items() if differs(current, k, v)}
+            )
+            current, current_peak = candidate, together.peak
+            found.append(self.entry(name, change, p, together, fits, found))
+            if fits:
+                found[-1].update(best_toml=to_toml(current), best_overrides=dict(applied))
         return found
+
+    def _fastest_lowering(
+        self, current: Config, current_peak: int | None, remaining: list
+    ) -> tuple[int, Config, Planned] | None:
+        """(index in `remaining`, the configuration, its plan) of the fastest change that
+        lowers `current_peak`, within 1% in the list's order; None if none does."""
+        best, best_key = None, None
+        for i, (_, change, _) in enumerate(remaining):
+            try:
+                candidate = with_fix(current, change)
+                together = self.plan(candidate)
+            except ConfigError:
+                continue
+            if current_peak is not None and together.peak >= current_peak:
+                continue  # nothing more saved on top of the ones above (or it undoes one)
+            key = round(math.log(together.step_s or 1.0) / math.log(1.01))
+            if best_key is None or key < best_key:
+                best, best_key = (i, candidate, together), key
+        return best
 
     def single_instead(self, cfg: Config, alone: list, found: list) -> list[dict[str, Any]]:
         """One change that fits by itself can beat the chain (the host tiers are alternatives,

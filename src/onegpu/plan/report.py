@@ -25,6 +25,8 @@ from onegpu.plan.ranks import needs_rank_plans
 from onegpu.plan.targets import (
     CUDA_OVERHEAD_BYTES,
     GPU_COUNTS,
+    check_device_cap,
+    device_capacity,
     gpu_caps,
     one_budget,
     predicted_speed,
@@ -41,10 +43,14 @@ def korthikanti_bytes(cfg: Config, micro_batch: int) -> int:
     return int(s * micro_batch * h * (34 + 5 * a * s / h))
 
 
-def _check_budgets(gpu: str | None, memory_bytes: int | None, host_memory: int | None) -> None:
-    one_budget(gpu, memory_bytes)
+def _check_budgets(
+    gpu: str | None, memory_bytes: int | None, host_memory: int | None, world_size: int
+) -> None:
+    if world_size > 1:  # the mesh searches plan for the whole GPU
+        one_budget(gpu, memory_bytes)
     if gpu is not None and gpu not in GPUS:
         raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
+    check_device_cap(gpu, memory_bytes)
     if memory_bytes is not None and memory_bytes <= 0:
         raise ConfigError("--memory", f"must be a positive number of bytes, got {memory_bytes}")
     if host_memory is not None and host_memory <= 0:
@@ -64,7 +70,7 @@ def plan_report(
     host memory must fit `host_memory` (default: this machine's RAM) too. A device mesh (tensor
     or pipeline parallelism, HSDP) plans each stage's rank as itself, with the bytes each
     dimension sends over `interconnect`."""
-    _check_budgets(gpu, memory_bytes, host_memory)
+    _check_budgets(gpu, memory_bytes, host_memory, world_size)
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")
@@ -80,13 +86,11 @@ def plan_report(
         report["checkpointing_budget"] = budgeted
     if distributed:
         report["dist"] = _data_parallel_section(cfg, plan, strategy, gpu, world_size, interconnect)
-    if gpu and (distributed or not _fits(mem, GPUS[gpu].memory_bytes)):
-        report["gpus_needed"] = gpus_needed(
-            cfg, plan, world_size, GPUS[gpu].memory_bytes, target, caps
-        )
+    capacity = device_capacity(gpu, memory_bytes)
+    if gpu and (distributed or not _fits(mem, capacity)):
+        report["gpus_needed"] = gpus_needed(cfg, plan, world_size, capacity, target, caps)
     report.update(predicted_speed(cfg, plan, gpu, world_size))
     report.update(data_share(cfg, report.get("predicted_tokens_per_s")))
-    capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes
     if capacity:
         overhead = CUDA_OVERHEAD_BYTES if gpu else 0
         need = mem["peak"] + overhead
@@ -120,7 +124,9 @@ def _decide_budget(
     if parse_checkpointing(cfg.memory.checkpointing).kind != "budget":
         return cfg, None
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
-    capacity = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES if gpu else memory_bytes
+    capacity = device_capacity(gpu, memory_bytes)
+    if gpu and capacity:
+        capacity -= CUDA_OVERHEAD_BYTES
     return plan_budget(cfg, target, caps, capacity)
 
 

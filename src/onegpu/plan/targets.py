@@ -110,6 +110,30 @@ def predicted_speed(
     }
 
 
+def device_capacity(gpu: str | None, memory_bytes: int | None) -> int | None:
+    """The bytes a plan may fill on its device, the CUDA context included: a GPU's memory;
+    with --memory as well, that many bytes of tensors on it (below its memory: another
+    tool's measured peak, say) and the context; on this machine, --memory."""
+    if gpu is None:
+        return memory_bytes
+    if memory_bytes is None:
+        return GPUS[gpu].memory_bytes
+    return memory_bytes + CUDA_OVERHEAD_BYTES
+
+
+def check_device_cap(gpu: str | None, memory_bytes: int | None) -> None:
+    """--memory with --gpu: a budget within that GPU's memory."""
+    if gpu is None or memory_bytes is None or gpu not in GPUS:
+        return
+    room = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES
+    if memory_bytes > room:
+        raise ConfigError(
+            "--memory",
+            f"{memory_bytes} bytes of tensors do not fit {gpu} ({room} bytes beside the CUDA "
+            f"context); give at most {room}, or leave --memory out to plan for all of it",
+        )
+
+
 def one_budget(gpu: str | None, memory_bytes: int | None) -> None:
     """--gpu and --memory each set the budget (a GPU of the table, or bytes on this machine's
     device): given both, one would be dropped without a word."""

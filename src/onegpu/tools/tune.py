@@ -81,6 +81,7 @@ def candidates(
         "memory.offload_activations": ["false", "true"] if device_type == "cuda" else ["false"],
         # the host tiers (one process; under torchrun FSDP's own CPU offload below)
         "memory.offload_optimizer": ["false", "true"] if host_tiers else ["false"],
+        "memory.offload_states": ["false", "true"] if host_tiers else ["false"],
         "memory.offload_params": ["false", "true"] if host_tiers else ["false"],
         "train.compile": ["none", "regional"] if with_compile else ["none"],
     }
@@ -93,8 +94,9 @@ def candidates(
     out = []
     for values, mesh in itertools.product(itertools.product(*(space[k] for k in keys)), meshes):
         change = {**dict(zip(keys, values, strict=True)), **mesh}
-        if change["memory.offload_params"] == "true" == change["memory.offload_optimizer"]:
-            continue  # weights on the host take their optimizer with them: one candidate
+        host = [change[f"memory.offload_{k}"] for k in ("params", "optimizer", "states")]
+        if host.count("true") > 1:
+            continue  # one home for the states: weights on the host take theirs with them
         try:
             changed = with_overrides(cfg, change)
             if world_size > 1:
@@ -200,6 +202,7 @@ def estimated_cost(change: dict[str, str], batch: int) -> float:
     )
     cost *= 1.2 if change["memory.offload_activations"] == "true" else 1.0
     cost *= 1.5 if change["memory.offload_optimizer"] == "true" else 1.0
+    cost *= 1.1 if change.get("memory.offload_states") == "true" else 1.0
     cost *= 2.0 if change["memory.offload_params"] == "true" else 1.0
     # FSDP gathers every block's weights twice a step (DDP: one all-reduce), offload adds copies
     cost *= 1.1 if change.get("dist.strategy") == "fsdp" else 1.0

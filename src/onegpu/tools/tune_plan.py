@@ -62,14 +62,17 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
     stepped_in_backward = o.in_backward and cfg.grad_accum_steps == 1  # else they accumulate
     grads = 0 if host_states or stepped_in_backward else weight * n_params
     activations = 0 if m.offload_activations else saved_blocks * cfg.train.micro_batch_size
-    device = weights + (0 if host_states else states) + max(activations, grads)
-    host = (weight * n_params + states) if host_states else 0
+    states_away = host_states or m.offload_states  # memory.offload_states: host, stepped here
+    device = weights + (0 if states_away else states) + max(activations, grads)
+    host = (weight * n_params + states) if host_states else states if m.offload_states else 0
     peak = spec.peak.get({"bf16-pure": "bf16"}.get(precision, precision), spec.peak["fp32"])
     tokens = cfg.train.batch_size * cfg.train_seq_len
     compute = flops_per_token * recompute_factor(m.checkpointing) * tokens / (peak * EFFICIENCY)
     link = 0.0
     if host_states:  # the gradients out once per micro-batch, weights back once a step
         link = (cfg.grad_accum_steps + 1) * weight * n_params / (spec.host_link * LINK_EFFICIENCY)
+    if m.offload_states:  # the states to the device for their step and back
+        link = 2 * states / (spec.host_link * LINK_EFFICIENCY)
     host_step = n_params / host_step_rate(o.name)[0] if host_states else 0.0
     host_step = exposed_host_step(cfg, host_step, compute, 1)
     return Bound(int(device), int(host), max(compute, link) + host_step)

@@ -41,6 +41,7 @@ def trial_label(change: dict[str, str]) -> str:
         "memory.loss_chunk": "chunk",
         "memory.offload_activations": "activations on host",
         "memory.offload_optimizer": "optimizer on host",
+        "memory.offload_states": "states on host",
         "memory.offload_params": "weights on host",
         "train.compile": "compile",
         "dist.strategy": "",
