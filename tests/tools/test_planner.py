@@ -4,6 +4,7 @@ import json
 import resource
 
 import pytest
+import torch
 
 from onegpu.backends.torch.step_memory import measure_real_step
 from onegpu.cli import main
@@ -132,7 +133,8 @@ def test_fixes_that_do_not_lower_the_peak_are_not_offered():
     assert chunked.memory["peak"] >= base  # the premise
     found = fixes_for(cfg, budget=base // 4, target="cpu", base_peak=base)
     assert found and "chunked loss" not in [f["change"] for f in found]
-    assert all(f["peak_alone"] < base for f in found)
+    peaks = [base] + [f["peak_with_previous"] for f in found]
+    assert all(b < a for a, b in zip(peaks, peaks[1:], strict=False))  # each one saved more
 
 
 def test_the_offloaded_optimizer_is_planned_in_host_memory():
@@ -152,6 +154,32 @@ def test_the_offloaded_optimizer_is_planned_in_host_memory():
         "weight copies": plain["params"],
         "gradient buffers": plain["params"],
     }
+
+
+def test_states_on_the_host_are_planned_there_and_priced_over_the_link():
+    """memory.offload_states: the plan puts the states on the host (the bytes a real step
+    parks there), keeps the rest of the step on the device, and prices the states' trips to
+    the device and back beside compute; the CPU computes no step."""
+    from onegpu.backends.torch.build import build
+    from onegpu.plan.report import plan_report
+
+    over = {"train.precision": "fp32", "memory.loss_chunk": "0", "optim.in_backward": "true",
+            "optim.grad_clip": "0"}  # fmt: skip
+    plain = plan_memory(_cfg(**over)).memory
+    cfg = _cfg(**over, **{"memory.offload_states": "true"})
+    planned = plan_memory(cfg)
+    assert planned.memory["optimizer"] == 0
+    assert planned.memory["host"] == plain["optimizer"]
+    assert planned.host_by_kind == {"optimizer states": plain["optimizer"]}
+    built = build(cfg, torch.device("cpu"), with_data=False)
+    x = torch.randint(0, 256, (16, 65), generator=torch.Generator().manual_seed(0))
+    built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), 0)
+    assert built.optimizer.states.host_bytes() == planned.memory["host"]
+    r = plan_report(cfg, "RTX4090", None)
+    assert r["offload"]["link_bytes"] == 2 * planned.memory["host"]
+    assert r["offload"]["host_step_s"] == 0
+    want = max(r["predicted_compute_s"], r["offload"]["link_s"])  # the link beside compute
+    assert r["predicted_step_time_s"] == pytest.approx(want)
 
 
 def test_in_backward_plans_and_holds_fewer_gradients():
@@ -184,7 +212,7 @@ def test_the_fix_list_reaches_for_host_memory_when_nothing_else_fits():
     assert found[-1]["fits_with_previous"]
     assert any(f["change"] in HOST_TIERS for f in found)
     best = tomllib.loads(found[-1]["best_toml"])
-    assert best["memory"]["offload_optimizer"] or best["memory"]["offload_params"]
+    assert any(best["memory"][f"offload_{k}"] for k in ("optimizer", "states", "params"))
     steps = [f["step_s_alone"] for f in found]
     assert all(s is not None for s in steps)
 
