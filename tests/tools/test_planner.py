@@ -300,3 +300,5 @@ def test_offloaded_activations_wait_in_host_memory_on_a_gpu_plan():
     assert set(kinds) == {"optimizer states", "weight copies", "gradient buffers",
                           "pinned staging", "activations"}  # fmt: skip
     assert sum(kinds.values()) == both.memory["host"]
+    largest = max(p.numel * p.element_size for p in both.param_shapes)
+    assert kinds["pinned staging"] == 2 * largest < kinds["weight copies"]  # a ring, not a copy

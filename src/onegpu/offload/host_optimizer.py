@@ -3,8 +3,9 @@
 Optimizer states and a host copy of every weight (the master the optimizer updates) live in
 host memory, pinned where an accelerator exists; the device keeps only the weights the forward
 uses. As backward produces each parameter's gradient (`register_post_accumulate_grad_hook`),
-it is copied into a reused host buffer on a side stream and the device gradient is freed, so
-full gradients never sit on the device. The step runs on the CPU (fused AdamW on CPU, or any
+it is copied on a side stream through a bounded ring of pinned staging memory
+(offload/staging_ring.py) into a host buffer, and the device gradient is freed, so full
+gradients never sit on the device. The step runs on the CPU (fused AdamW on CPU, or any
 optimizer onegpu builds, torchao's 8-bit AdamW and the Kahan optimizers of bf16-pure
 included: the host then holds 8-bit or Kahan-compensated states, which no other tool offers),
 and the updated weights are copied back to the device.
@@ -36,12 +37,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from onegpu.offload.disk_tier import DiskTier, step_into_disk
+from onegpu.offload.staging_ring import StagingRing
 
 
 class HostOffloadOptimizer:
@@ -91,8 +93,9 @@ class HostOffloadOptimizer:
                 seen.add(id(p))
                 self.grad_params.append(self._host[p])
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._staging: dict[torch.Tensor, torch.Tensor] = {}  # pinned, one per parameter
-        self._arrived: dict[torch.Tensor, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        # pinned staging: a ring of twice the largest gradient (offload/staging_ring.py)
+        self.ring_bytes = 2 * max((p.numel() * p.element_size() for p in self._host), default=0)
+        self._ring: StagingRing | None = None  # made at the first copy (a plan makes none)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_jobs: list[concurrent.futures.Future] = []
 
@@ -108,24 +111,30 @@ class HostOffloadOptimizer:
             self._step_if_whole(p)
             return
         # The copy waits for backward to have produced the gradient, runs beside the rest of
-        # backward into a pinned staging buffer, and the device buffer lives until it is done.
-        self._land(p)  # the previous micro-batch's copy frees the staging buffer
-        staging = self._staging.get(p)
-        if staging is None:
-            staging = self._staging[p] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        # backward into the staging ring, and the device buffer lives until it is done.
+        if self._ring is None:
+            self._ring = StagingRing(self.ring_bytes, pin=True)
+        staging = self._ring.take(grad.numel(), grad.dtype).view(grad.shape)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             staging.copy_(grad, non_blocking=True)
             grad.record_stream(self._stream)
         arrived = (self._stream.record_event(), host, staging)
         if self.steps_in_backward and self.inner.stepping:  # on a worker thread: backward goes on
-            self._worker_jobs.append(self._worker().submit(self._step_on_host, p, arrived))
+            job = self._worker().submit(self._step_on_host, p, arrived)
+            self._worker_jobs.append(job)
+            self._ring.hold(job.result)
         else:
-            self._arrived[p] = arrived
+            self._ring.hold(lambda: _add_arrived(arrived))
 
-    def accumulating(self) -> contextlib.AbstractContextManager:
-        """A backward inside only accumulates (in backward: a micro-batch before the last)."""
-        return self.inner.accumulating()
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """A backward inside only accumulates (in backward: a micro-batch before the last).
+        Its gradients are all in their host buffers after it: the last micro-batch's steps,
+        on the worker thread, add onto whole sums."""
+        with self.inner.accumulating():
+            yield
+        self.wait_for_gradients()
 
     def _step_if_whole(self, p: torch.Tensor) -> None:
         """In backward on a CPU, once `p`'s gradient is whole: step its host copy and take the
@@ -147,9 +156,7 @@ class HostOffloadOptimizer:
         backward: wait for `p`'s gradient copy, add it in, step the host copy on the CPU and
         send the weight back on the side stream (ordered after the gradient's copy, which
         waited for every kernel queued before it that reads the old weight)."""
-        event, host, staging = arrived
-        event.synchronize()
-        host.add_(staging.to(host.dtype))
+        _add_arrived(arrived)
         h = self._stepped_copy(p)
         with torch.cuda.stream(self._stream):
             p.copy_(h, non_blocking=True)
@@ -164,17 +171,10 @@ class HostOffloadOptimizer:
         """In backward: the global norm of the gradients stepped since the last call."""
         return self.inner.pop_grad_norm()
 
-    def _land(self, p: torch.Tensor) -> None:
-        """Wait for `p`'s copy in flight, if any, and add it into the host buffer."""
-        if p in self._arrived:
-            event, host, staging = self._arrived.pop(p)
-            event.synchronize()
-            host.add_(staging.to(host.dtype))
-
     def wait_for_gradients(self) -> None:
         """Every gradient of the backward passes so far is in its host buffer."""
-        for p in list(self._arrived):
-            self._land(p)
+        if self._ring is not None:
+            self._ring.drain()
 
     # ------------------------------------------------------------------ the step, on the host
 
@@ -198,6 +198,7 @@ class HostOffloadOptimizer:
         backward: each was stepped and sent already; the next forward waits for the sends)."""
         if self.steps_in_backward:
             jobs, self._worker_jobs = self._worker_jobs, []
+            self.wait_for_gradients()
             for job in jobs:
                 job.result()  # every host step done (and its error raised here)
             if self._stream is not None:
@@ -242,8 +243,8 @@ class HostOffloadOptimizer:
         """`host_bytes`, split: weight copies, gradient buffers, pinned staging buffers."""
         copies = sum(h.numel() * h.element_size() for h in self._host.values())
         by_kind = {"weight copies": 0 if self.on_disk else copies, "gradient buffers": copies}
-        if staging:  # one per parameter, in the gradient's dtype
-            by_kind["pinned staging"] = sum(p.numel() * p.element_size() for p in self._host)
+        if staging:  # the ring the gradients leave the device through
+            by_kind["pinned staging"] = self.ring_bytes
         return by_kind
 
     def disk_bytes(self) -> int:
@@ -271,3 +272,11 @@ class HostOffloadOptimizer:
         """Take the device weights as the host copies (after a checkpoint loaded the model)."""
         for p, h in self._host.items():
             h.copy_(p.detach())
+
+
+def _add_arrived(arrived: tuple[Any, torch.Tensor, torch.Tensor]) -> None:
+    """Wait for a gradient's copy to the host and add it into its buffer (the staged bytes
+    may be reused after)."""
+    event, host, staging = arrived
+    event.synchronize()
+    host.add_(staging.to(host.dtype))

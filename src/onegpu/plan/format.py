@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from onegpu.memory.breakdown import GROUPS
-from onegpu.perf.devices import GiB
+from onegpu.perf.devices import GPUS, GiB
 from onegpu.plan.data_share import data_lines
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
 
@@ -173,10 +173,14 @@ def _ms(seconds: float | None) -> str:
     return f", {seconds * 1e3:,.0f} ms" if seconds is not None else ""
 
 
-def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
+def _fit_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
+    """Whether the step fits the device (a GPU, capped by --memory, or the budget) and the
+    host, with the host's bytes by kind."""
     cap = r["capacity_bytes"]
+    capped = gpu and cap < GPUS[gpu].memory_bytes  # --memory with --gpu: a tensor budget
+    name = f"{gpu} capped at {(cap - CUDA_OVERHEAD_BYTES) / GiB:,.1f} GiB of tensors"
     lines = [
-        f"{gpu or 'the budget'}: {cap / GiB:,.1f} GiB -> "
+        f"{(name if capped else gpu) or 'the budget'}: {cap / GiB:,.1f} GiB -> "
         + ("fits" if r["fits"] else "DOES NOT FIT")
         + f", headroom {r['headroom_bytes'] / GiB:+,.2f} GiB"
         + (" (0.5 GiB kept for the CUDA context)" if gpu else ""),
@@ -191,6 +195,11 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             lines.append(
                 "    by kind: " + ", ".join(f"{k} {v / GiB:,.1f} GiB" for k, v in kinds.items())
             )
+    return lines
+
+
+def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
+    lines = _fit_lines(r, gpu)
     if r.get("fixes"):
         lines.append(
             "  fixes, fastest first (planned alone, then with the ones above; device "
