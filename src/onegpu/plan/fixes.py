@@ -89,10 +89,15 @@ def resolved(cfg: Config, change: dict[str, str]) -> dict[str, str]:
     }
 
 
-def differs(cfg: Config, key: str, value: str) -> bool:
+def value_of(cfg: Config, key: str) -> str:
+    """`cfg`'s value of `section.field` as an override writes it."""
     section, name = key.split(".")
     current = getattr(getattr(cfg, section), name)
-    return (str(current).lower() if isinstance(current, bool) else str(current)) != value
+    return str(current).lower() if isinstance(current, bool) else str(current)
+
+
+def differs(cfg: Config, key: str, value: str) -> bool:
+    return value_of(cfg, key) != value
 
 
 def with_fix(cfg: Config, change: dict[str, str]) -> Config:
@@ -167,6 +172,7 @@ def fixes_for(
     search = _Search(target, caps, gpu, budget, host_budget or 2**62, fast)
     alone = search.alone(cfg)
     found = search.chain(cfg, base_peak, alone)
+    search.drop_unneeded(cfg, found)
     return search.single_instead(cfg, alone, found)
 
 
@@ -254,6 +260,34 @@ class _Search:
                 best, best_key = (i, candidate, together), key
         return best
 
+    def drop_unneeded(self, cfg: Config, found: list[dict[str, Any]]) -> None:
+        """Once the chain fits, each change before the last that the others fit without, at
+        no more than 1% of predicted time, is dropped (marked `dropped`), newest first: a
+        change that helped on the way (activations on the host before block checkpointing
+        made them few; 4-bit states where 8-bit ones fit once they left the device) is not
+        worth its risk at the end. `best_toml` is the configuration without them."""
+        if not (found and found[-1]["fits_with_previous"]):
+            return
+        kept = list(range(len(found)))
+        step_s = found[-1]["step_s_with_previous"]
+        for i in reversed(range(len(found) - 1)):
+            trial = [j for j in kept if j != i]
+            try:
+                candidate, overrides = _applied(cfg, [found[j]["overrides"] for j in trial])
+                p = self.confirmed(candidate, self.plan(candidate))
+            except ConfigError:
+                continue
+            if self.fits(p) and p.step_s is not None and p.step_s <= 1.01 * (step_s or 0):
+                kept = trial
+                found[i]["dropped"] = True
+                found[-1].update(
+                    best_toml=to_toml(candidate),
+                    best_overrides=overrides,
+                    peak_with_previous=p.peak,
+                    host_with_previous=p.host,
+                    step_s_with_previous=p.step_s,
+                )
+
     def single_instead(self, cfg: Config, alone: list, found: list) -> list[dict[str, Any]]:
         """One change that fits by itself can beat the chain (the host tiers are alternatives,
         not steps: weights on the host take the optimizer with them): the fastest such one is
@@ -303,3 +337,14 @@ class _Search:
             "fits_with_previous": fits,
             "cumulative": [f["change"] for f in previous] + [name],
         }
+
+
+def _applied(cfg: Config, changes: list[dict[str, str]]) -> tuple[Config, dict[str, str]]:
+    """`cfg` with `changes` applied in order, and the overrides by which the result differs
+    from `cfg` (a key a later change set back is not among them)."""
+    current, touched = cfg, []
+    for change in changes:
+        touched += resolved(current, change)
+        current = with_fix(current, change)
+    overrides = {k: value_of(current, k) for k in dict.fromkeys(touched)}
+    return current, {k: v for k, v in overrides.items() if differs(cfg, k, v)}

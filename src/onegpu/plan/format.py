@@ -213,6 +213,7 @@ def _capacity_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             f"{' fits' if f['fits_alone'] else '     '} | together "
             f"{f['peak_with_previous'] / GiB:6.2f}, host {f['host_with_previous'] / GiB:5.1f}"
             f"{_ms(f['step_s_with_previous'])}{'  FITS' if f['fits_with_previous'] else ''}"
+            + ("  (dropped at the end: the rest fit without it)" if f.get("dropped") else "")
         )
     best = next((f for f in r.get("fixes", []) if "best_overrides" in f), None)
     if best:
