@@ -7,7 +7,10 @@ Llama-3-8B and Llama-2-13B shapes (their public config.json values, random weigh
 
 - Trainer's defaults: bf16 autocast over fp32 weights, AdamW, no checkpointing, plain loss;
 - onegpu on the device: bf16-pure, 8-bit AdamW, block checkpointing, chunked loss;
-- onegpu + host: the same with memory.offload_optimizer (states and weight copies on the host).
+- onegpu + host: the same with memory.offload_optimizer (states and weight copies on the host,
+  stepped on the host CPU at this machine's measured rate for 8-bit AdamW);
+- onegpu + states on the host: the same with memory.offload_states, stepped on the GPU in
+  backward (batch 8 as one micro-batch: nothing to accumulate).
 
 The device peak does not depend on which bf16 GPU it is planned for; the predicted speed does
 (its bf16 peak at 40%, its PCIe link at 80%, and this machine's measured CPU optimizer step).
@@ -60,6 +63,12 @@ CONFIGS = {
                                          "memory.checkpointing": "block",
                                          "memory.loss_chunk": "1024",
                                          "memory.offload_optimizer": "true"},
+    # batch 8 as one micro-batch of 8: the optimizer in backward accumulates nothing
+    "onegpu, states in host memory, stepped on the GPU in backward": {
+        "train.precision": "bf16-pure", "optim.name": "adamw8bit",
+        "memory.checkpointing": "block", "memory.loss_chunk": "1024",
+        "memory.offload_states": "true", "optim.in_backward": "true", "optim.grad_clip": "0",
+        "train.micro_batch_size": "8"},
 }  # fmt: skip
 TARGETS = ("RTX4090", "A100-40", "H100-80")
 
@@ -77,7 +86,7 @@ def tokens_per_s(r: dict, gpu: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/largest-llama.md")
+    ap.add_argument("--out", default="benchmarks/results/largest-llama-2026-11-27.md")
     a = ap.parse_args()
     plans: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:

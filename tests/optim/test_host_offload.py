@@ -180,3 +180,28 @@ def test_bad_combinations_are_refused(tmp_path):
                                        "memory.offload_dir": str(tmp_path)})  # fmt: skip
     with pytest.raises(ConfigError, match="memory.offload_optimizer"):
         check_distributed(_cfg(True), "ddp", 2)
+
+
+def test_under_bf16_the_device_keeps_bf16_matmul_weights_and_the_host_fp32_masters():
+    """bf16 autocast with the optimizer on the host: the matmul weights live in bf16 on the
+    device (autocast would cast them so for every matmul), embeddings and norms in fp32, the
+    fp32 masters on the host. The losses and the masters equal the plain bf16 run's fp32
+    weights bit for bit; the checkpoint's model state is the masters."""
+    from onegpu.backends.torch.checkpoint import model_state
+    from onegpu.optim.factory import matmul_weights
+
+    over = {"train.precision": "bf16", "train.micro_batch_size": "4"}
+    plain, off = _run(False, **over), _run(True, **over)
+    assert plain[1:] == off[1:]
+    model = off[0].model
+    sixteen = matmul_weights(model)
+    assert sixteen, "the GPT's attention and MLP weights are cast"
+    for p in model.parameters():
+        assert p.dtype == (torch.bfloat16 if id(p) in sixteen else torch.float32)
+    saved, want = model_state(off[0]), plain[0].model.state_dict()
+    assert saved.keys() == want.keys()
+    assert all(saved[k].dtype == want[k].dtype and torch.equal(saved[k], want[k]) for k in want)
+    again = build(_cfg(True, **over), CPU, with_data=False)
+    again.model.load_state_dict(saved)
+    again.optimizer.take_weights(again.model, saved)
+    assert all(torch.equal(a, b) for a, b in zip(model_state(again).values(), want.values()))

@@ -92,6 +92,9 @@ GRID = {
     "gelu-2bit": {"memory.gelu_bits": "2"},
     "offload-optimizer": {"memory.offload_optimizer": "true", "train.micro_batch_size": "2",
                           "optim.grad_clip": "0.5"},
+    # bf16 matmul weights on the device, fp32 masters on the host (and in the checkpoint)
+    "offload-optimizer-bf16": {"memory.offload_optimizer": "true", "train.precision": "bf16",
+                               "train.micro_batch_size": "2"},
     # a new projection every 3 steps: one falls after the resume point (step 2)
     "galore-accum-clip": {"optim.name": "galore", "optim.rank": "16", "optim.update_proj_gap": "3",
                           "train.micro_batch_size": "2", "optim.grad_clip": "0.5"},

@@ -26,6 +26,13 @@ parameter (its checkpoints do not load into the non-offloaded optimizer). Here:
   the layout of the device optimizer's, so a checkpoint written offloaded resumes without
   offload and the other way round.
 
+Under `bf16` (autocast over fp32 weights) the matmul weights live in bf16 on the device and
+their fp32 masters on the host (`sixteen_bit`): autocast would cast them to bf16 for every
+matmul anyway, so forward and backward compute the same values at half the device bytes, and
+their bf16 gradients are summed into fp32 host buffers as autograd sums them into fp32 ones.
+Embeddings (tied output layers too) and norms stay fp32 on the device. Checkpoints and the
+final weights keep the fp32 masters.
+
 With `memory.offload_dir` the weight copies and the states live in memory-mapped files instead
 (offload/disk_tier.py); the gradient buffers stay in RAM.
 
@@ -41,6 +48,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from onegpu.offload.disk_tier import DiskTier, step_into_disk
 from onegpu.offload.staging_ring import StagingRing
@@ -62,6 +70,7 @@ class HostOffloadOptimizer:
         *,
         disk: DiskTier | None = None,
         on_disk: bool = False,
+        sixteen_bit: frozenset[int] = frozenset(),
     ):
         self.device = device
         pin = device.type == "cuda"
@@ -84,6 +93,10 @@ class HostOffloadOptimizer:
                 p.register_post_accumulate_grad_hook(self._offload_grad)
             host_groups.append({**group, "params": host_params})
         self.inner = make_optimizer(host_groups)
+        # under bf16: the matmul weights live in bf16 on the device, their fp32 masters here
+        self.sixteen_bit = [p for p in self._host if id(p) in sixteen_bit]
+        for p in self.sixteen_bit:
+            p.data = p.data.to(torch.bfloat16)
         # one optimizer per host copy (optim.in_backward): each steps as its gradient lands
         self.steps_in_backward = getattr(self.inner, "steps_in_backward", False)
         seen: set[int] = set()
@@ -266,6 +279,25 @@ class HostOffloadOptimizer:
                 self.disk.move_state(per_param)
             self._states_on_disk = True
         self.sync_from_device()
+
+    def full_precision_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's state_dict with the fp32 masters in place of its bf16 device weights
+        (what a checkpoint and the final weights keep)."""
+        state = model.state_dict()
+        if self.sixteen_bit:
+            masters = {id(p): self._host[p] for p in self.sixteen_bit}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                if id(p) in masters:
+                    state[name] = masters[id(p)]
+        return state
+
+    @torch.no_grad()
+    def take_weights(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """The host copies from a checkpoint's model state (its fp32 values: the device's
+        bf16 weights are rounded ones), after the model has loaded it."""
+        for name, p in model.named_parameters():
+            if p in self._host and name in state:
+                self._host[p].copy_(state[name])
 
     @torch.no_grad()
     def sync_from_device(self) -> None:

@@ -66,6 +66,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def matmul_weights(model: nn.Module) -> frozenset[int]:
+    """ids of the weights autocast casts for its matmuls (nn.Linear's), but not an embedding
+    tied to an output layer (its lookup would return bf16)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    return frozenset(linear - embeddings)
+
+
 def optimizer_groups(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> list[dict]:
     """The parameter groups the configured optimizer steps: decay or not, and for GaLore,
     APOLLO and Adam-mini a group per parameter with what the method needs to know of it."""
@@ -138,6 +146,7 @@ def build_optimizer(
     offload: bool = False,
     offload_dir: str = "",
     states_on_host: bool = False,
+    sixteen_bit_weights: bool = False,
     fake: bool = False,
     seed: int = 0,
 ) -> torch.optim.Optimizer | PerParameterOptimizers | HostOffloadOptimizer:
@@ -146,7 +155,8 @@ def build_optimizer(
     weights, stepped on the CPU, if `offload` (memory.offload_optimizer), their copies and
     states in files under `offload_dir` if given (none made on a `fake` build: a plan); with
     its states in host memory, each parameter stepped alone on the device, if
-    `states_on_host` (memory.offload_states).
+    `states_on_host` (memory.offload_states). `sixteen_bit_weights` (bf16 autocast with the
+    optimizer on the host): the matmul weights in bf16 on the device, fp32 masters on the host.
     `seed`: the run's, from which low-rank optimizers draw their random projections."""
     groups = optimizer_groups(model, cfg, seed)
     if states_on_host:
@@ -161,7 +171,13 @@ def build_optimizer(
             make = lambda gs: PerParameterOptimizers(gs, per_param, slice_block=block)  # noqa: E731
         disk = DiskTier(offload_dir) if offload_dir and not fake else None
         return HostOffloadOptimizer(
-            groups, make, device, list(model.parameters()), disk=disk, on_disk=bool(offload_dir)
+            groups,
+            make,
+            device,
+            list(model.parameters()),
+            disk=disk,
+            on_disk=bool(offload_dir),
+            sixteen_bit=matmul_weights(model) if sixteen_bit_weights else frozenset(),
         )
     if cfg.in_backward:
         make = lambda gs: _make(gs, cfg, device, param_dtype)  # noqa: E731

@@ -229,6 +229,7 @@ def _optimizer(
         offload=cfg.memory.offload_optimizer,
         offload_dir=cfg.memory.offload_dir,
         states_on_host=cfg.memory.offload_states,
+        sixteen_bit_weights=resolved.precision.name == "bf16",
         fake=fake,
         seed=cfg.train.seed,
     )

@@ -26,6 +26,7 @@ import torch
 from onegpu.backends.torch.build import Built
 from onegpu.config import ConfigError
 from onegpu.distributed import compression, dcp
+from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.runs import checkpoints
 from onegpu.runs.checkpoints import FOLDER_STATE, Checkpoint
 
@@ -62,11 +63,19 @@ def state_of(built: Built, common: dict[str, Any]) -> dict[str, Any]:
     """A single file's state: the shared part, model, optimizer, scaler and RNG states."""
     return {
         **common,
-        "model": built.model.state_dict(),
+        "model": model_state(built),
         "optimizer": built.optimizer.state_dict(),
         "scaler": built.step.scaler.state_dict(),
         "rng": rng_state(),
     }
+
+
+def model_state(built: Built) -> dict[str, torch.Tensor]:
+    """The model's weights at full precision: the host optimizer's fp32 masters where the
+    device holds bf16 copies (offload/host_optimizer.py)."""
+    if isinstance(built.optimizer, HostOffloadOptimizer):
+        return built.optimizer.full_precision_state(built.model)
+    return built.model.state_dict()
 
 
 def train_state_of(
@@ -97,6 +106,8 @@ def load_state(built: Built, previous: Checkpoint) -> None:
         else:
             built.model.load_state_dict(state["model"])
             built.optimizer.load_state_dict(state["optimizer"])
+            if isinstance(built.optimizer, HostOffloadOptimizer):  # fp32 masters as saved
+                built.optimizer.take_weights(built.model, state["model"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise ConfigError(
             "train.resume", f"{previous.path} does not fit this model or optimizer ({e})"

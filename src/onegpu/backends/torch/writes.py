@@ -94,13 +94,18 @@ def write_checkpoint(
 
 def write_final_weights(built: Built, path: Path) -> None:
     """model.safetensors by rank 0: the model itself, FSDP's shards gathered into a whole
-    model on rank 0's host (a collective), or DDP's replica."""
+    model on rank 0's host (a collective), DDP's replica, or the host optimizer's fp32
+    masters where the device keeps bf16 copies."""
     model = built.model
+    full = None
     if built.dist.strategy == "fsdp" or built.dist.layout.splits_model:
         # the tensors land on rank 0's host (a pipeline's stages send theirs)
         full = dcp.full_model_state(model, built.dist.stage_group())
         if not built.dist.is_main:
             return
+    elif getattr(built.optimizer, "sixteen_bit", None):  # bf16 on the device, fp32 masters
+        full = built.optimizer.full_precision_state(model)
+    if full is not None:
         with torch.device("meta"):
             model = make_model(built.cfg.model)
         model.to_empty(device="cpu")
