@@ -60,12 +60,18 @@ MEMORY_GRID: list[tuple[str, dict[str, str]]] = [
       "train.micro_batch_size": "4"}),
     ("activations on the host", {"memory.offload_activations": "true"}),
     ("weights on the host (FSDP2 CPU offload)", {"memory.offload_params": "true"}),
+    ("states on the host, stepped on the GPU, in backward, 8-bit",
+     {"memory.offload_states": "true", "optim.in_backward": "true", "optim.grad_clip": "0",
+      "train.precision": "bf16-pure", "optim.name": "adamw8bit"}),
 ]  # fmt: skip
 OVERLAP_ROWS = {
     "optimizer on the device": {"optim.grad_clip": "0"},
     "optimizer on the host, after backward": {"memory.offload_optimizer": "true", "optim.grad_clip": "0"},
     "optimizer on the host, in backward": {"memory.offload_optimizer": "true", "optim.in_backward": "true",
                                            "optim.grad_clip": "0"},
+    "states on the host, stepped on the GPU, in backward": {"memory.offload_states": "true",
+                                                            "optim.in_backward": "true",
+                                                            "optim.grad_clip": "0"},
 }  # fmt: skip
 SPEED_MODELS = {
     "A": {"n_layer": 4, "n_head": 4, "d_model": 256, "seq_len": 512, "vocab_size": 50257, "batch": 8},

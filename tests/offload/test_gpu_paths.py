@@ -117,3 +117,38 @@ def test_the_planned_peak_on_a_gpu_is_within_ten_percent(policy):
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - before
     assert planned == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"optim.in_backward": "true"},
+        {"optim.in_backward": "false", "train.micro_batch_size": "4"},
+        {"optim.in_backward": "true", "optim.name": "adamw8bit", "train.precision": "bf16"},
+    ],
+    ids=["in-backward", "after-backward-accumulated", "8bit-in-backward"],
+)
+def test_states_on_the_host_of_a_gpu_step_as_states_in_place(initial_weights, over):
+    """memory.offload_states on a GPU: the states wait pinned on the host, go out on the side
+    stream (the next parameter's while one steps) and come back after its step; the same
+    kernels run on the same values, so the weights equal the states-in-place run's exactly,
+    and the parked states are host tensors."""
+    init = {"model.init_from": initial_weights, **over}
+    _, in_place, w_in_place = _steps(_cfg(**init))
+    built, on_host, w_on_host = _steps(_cfg(**init, **{"memory.offload_states": "true"}))
+    assert on_host == in_place
+    assert all(torch.equal(w_on_host[k], w_in_place[k]) for k in w_in_place)
+    states = built.optimizer.states
+    assert states.host_bytes() > 0 and states._next
+    parked = [v for s in states._parked.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert parked and all(v.device.type == "cpu" for v in parked)
+
+
+def test_bf16_matmul_weights_on_a_gpu_with_fp32_masters_on_the_host(initial_weights):
+    """bf16 autocast, the optimizer on the host: the device's matmul weights are bf16 and the
+    losses follow the plain bf16 run's up to the CPU's and GPU's AdamW rounding."""
+    init = {"model.init_from": initial_weights, "train.precision": "bf16"}
+    _, plain, _ = _steps(_cfg(**init))
+    built, off, _ = _steps(_cfg(**init, **{"memory.offload_optimizer": "true"}))
+    assert any(p.dtype == torch.bfloat16 for p in built.model.parameters())
+    assert off == pytest.approx(plain, rel=1e-3)
