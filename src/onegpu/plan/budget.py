@@ -109,7 +109,8 @@ def _block_costs(cfg: Config, target: str, caps: DeviceCaps | None) -> BlockCost
             if policy == "none":
                 raise
             continue
-        n = sum(1 for k in plan.saved_by_block if k.startswith("blocks."))
+        # every block, also one that saves nothing on the device (its activations offloaded)
+        n = len(plan.block_numels)
         saved[policy] = [plan.saved_by_block.get(f"blocks.{i}", 0) for i in range(n)]
         peaks[policy] = plan.memory["peak"]
         plans[policy] = plan

@@ -56,9 +56,12 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
     spec = GPUS[gpu]
     precision = resolve_precision(cfg.train.precision, gpu_caps(gpu)).name
     weight = 2 if precision == "bf16-pure" else 4
+    # bf16 with the optimizer on the host: the matmul weights are bf16 on the device (at
+    # least: embeddings and norms stay fp32), fp32 masters on the host
+    on_device = 2 if precision == "bf16" and m.offload_optimizer else weight
     states = state_bytes_per_param(o.name) * n_params
     host_states = m.offload_optimizer or m.offload_params
-    weights = 0 if m.offload_params else weight * n_params
+    weights = 0 if m.offload_params else on_device * n_params
     stepped_in_backward = o.in_backward and cfg.grad_accum_steps == 1  # else they accumulate
     grads = 0 if host_states or stepped_in_backward else weight * n_params
     activations = 0 if m.offload_activations else saved_blocks * cfg.train.micro_batch_size
@@ -70,7 +73,9 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
     compute = flops_per_token * recompute_factor(m.checkpointing) * tokens / (peak * EFFICIENCY)
     link = 0.0
     if host_states:  # the gradients out once per micro-batch, weights back once a step
-        link = (cfg.grad_accum_steps + 1) * weight * n_params / (spec.host_link * LINK_EFFICIENCY)
+        link = (
+            (cfg.grad_accum_steps + 1) * on_device * n_params / (spec.host_link * LINK_EFFICIENCY)
+        )
     if m.offload_states:  # the states to the device for their step and back
         link = 2 * states / (spec.host_link * LINK_EFFICIENCY)
     host_step = n_params / host_step_rate(o.name)[0] if host_states else 0.0
