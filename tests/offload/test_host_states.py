@@ -67,6 +67,7 @@ def test_states_on_the_host_equal_states_in_place_bit_for_bit(over):
     assert states._next, "the order of the steps was learnt: the next states go out ahead"
 
 
+@pytest.mark.slow  # torchao compiles its 8-bit step (seconds on a CPU)
 def test_torchao_8bit_states_travel_by_their_inner_tensors():
     """torchao's 8-bit moments are tensor subclasses: they cross by their codes and scales,
     and the step equals the one with the states in place, bit for bit."""
@@ -113,7 +114,7 @@ def test_what_cannot_join_host_states_is_refused(over, field):
     "over",
     [
         {"optim.name": "adamw"},
-        {"optim.name": "adamw8bit"},
+        pytest.param({"optim.name": "adamw8bit"}, marks=pytest.mark.slow),  # compiles
     ],
     ids=["adamw", "adamw8bit"],
 )
