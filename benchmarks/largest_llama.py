@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from onegpu.config import load_config
-from onegpu.offload.pricing import LINK_EFFICIENCY
+from onegpu.offload.pricing import BACKWARD_SHARE, LINK_EFFICIENCY
 from onegpu.perf.devices import GPUS, GiB
 from onegpu.plan.report import plan_report
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, EFFICIENCY
@@ -78,15 +78,17 @@ def tokens_per_s(r: dict, gpu: str) -> float:
     spec, tokens = GPUS[gpu], 8 * 2048
     recompute = r.get("recompute_factor", 1.0)  # block checkpointing runs forward twice
     step = r["flops_per_token"] * recompute * tokens / (spec.peak["bf16"] * EFFICIENCY)
-    if o := r.get("offload"):
-        link = o["link_bytes"] / (spec.host_link * LINK_EFFICIENCY)
-        step = max(step, link) + o["host_step_s"]
+    if o := r.get("offload"):  # as offload/pricing.py prices it, on this GPU's link
+        rate = spec.host_link * LINK_EFFICIENCY
+        states = o.get("states_link_s", 0.0) * o.get("link_rate", rate)  # bytes (in backward)
+        beside = max(step, (o["link_bytes"] - states) / rate)
+        step = beside + max(0.0, states / rate - step * BACKWARD_SHARE) + o["host_step_s"]
     return tokens / step
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/largest-llama-2026-11-27.md")
+    ap.add_argument("--out", default="benchmarks/results/largest-llama-new.md")
     a = ap.parse_args()
     plans: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -101,13 +101,22 @@ def test_checkpoints_move_between_host_states_and_states_in_place():
     "over, field",
     [
         ({"memory.offload_optimizer": "true"}, "memory.offload_states"),
+        ({"memory.offload_params": "true", "dist.strategy": "auto"}, "memory.offload_states"),
+        ({"train.precision": "fp16"}, "memory.offload_states"),
         ({"train.backend": "jax"}, "memory.offload_states"),
     ],
-    ids=["with-the-host-optimizer", "jax"],
+    ids=["with-the-host-optimizer", "with-weights-on-the-host", "fp16", "jax"],
 )
 def test_what_cannot_join_host_states_is_refused(over, field):
     with pytest.raises(ConfigError, match=field):
         _cfg(True, **over)
+
+
+def test_host_states_are_refused_under_torchrun():
+    from onegpu.config import check_distributed
+
+    with pytest.raises(ConfigError, match="memory.offload_states"):
+        check_distributed(_cfg(True), "ddp", 2)
 
 
 @pytest.mark.parametrize(

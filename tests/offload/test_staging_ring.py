@@ -31,9 +31,12 @@ def test_the_ring_lands_its_oldest_copies_to_make_room_and_never_overlaps_a_held
 
 
 def test_views_have_the_gradient_dtype_and_size_and_a_gradient_larger_than_the_ring_is_refused():
-    ring = StagingRing(64, pin=False)
-    view = ring.take(10, torch.bfloat16)
-    assert view.dtype == torch.bfloat16 and view.numel() == 10
+    ring = StagingRing(256, pin=False)
+    view = ring.take(11, torch.bfloat16)  # 22 bytes: the next stretch still starts aligned
+    assert view.dtype == torch.bfloat16 and view.numel() == 11
+    ring.hold(lambda: None)
+    after = ring.take(3, torch.float32)
+    assert after.data_ptr() % 64 == 0 and after.numel() == 3
     ring.hold(lambda: None)
     with pytest.raises(ValueError, match="does not fit"):
-        ring.take(17, torch.float32)
+        ring.take(65, torch.float32)

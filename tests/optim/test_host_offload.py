@@ -192,6 +192,9 @@ def test_under_bf16_the_device_keeps_bf16_matmul_weights_and_the_host_fp32_maste
 
     over = {"train.precision": "bf16", "train.micro_batch_size": "4"}
     plain, off = _run(False, **over), _run(True, **over)
+    # an untied output layer under the chunked loss (fp32 sums: it stays fp32) too
+    head = {**over, "model.tie_embeddings": "false", "memory.loss_chunk": "64"}
+    assert _run(False, **head)[1:] == _run(True, **head)[1:]
     assert plain[1:] == off[1:]
     model = off[0].model
     sixteen = matmul_weights(model)

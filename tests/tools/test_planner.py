@@ -301,4 +301,5 @@ def test_offloaded_activations_wait_in_host_memory_on_a_gpu_plan():
                           "pinned staging", "activations"}  # fmt: skip
     assert sum(kinds.values()) == both.memory["host"]
     largest = max(p.numel * p.element_size for p in both.param_shapes)
-    assert kinds["pinned staging"] == 2 * largest < kinds["weight copies"]  # a ring, not a copy
+    assert 2 * largest <= kinds["pinned staging"] <= 2 * largest + 128  # a ring (aligned),
+    assert kinds["pinned staging"] < kinds["weight copies"]  # not a copy of every gradient

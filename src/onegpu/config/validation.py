@@ -220,6 +220,12 @@ def _validate_offload(cfg: Config) -> None:
         "steps on the host; choose one",
     )
     _require(
+        not (cfg.memory.offload_states and cfg.train.precision == "fp16"),
+        "memory.offload_states",
+        "steps a large parameter a slice at a time, which fp16's loss scaler does not "
+        "unscale; use bf16, bf16-pure or fp32",
+    )
+    _require(
         not (cfg.memory.offload_states and cfg.memory.offload_params),
         "memory.offload_states",
         "the weights in host memory (memory.offload_params) are stepped on the host with "

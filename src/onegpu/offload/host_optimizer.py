@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,7 +52,7 @@ import torch
 from torch import nn
 
 from onegpu.offload.disk_tier import DiskTier, step_into_disk
-from onegpu.offload.staging_ring import StagingRing
+from onegpu.offload.staging_ring import ALIGN, StagingRing
 
 
 class HostOffloadOptimizer:
@@ -107,7 +108,8 @@ class HostOffloadOptimizer:
                 self.grad_params.append(self._host[p])
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # pinned staging: a ring of twice the largest gradient (offload/staging_ring.py)
-        self.ring_bytes = 2 * max((p.numel() * p.element_size() for p in self._host), default=0)
+        largest = max((p.numel() * p.element_size() for p in self._host), default=0)
+        self.ring_bytes = 2 * (largest + ALIGN)
         self._ring: StagingRing | None = None  # made at the first copy (a plan makes none)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_jobs: list[concurrent.futures.Future] = []
@@ -134,9 +136,9 @@ class HostOffloadOptimizer:
             grad.record_stream(self._stream)
         arrived = (self._stream.record_event(), host, staging)
         if self.steps_in_backward and self.inner.stepping:  # on a worker thread: backward goes on
-            job = self._worker().submit(self._step_on_host, p, arrived)
-            self._worker_jobs.append(job)
-            self._ring.hold(job.result)
+            landed = threading.Event()  # the staged bytes are added in: reusable
+            self._worker_jobs.append(self._worker().submit(self._step_on_host, p, arrived, landed))
+            self._ring.hold(landed.wait)
         else:
             self._ring.hold(lambda: _add_arrived(arrived))
 
@@ -164,15 +166,23 @@ class HostOffloadOptimizer:
         return h
 
     @torch.no_grad()
-    def _step_on_host(self, p: torch.Tensor, arrived: tuple[Any, torch.Tensor, torch.Tensor]):
+    def _step_on_host(
+        self,
+        p: torch.Tensor,
+        arrived: tuple[Any, torch.Tensor, torch.Tensor],
+        landed: threading.Event,
+    ):
         """In backward with an accelerator, on the worker thread while the device goes on with
         backward: wait for `p`'s gradient copy, add it in, step the host copy on the CPU and
         send the weight back on the side stream (ordered after the gradient's copy, which
         waited for every kernel queued before it that reads the old weight)."""
-        _add_arrived(arrived)
+        try:
+            _add_arrived(arrived)
+        finally:  # the ring may hand the staged bytes out again (an error is raised at step)
+            landed.set()
         h = self._stepped_copy(p)
         with torch.cuda.stream(self._stream):
-            p.copy_(h, non_blocking=True)
+            _send(p, h)
 
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         """One thread: the host steps run in order, beside the engine's."""
@@ -232,7 +242,7 @@ class HostOffloadOptimizer:
         ctx = torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext()
         with ctx:
             for p, h in self._host.items():
-                p.copy_(h, non_blocking=self._stream is not None)
+                _send(p, h)
         if self._stream is not None:  # the next forward must see the new weights
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
@@ -312,3 +322,12 @@ def _add_arrived(arrived: tuple[Any, torch.Tensor, torch.Tensor]) -> None:
     event, host, staging = arrived
     event.synchronize()
     host.add_(staging.to(host.dtype))
+
+
+def _send(p: torch.Tensor, h: torch.Tensor) -> None:
+    """The host copy's values into the device weight. A bf16 weight of an fp32 master is
+    converted on the device: converting on the host would stage the bf16 values in pageable
+    memory, which the link copies synchronously."""
+    if p.dtype != h.dtype and p.device != h.device:
+        h = h.to(p.device, non_blocking=True)
+    p.copy_(h, non_blocking=p.device.type == "cuda")

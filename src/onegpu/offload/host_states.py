@@ -8,9 +8,9 @@ seconds on a workstation. Here the states live in host memory and the device doe
 arithmetic: each parameter's states cross the link just before its step and go back after it,
 2 bytes per parameter each way for 8-bit AdamW, and the CPU computes nothing. bitsandbytes'
 paged optimizers (torchtune's recipe for an 8B model on a 24 GB card) reach the same place
-through unified memory's page faults; here the copies are scheduled, on a side stream, the
-next parameter's states sent while the current one steps, so their cost is predictable and the
-planner can price it.
+through unified memory's page faults; here the copies are scheduled, on side streams (one
+each way: PCIe moves both directions at once), the next parameter's states sent while the
+current one steps, so their cost is predictable and the planner can price it.
 
 Each parameter has an optimizer of its own (optim/in_backward.py's `PerParameterOptimizers`),
 stepped in backward (`optim.in_backward`: the device then never holds more than two
@@ -88,7 +88,11 @@ class HostStates:
     def __init__(self, device: torch.device):
         self.device = device
         self.pin = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        # two side streams: states going out and coming back use both directions of the link
+        self._h2d = torch.cuda.Stream(device) if cuda else None
+        self._d2h = torch.cuda.Stream(device) if cuda else None
+        self._back: dict[torch.Tensor, Any] = {}  # p -> event: its copy back is done
         self._parked: dict[torch.Tensor, Parked] = {}
         self._moved_keys: dict[torch.Tensor, set[str]] = {}  # what crosses the link
         self._sent: dict[torch.Tensor, tuple[Parked, Any]] = {}  # prefetched: state, event
@@ -104,11 +108,11 @@ class HostStates:
         if p in self._parked or p in self._sent:
             optimizer.state[p] = self._on_device(p)
         self._learn_order(p)
-        yield
-        self._park(p, optimizer)
         following = self._next.get(p)
         if following is not None and following in self._parked and following not in self._sent:
-            self._send_ahead(following)
+            self._send_ahead(following)  # on its stream, while p steps on the current one
+        yield
+        self._park(p, optimizer)
 
     def _on_device(self, p: torch.Tensor) -> Parked:
         """`p`'s state on the device: sent ahead already, or sent now (and waited for)."""
@@ -123,7 +127,9 @@ class HostStates:
     def _send_ahead(self, p: torch.Tensor) -> None:
         """Start copying `p`'s parked state to the device (side stream with an accelerator)."""
         parked = self._parked[p]
-        side = self._stream
+        side = self._h2d
+        if side is not None and p in self._back:  # after its last copy back has landed
+            side.wait_event(self._back[p])
         ctx = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
         with ctx:
             moved = self._moved_keys[p]
@@ -146,7 +152,7 @@ class HostStates:
         state = optimizer.state.get(p)
         if not state:
             return
-        side = self._stream
+        side = self._d2h
         if side is not None:  # after the step's kernels; the device state lives until then
             side.wait_stream(torch.cuda.current_stream(self.device))
         moved = {k for k, v in state.items() if self._on_this_device(v)}
@@ -167,6 +173,7 @@ class HostStates:
         if side is not None:
             for t in (t for k in moved for t in _tensors(state[k])):
                 t.record_stream(side)
+            self._back[p] = side.record_event()
         self._parked[p] = parked
         self._moved_keys[p] = moved
         optimizer.state[p] = parked
@@ -194,8 +201,9 @@ class HostStates:
 
     def synchronize(self) -> None:
         """Every copy back to the host is done (before the states are read: a checkpoint)."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        for side in (self._h2d, self._d2h):
+            if side is not None:
+                side.synchronize()
 
     def host_bytes(self) -> int:
         """Bytes of the parked states."""

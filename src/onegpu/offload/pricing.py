@@ -6,7 +6,8 @@ optimizer step (a prediction, labelled as one; docs/offload.md).
 - memory.offload_activations: every micro-batch's saved activations go to the host in forward
   and come back in backward.
 - memory.offload_states: every parameter's states come to the device for its step and go
-  back, once per step; the CPU computes nothing.
+  back, once per step, beside the last micro-batch's backward when stepped in it, after
+  backward otherwise (`exposed_link`); the CPU computes nothing.
 - FSDP's CPU offload (memory.offload_params, dist.cpu_offload): every micro-batch gathers the
   weights to the device for forward and again for backward (once, with reshard_after_forward
   false) and sends the gradients back; each process moves its shard over its own link.
@@ -50,15 +51,18 @@ def offload_costs(cfg: Config, plan: Any, gpu: str | None, world_size: int) -> d
             moved += n_micro * stored + stored
         rate, how = host_step_rate(cfg.optim.name)
         out.update(host_step_s=numel / rate, host_step_source=how)
+    states = 0
     if cfg.memory.offload_states:  # each parameter's states come for its step and go back
-        moved += 2 * plan.host_by_kind.get("optimizer states", 0)
-        out["states_on_host"] = True
+        states = 2 * plan.host_by_kind.get("optimizer states", 0)
+        moved += states
     if not moved:
         return {}
     out["link_bytes"] = int(moved)
     if gpu:
         link = GPUS[gpu].host_link * LINK_EFFICIENCY
         out.update(link_s=moved / link, link_rate=link)
+        if states:
+            out["states_link_s"] = states / link
     return out
 
 
@@ -73,3 +77,18 @@ def exposed_host_step(cfg: Config, host_step_s: float, compute_s: float, world_s
         return host_step_s
     n_micro = max(1, cfg.grad_accum_steps // world_size)
     return max(0.0, host_step_s - compute_s * BACKWARD_SHARE / n_micro)
+
+
+def exposed_link(cfg: Config, offload: dict[str, Any], compute_s: float, world_size: int) -> float:
+    """The step time the host link adds on top of compute. The copies of activations,
+    gradients and weights run beside compute (the longer of the two counts). The optimizer
+    states' trips (memory.offload_states) run beside backward when the step is in backward
+    (what the last micro-batch's backward does not hide is exposed), and after it otherwise,
+    one parameter after another: all of them exposed."""
+    link_s = offload.get("link_s", 0.0)
+    states_s = offload.get("states_link_s", 0.0)
+    beside = max(compute_s, link_s - states_s) - compute_s
+    if cfg.optim.in_backward:
+        n_micro = max(1, cfg.grad_accum_steps // world_size)
+        states_s = max(0.0, states_s - compute_s * BACKWARD_SHARE / n_micro)
+    return beside + states_s

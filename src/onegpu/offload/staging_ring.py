@@ -18,6 +18,10 @@ from collections.abc import Callable
 
 import torch
 
+ALIGN = 64
+"""Bytes each stretch is rounded up to: a bf16 gradient of odd length never misaligns the
+fp32 one after it."""
+
 Land = Callable[[], None]
 """Finishes one copy: waits for it and uses the staged bytes (after which they may be reused)."""
 
@@ -34,13 +38,14 @@ class StagingRing:
         self._held: deque[tuple[int, int, Land | None]] = deque()  # (start, bytes, land)
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = -(-size // ALIGN) * ALIGN  # every stretch starts aligned for any dtype
         if nbytes > self.capacity:
-            raise ValueError(f"a {nbytes}-byte gradient does not fit a {self.capacity}-byte ring")
+            raise ValueError(f"a {size}-byte gradient does not fit a {self.capacity}-byte ring")
         start = self._room_for(nbytes)
         self._held.append((start, nbytes, None))
         self._head = start + nbytes
-        return self._buffer[start : start + nbytes].view(dtype)[:numel]
+        return self._buffer[start : start + size].view(dtype)
 
     def hold(self, land: Land) -> None:
         """How the stretch taken last is finished (its copy waited for and its bytes used)."""

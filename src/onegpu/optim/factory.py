@@ -66,12 +66,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def matmul_weights(model: nn.Module) -> frozenset[int]:
+def matmul_weights(model: nn.Module, keep_head: bool = False) -> frozenset[int]:
     """ids of the weights autocast casts for its matmuls (nn.Linear's), but not an embedding
-    tied to an output layer (its lookup would return bf16)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied to an output layer (its lookup would return bf16), nor with `keep_head` the output
+    layer (the chunked loss sums its gradient in fp32)."""
+    keep = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    if keep_head and head is not None:
+        keep.add(id(head.weight))
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    return frozenset(linear - embeddings)
+    return frozenset(linear - keep)
 
 
 def optimizer_groups(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> list[dict]:
@@ -147,6 +151,7 @@ def build_optimizer(
     offload_dir: str = "",
     states_on_host: bool = False,
     sixteen_bit_weights: bool = False,
+    keep_head: bool = False,
     fake: bool = False,
     seed: int = 0,
 ) -> torch.optim.Optimizer | PerParameterOptimizers | HostOffloadOptimizer:
@@ -156,7 +161,8 @@ def build_optimizer(
     states in files under `offload_dir` if given (none made on a `fake` build: a plan); with
     its states in host memory, each parameter stepped alone on the device, if
     `states_on_host` (memory.offload_states). `sixteen_bit_weights` (bf16 autocast with the
-    optimizer on the host): the matmul weights in bf16 on the device, fp32 masters on the host.
+    optimizer on the host): the matmul weights in bf16 on the device, fp32 masters on the host
+    (`keep_head`: not the output layer's).
     `seed`: the run's, from which low-rank optimizers draw their random projections."""
     groups = optimizer_groups(model, cfg, seed)
     if states_on_host:
@@ -177,7 +183,7 @@ def build_optimizer(
             list(model.parameters()),
             disk=disk,
             on_disk=bool(offload_dir),
-            sixteen_bit=matmul_weights(model) if sixteen_bit_weights else frozenset(),
+            sixteen_bit=matmul_weights(model, keep_head) if sixteen_bit_weights else frozenset(),
         )
     if cfg.in_backward:
         make = lambda gs: _make(gs, cfg, device, param_dtype)  # noqa: E731

@@ -106,9 +106,15 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
     lines += data_lines(r)
     if "offload" in r:
         o = r["offload"]
+        states = (
+            f"; the optimizer states' trips {o['states_link_s'] * 1e3:,.0f} ms of it, beside "
+            "backward when stepped in it, else after it"
+            if "states_link_s" in o
+            else ""
+        )
         link = (
             f"{o['link_bytes'] / GiB:,.2f} GiB over the host link ({o['link_s'] * 1e3:,.0f} ms "
-            f"at {o['link_rate'] / 1e9:,.1f} GB/s, beside compute)"
+            f"at {o['link_rate'] / 1e9:,.1f} GB/s, beside compute{states})"
             if "link_s" in o
             else "no link here (one memory)"
         )

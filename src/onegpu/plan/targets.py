@@ -11,7 +11,7 @@ import torch
 from onegpu.config import Config, ConfigError, DistConfig, check_batch_split
 from onegpu.config.layout import resolve_layout
 from onegpu.distributed.shares import per_rank_memory
-from onegpu.offload.pricing import exposed_host_step, offload_costs
+from onegpu.offload.pricing import exposed_host_step, exposed_link, offload_costs
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
 from onegpu.perf.flops import recompute_factor
 from onegpu.plan.memory import MemoryPlan
@@ -99,7 +99,7 @@ def predicted_speed(
     recompute = recompute_factor(cfg.memory.checkpointing)
     offload = offload_costs(cfg, plan, gpu, world_size)
     host_step_s = exposed_host_step(cfg, offload.get("host_step_s", 0.0), compute_s, world_size)
-    step_s = max(compute_s, offload.get("link_s", 0.0)) + host_step_s
+    step_s = compute_s + exposed_link(cfg, offload, compute_s, world_size) + host_step_s
     return {
         "predicted_step_time_s": step_s,
         "predicted_tokens_per_s": tokens / step_s,

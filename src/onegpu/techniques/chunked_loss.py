@@ -171,13 +171,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        """The gradients made in forward, scaled by the loss's; the weight's in place where it
-        is in the weight's dtype already (this backward runs once: no [vocab, d_model] copy)."""
+        """The gradients made in forward, scaled by the loss's; the weight's in place (this
+        backward runs once: no [vocab, d_model] copy), then in the weight's dtype."""
         grad_h_ND, grad_w_VD, grad_b_V = ctx.saved_tensors
-        if grad_w_VD.dtype == ctx.weight_dtype:
-            gw = grad_w_VD.mul_(grad_loss)  # in fp32 arithmetic, rounded once
-        else:
-            gw = (grad_w_VD * grad_loss).to(ctx.weight_dtype)
+        gw = grad_w_VD.mul_(grad_loss).to(ctx.weight_dtype)  # a no-op cast where it matches
         gb = (grad_b_V * grad_loss).to(ctx.weight_dtype) if grad_b_V is not None else None
         return grad_h_ND * grad_loss.to(grad_h_ND.dtype), gw, gb, None, None, None, None, None
 

@@ -230,6 +230,9 @@ def _optimizer(
         offload_dir=cfg.memory.offload_dir,
         states_on_host=cfg.memory.offload_states,
         sixteen_bit_weights=resolved.precision.name == "bf16",
+        # the chunked loss sums the output layer's gradient in fp32 over its chunks: that
+        # weight stays fp32, so the gradient is the plain run's to the bit
+        keep_head=bool(resolved.config.memory.loss_chunk),
         fake=fake,
         seed=cfg.train.seed,
     )
