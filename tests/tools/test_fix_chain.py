@@ -45,3 +45,23 @@ def test_the_chain_applies_the_fastest_change_that_lowers_the_peak_then_drops_th
     assert overrides["memory.checkpointing"] == "block"
     assert overrides["optim.in_backward"] == "true"
     assert "memory.offload_activations" not in overrides
+
+
+def test_a_change_beyond_the_host_budget_is_not_applied():
+    """With no room on the host, the host tiers are never applied on the way (they would keep
+    every later configuration from fitting)."""
+
+    class _HostHungry(_Modelled):
+        def plan(self, cfg, *, full=False) -> Planned:
+            p = super().plan(cfg)
+            host = 50 if cfg.memory.offload_activations else 0
+            return Planned(peak=p.peak, host=host, step_s=p.step_s)
+
+    fixes = [f for f in FIXES if f[0] in ("chunked loss", "activations in host memory",
+             "block checkpointing", "optimizer step in backward, no clipping")]  # fmt: skip
+    cfg = load_config("tiny", overrides={"memory.loss_chunk": "0"})
+    search = _HostHungry("cuda", None, None, budget=21, host_budget=10, fast=False)
+    alone = [(name, change, search.plan(cfg)) for name, change in fixes]
+    found = search.chain(cfg, 80, alone)
+    assert "activations in host memory" not in [f["change"] for f in found]
+    assert found[-1]["fits_with_previous"]

@@ -255,6 +255,8 @@ class _Search:
                 continue
             if current_peak is not None and together.peak >= current_peak:
                 continue  # nothing more saved on top of the ones above (or it undoes one)
+            if together.host > self.host_budget:
+                continue  # beyond the host: a leaner change first may bring it within
             key = round(math.log(together.step_s or 1.0) / math.log(1.01))
             if best_key is None or key < best_key:
                 best, best_key = (i, candidate, together), key
