@@ -184,9 +184,11 @@ class HostStates:
     def _learn_order(self, p: torch.Tensor) -> None:
         """Record the order of the first step's parameters: each one's successor is sent
         ahead while it steps."""
-        if self._next or (self._order and p is self._order[0]):  # the order is known
-            if not self._next:
-                self._next = dict(zip(self._order, self._order[1:], strict=False))
+        if self._next:
+            return
+        if any(p is q for q in self._order):  # a second step has begun: the order is known
+            self._next = dict(zip(self._order, self._order[1:], strict=False))
+            self._order = []
             return
         self._order.append(p)
 
