@@ -22,6 +22,12 @@ WORLD_SIZE = _a(
     help="plan one of N processes under torchrun (--dist.strategy fsdp|ddp, or a mesh of "
     "--dist.dp_replicate/dp_shard/tp/pp; auto: fsdp)",
 )
+HOST_MEMORY = _a(
+    "--host-memory",
+    type=int,
+    metavar="BYTES",
+    help="host memory for offloaded state (default: this machine's RAM)",
+)
 HOST_CPUS = _a(
     "--host-cpus",
     type=int,
@@ -52,12 +58,7 @@ PLAN_ARGS = (
         "bytes of tensors allowed on that GPU (below its memory)",
     ),
     _a("--json", action="store_true", help="print one JSON object"),
-    _a(
-        "--host-memory",
-        type=int,
-        metavar="BYTES",
-        help="host memory for offloaded state (default: this machine's RAM)",
-    ),
+    HOST_MEMORY,
     _a(
         "--largest",
         action="store_true",
@@ -85,12 +86,7 @@ TUNE_ARGS = (
     ),
     _a("--steps", type=int, default=6, help="steps per trial (default: 6)"),
     _a("--with-compile", action="store_true", help="also try regional compile"),
-    _a(
-        "--host-memory",
-        type=int,
-        metavar="BYTES",
-        help="host memory for offloaded state (default: this machine's RAM)",
-    ),
+    HOST_MEMORY,
     _a(
         "--world-size",
         type=int,
