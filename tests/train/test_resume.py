@@ -342,3 +342,28 @@ def test_a_second_signal_during_a_save_stops_at_once_in_one_line(tmp_path, monke
     monkeypatch.setattr(checkpoints, "write_atomic", real)
     assert main([*args, "--train.resume", "auto"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
+
+
+def _mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_resume_maps_the_checkpoint_and_lets_it_go_once_restored(tmp_path, monkeypatch):
+    """The checkpoint is mapped, not read into memory (an 8B model's is 30 GB), and once the
+    model and optimizer hold their copies nothing keeps it: not the file's pages, not a second
+    copy of the weights for the rest of the run."""
+    out = tmp_path / "run"
+    train(_cfg(out, **{"train.max_steps": "2"}))
+    saved = out / "checkpoints" / ckpt.checkpoint_name(2)
+    real, seen = ckpt.load_state, {}
+
+    def load_state(built, previous):
+        seen["mapped while loading"] = _mapped(saved)
+        real(built, previous)
+        seen["mapped once restored"] = _mapped(saved)
+        seen["kept"] = {"model", "optimizer"} & set(previous.state)
+
+    monkeypatch.setattr(ckpt, "load_state", load_state)
+    train(_cfg(out, **{"train.max_steps": "3", "train.resume": "auto"}))
+    assert seen == {"mapped while loading": True, "mapped once restored": False, "kept": set()}

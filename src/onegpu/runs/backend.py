@@ -109,7 +109,9 @@ class Backend(Protocol):
         train.resume when it does not load."""
 
     def load_state(self, checkpoint: Checkpoint) -> None:
-        """Model, optimizer and what else the step needs, as the checkpoint has them."""
+        """Model, optimizer and what else the step needs, as the checkpoint has them. The
+        checkpoint's weights and optimizer state are dropped from it once restored: the run
+        keeps `checkpoint` to its end and must not hold a second copy of the model."""
 
     def start(self, step: int) -> None:
         """Open the batches from global step `step` on."""

@@ -75,6 +75,7 @@ class JaxBackend:
         b.opt_state = jax.tree_util.tree_map(
             jnp.asarray, ckpt.restore(b.opt_state, saved["opt_state"])
         )
+        del saved["params"], saved["opt_state"]  # restored: no second copy for the whole run
 
     def start(self, step: int) -> None:
         b, t = self.built, self.built.cfg.train

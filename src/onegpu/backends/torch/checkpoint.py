@@ -22,11 +22,14 @@ from typing import IO, Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 from onegpu.backends.torch.build import Built
 from onegpu.config import ConfigError
 from onegpu.distributed import compression, dcp
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
+from onegpu.offload.host_states import copy_to
+from onegpu.optim.in_backward import PerParameterOptimizers
 from onegpu.runs import checkpoints
 from onegpu.runs.checkpoints import FOLDER_STATE, Checkpoint
 
@@ -105,18 +108,35 @@ def load_state(built: Built, previous: Checkpoint) -> None:
             dcp.load_full(built.model, built.optimizer, state["model"], state["optimizer"])
         else:
             built.model.load_state_dict(state["model"])
-            built.optimizer.load_state_dict(state["optimizer"])
+            built.optimizer.load_state_dict(_owned(built, state["optimizer"]))
             if isinstance(built.optimizer, HostOffloadOptimizer):  # fp32 masters as saved
                 built.optimizer.take_weights(built.model, state["model"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise ConfigError(
             "train.resume", f"{previous.path} does not fit this model or optimizer ({e})"
         ) from None
+    # restored: the run holds its own copies now, not a second one for its whole length;
+    # the small rest (RNG, meter) is copied out, so nothing keeps the file mapped
+    state.pop("model", None)
+    state.pop("optimizer", None)
+    state.update(tree_map_only(torch.Tensor, torch.clone, state))
     if state["scaler"]:
         built.step.scaler.load_state_dict(state["scaler"])
     comms = state.get("grad_compression") or []
     if built.comm_state is not None and len(comms) == built.dist.world_size:
         compression.load_state_dict(built.comm_state, comms[built.dist.rank], built.device)
+
+
+def _owned(built: Built, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's states copied out of the checkpoint's file mapping where they will live
+    on the CPU: torch's optimizers adopt a tensor already on the right device and dtype, which
+    would keep the whole file mapped (and counted in the process's memory) for the run."""
+    optimizer = built.optimizer
+    if built.device.type != "cpu" and not isinstance(optimizer, HostOffloadOptimizer):
+        return optimizer_state  # copied to the device by the optimizer itself
+    if isinstance(optimizer, PerParameterOptimizers) and optimizer.states is not None:
+        return optimizer_state  # parked in host memory, a copy per parameter as it loads
+    return tree_map_only(torch.Tensor, lambda t: copy_to(t, t.device), optimizer_state)
 
 
 def start_rng(built: Built, previous: Checkpoint | None) -> None:
@@ -193,12 +213,15 @@ def _allow_optimizer_tensor_types() -> bool:
 
 
 def _torch_load(path: Path) -> Any:
+    """The file's state, its tensors mapped from the file rather than read into memory: a
+    resume copies each one where it belongs, so the host never holds the whole checkpoint
+    beside the model and optimizer it is loaded into (an 8B model's is 30 GB)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         # 8-bit AdamW states: allow their class (importing torchao only when one is there)
         if "OptimState8bit" in str(e) and _allow_optimizer_tensor_types():
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         raise
 
 
