@@ -27,8 +27,10 @@ dropout silently trains a different model: "Optimising the Training Loop", Super
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config
@@ -84,11 +86,20 @@ class SelectiveContexts:
                     yield t
 
 
+_HOOKS_CHOICE = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+"""torch 2.13 asks whether selective checkpointing's saved outputs go through saved-tensor hooks
+(activation offload): they always bypassed them, which SelectiveContexts accounts for."""
+
+
 def checkpoint_module(module: nn.Module, *, context_fn: Callable | None = None) -> nn.Module:
     """Make `module` recompute its forward in backward. Parameter names are unchanged (the
     forward is replaced on the instance, no wrapper module), so state dicts stay portable."""
     inner = module.forward
-    kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+    kwargs: dict[str, Any] = {}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+        if _HOOKS_CHOICE:  # what selective saves bypasses save_on_cpu, as the planner counts
+            kwargs["respect_saved_tensors_hooks"] = False
 
     @functools.wraps(inner)
     def forward(*args, **call_kwargs):
