@@ -65,6 +65,7 @@ def test_states_on_the_host_equal_states_in_place_bit_for_bit(over):
     states = on_host[0].optimizer.states
     assert states.host_bytes() > 0
     assert states._next, "the order of the steps was learnt: the next states go out ahead"
+    assert len(states._sent) == 1, "the next step's first states went out as this one ended"
 
 
 @pytest.mark.slow  # torchao compiles its 8-bit step (seconds on a CPU)

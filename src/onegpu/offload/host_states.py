@@ -43,7 +43,9 @@ def _inner(value: torch.Tensor) -> tuple[list[str], Any]:
     return [], None
 
 
-def _moved(value: Any, device: torch.device, *, pin: bool, non_blocking: bool) -> Any:
+def copy_to(
+    value: Any, device: torch.device, *, pin: bool = False, non_blocking: bool = False
+) -> Any:
     """A copy of `value` (a tensor, tensor subclass or number) on `device`: a new allocation
     always, also where `device` is where it already is."""
     if not isinstance(value, torch.Tensor):
@@ -53,7 +55,7 @@ def _moved(value: Any, device: torch.device, *, pin: bool, non_blocking: bool) -
         out = torch.empty(value.shape, dtype=value.dtype, device=device, pin_memory=pin)
         return out.copy_(value, non_blocking=non_blocking)
     inner = {
-        n: _moved(getattr(value, n), device, pin=pin, non_blocking=non_blocking) for n in names
+        n: copy_to(getattr(value, n), device, pin=pin, non_blocking=non_blocking) for n in names
     }
     return type(value).__tensor_unflatten__(inner, ctx, value.shape, value.stride())
 
@@ -134,7 +136,7 @@ class HostStates:
         with ctx:
             moved = self._moved_keys[p]
             state = {
-                k: _moved(v, self.device, pin=False, non_blocking=side is not None)
+                k: copy_to(v, self.device, pin=False, non_blocking=side is not None)
                 if k in moved
                 else v
                 for k, v in parked.items()
@@ -161,7 +163,7 @@ class HostStates:
             if parked is None:
                 cpu = torch.device("cpu")
                 parked = {
-                    k: _moved(v, cpu, pin=self.pin, non_blocking=False) if k in moved else v
+                    k: copy_to(v, cpu, pin=self.pin, non_blocking=False) if k in moved else v
                     for k, v in state.items()
                 }
             else:
@@ -183,11 +185,13 @@ class HostStates:
 
     def _learn_order(self, p: torch.Tensor) -> None:
         """Record the order of the first step's parameters: each one's successor is sent
-        ahead while it steps."""
+        ahead while it steps, and the last one's is the next step's first (its states wait on
+        the device through the forward: the peak, early in backward, holds two anyway)."""
         if self._next:
             return
         if any(p is q for q in self._order):  # a second step has begun: the order is known
-            self._next = dict(zip(self._order, self._order[1:], strict=False))
+            following = self._order[1:] + self._order[:1]
+            self._next = dict(zip(self._order, following, strict=True))
             self._order = []
             return
         self._order.append(p)
