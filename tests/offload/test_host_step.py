@@ -24,3 +24,16 @@ def test_memory_with_a_gpu_caps_its_tensor_bytes():
     r = plan_report(cfg, "RTX4090", cap)
     assert r["capacity_bytes"] == cap + CUDA_OVERHEAD_BYTES
     assert r["headroom_bytes"] == cap - r["memory"]["peak"]
+
+
+def test_a_host_step_is_timed_over_the_weights_the_host_holds():
+    """bf16-pure keeps bf16 weights on the host and steps them there (torchao's 8-bit step
+    runs at 0.7x its fp32 rate over them); bf16 autocast keeps fp32 masters."""
+    sources = {}
+    for precision in ("bf16-pure", "bf16"):
+        over = {"train.device": "cpu", "train.precision": precision, "optim.name": "sgd",
+                "memory.offload_optimizer": "true"}  # fmt: skip
+        r = plan_report(load_config("tiny", overrides=over), "RTX4090", None)
+        sources[precision] = r["offload"]["host_step_source"]
+    assert "over bfloat16 weights" in sources["bf16-pure"]
+    assert "over float32 weights" in sources["bf16"]

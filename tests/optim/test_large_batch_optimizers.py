@@ -16,7 +16,10 @@ from onegpu.optim.state_bytes import optimizer_state_bytes, predicted_state_byte
 from onegpu.train import train
 
 
-@pytest.mark.parametrize("name", ["lamb", "lars", "adamw4bit"])
+@pytest.mark.parametrize(
+    "name",
+    ["lamb", "lars", pytest.param("adamw4bit", marks=pytest.mark.slow)],  # compiles: 20 s
+)
 def test_the_allocation_rule_counts_the_real_states(name):
     """The planner counts these states by rule (their steps do not run on fake tensors):
     the rule against the real optimizer's states after a step, on a GPT's shapes."""

@@ -49,7 +49,7 @@ def offload_costs(cfg: Config, plan: Any, gpu: str | None, world_size: int) -> d
             moved += n_micro * (gathers * gathered + stored)
         else:
             moved += n_micro * stored + stored
-        rate, how = host_step_rate(cfg.optim.name)
+        rate, how = host_step_rate(cfg.optim.name, plan.param_dtype)  # the host's weights
         out.update(host_step_s=numel / rate, host_step_source=how)
     states = 0
     if cfg.memory.offload_states:  # each parameter's states come for its step and go back

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
 from onegpu.offload.host_step import host_step_rate
 from onegpu.offload.pricing import LINK_EFFICIENCY, exposed_host_step
@@ -78,7 +80,8 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
         )
     if m.offload_states:  # the states to the device for their step and back
         link = 2 * states / (spec.host_link * LINK_EFFICIENCY)
-    host_step = n_params / host_step_rate(o.name)[0] if host_states else 0.0
+    host_weights = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    host_step = n_params / host_step_rate(o.name, host_weights)[0] if host_states else 0.0
     host_step = exposed_host_step(cfg, host_step, compute, 1)
     return Bound(int(device), int(host), max(compute, link) + host_step)
 
