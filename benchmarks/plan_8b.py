@@ -23,9 +23,12 @@ import json
 import tempfile
 from pathlib import Path
 
+import torch
+from records import bf16_kind
+
 from onegpu.config import load_config
 from onegpu.offload.host_step import priced_for
-from onegpu.perf.devices import GPUS, GiB
+from onegpu.perf.devices import GPUS, GiB, cpu_name
 from onegpu.plan.report import plan_report
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
 
@@ -146,7 +149,8 @@ def main() -> None:
         "Sequence 2048, batch 2, every parameter trained. Compute at 40% of the RTX 4090's "
         "bf16 peak (165 TFLOP/s), x1.33 for block checkpointing's second forward; host copies "
         f"at 80% of PCIe 4; a host step priced for {HOST_CPUS} cores, scaled from this "
-        "machine's measured rate (a 2-core AMD EPYC with avx512_bf16).",
+        f"machine's measured rate ({cpu_name()}, {bf16_kind()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}).",
         "",
         "## The fix list from the plain configuration",
         "",
