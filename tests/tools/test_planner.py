@@ -241,7 +241,7 @@ def test_on_a_cpu_the_fix_list_offers_no_host_tier():
 def _fix_params():
     from onegpu.plan.fixes import FIXES
 
-    slow = {"8-bit AdamW"}  # torchao compiles its 8-bit step (~20 s on a CPU)
+    slow = {"8-bit AdamW", "4-bit AdamW"}  # torchao compiles its step (~20 s on a CPU)
     return [pytest.param(n, c, id=n, marks=[pytest.mark.slow] if n in slow else [])
             for n, c in FIXES]  # fmt: skip
 
