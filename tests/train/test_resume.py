@@ -352,7 +352,8 @@ def _mapped(path: Path) -> bool:
 def test_a_resume_maps_the_checkpoint_and_lets_it_go_once_restored(tmp_path, monkeypatch):
     """The checkpoint is mapped, not read into memory (an 8B model's is 30 GB), and once the
     model and optimizer hold their copies nothing keeps it: not the file's pages, not a second
-    copy of the weights for the rest of the run."""
+    copy of the weights for the rest of the run (on a CPU the weights and states are read
+    into memory for the optimizer to adopt, and the model's copy is dropped)."""
     out = tmp_path / "run"
     train(_cfg(out, **{"train.max_steps": "2"}))
     saved = out / "checkpoints" / ckpt.checkpoint_name(2)

@@ -107,10 +107,12 @@ def load_state(built: Built, previous: Checkpoint) -> None:
         elif built.dist.strategy == "fsdp" or built.dist.layout.splits_model:  # into shards
             dcp.load_full(built.model, built.optimizer, state["model"], state["optimizer"])
         else:
-            built.model.load_state_dict(state["model"])
-            built.optimizer.load_state_dict(_owned(built, state["optimizer"]))
+            source = _weights_and_states(built, previous)
+            built.model.load_state_dict(source["model"])
+            built.optimizer.load_state_dict(source["optimizer"])
             if isinstance(built.optimizer, HostOffloadOptimizer):  # fp32 masters as saved
-                built.optimizer.take_weights(built.model, state["model"])
+                built.optimizer.take_weights(built.model, source["model"])
+            del source
     except (RuntimeError, ValueError, KeyError) as e:
         raise ConfigError(
             "train.resume", f"{previous.path} does not fit this model or optimizer ({e})"
@@ -127,16 +129,24 @@ def load_state(built: Built, previous: Checkpoint) -> None:
         compression.load_state_dict(built.comm_state, comms[built.dist.rank], built.device)
 
 
-def _owned(built: Built, optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer's states copied out of the checkpoint's file mapping where they will live
-    on the CPU: torch's optimizers adopt a tensor already on the right device and dtype, which
-    would keep the whole file mapped (and counted in the process's memory) for the run."""
-    optimizer = built.optimizer
-    if built.device.type != "cpu" and not isinstance(optimizer, HostOffloadOptimizer):
-        return optimizer_state  # copied to the device by the optimizer itself
-    if isinstance(optimizer, PerParameterOptimizers) and optimizer.states is not None:
-        return optimizer_state  # parked in host memory, a copy per parameter as it loads
-    return tree_map_only(torch.Tensor, lambda t: copy_to(t, t.device), optimizer_state)
+def _weights_and_states(built: Built, previous: Checkpoint) -> dict[str, Any]:
+    """Where a single-file checkpoint's model and optimizer state are restored from.
+
+    On a GPU from the file's mapping: each tensor is copied straight to where it lives (the
+    device; host memory for memory.offload_states, a parameter at a time), so the host never
+    holds the checkpoint (an 8B model's is 30 GB), only page cache the kernel can reclaim. On
+    a CPU read into memory: torch's optimizers adopt a state tensor already on the right
+    device (no copy), and the model's copy is freed once restored, so a resume holds no more
+    than a fresh run, and no mapped file pages count in its resident set."""
+    parks = isinstance(built.optimizer, PerParameterOptimizers) and built.optimizer.states
+    if built.device.type == "cpu" and not parks:
+        return _torch_load(previous.path, mmap=False)
+    state = previous.state
+    if isinstance(built.optimizer, HostOffloadOptimizer):  # adopted on the host: copied out
+        state["optimizer"] = tree_map_only(
+            torch.Tensor, lambda t: copy_to(t, t.device), state["optimizer"]
+        )
+    return state
 
 
 def start_rng(built: Built, previous: Checkpoint | None) -> None:
@@ -212,16 +222,15 @@ def _allow_optimizer_tensor_types() -> bool:
     return True
 
 
-def _torch_load(path: Path) -> Any:
-    """The file's state, its tensors mapped from the file rather than read into memory: a
-    resume copies each one where it belongs, so the host never holds the whole checkpoint
-    beside the model and optimizer it is loaded into (an 8B model's is 30 GB)."""
+def _torch_load(path: Path, *, mmap: bool = True) -> Any:
+    """The file's state; with `mmap` its tensors mapped from the file, not read (reading the
+    step, config and RNG states touches none of the weights' pages)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # 8-bit AdamW states: allow their class (importing torchao only when one is there)
         if "OptimState8bit" in str(e) and _allow_optimizer_tensor_types():
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         raise
 
 
