@@ -27,7 +27,7 @@ import torch
 from records import bf16_kind
 
 from onegpu.config import load_config
-from onegpu.offload.host_step import priced_for
+from onegpu.optim.host_step import priced_for
 from onegpu.perf.devices import GPUS, GiB, cpu_name
 from onegpu.plan.report import plan_report
 from onegpu.plan.targets import CUDA_OVERHEAD_BYTES

@@ -116,8 +116,9 @@ def main() -> None:
         "",
         f"Machine: {cpu_name()} ({bf16_kind()}), {torch.get_num_threads()} threads, torch "
         f"{torch.__version__}. Code: onegpu at commit {code}. Command: "
-        "`python benchmarks/resume_memory.py [--src OTHER_CHECKOUT/src]`. A 110M-parameter GPT (8 x d1024, vocabulary 8,192), fp32 AdamW: a 1.3 GB "
-        "checkpoint at step 2.",
+        "`python benchmarks/resume_memory.py [--src OTHER_CHECKOUT/src]`. "
+        "A 110M-parameter GPT (8 x d1024, vocabulary 8,192), fp32 AdamW: "
+        "a 1.3 GB checkpoint at step 2.",
         "",
         *rows,
         "",

@@ -349,13 +349,19 @@ def _mapped(path: Path) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
-def test_a_resume_maps_the_checkpoint_and_lets_it_go_once_restored(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "over",
+    [{}, {"memory.offload_states": "true", "memory.loss_chunk": "0"}],
+    ids=["read-for-the-optimizer", "copied-from-the-mapping"],
+)
+def test_a_resume_maps_the_checkpoint_and_lets_it_go_once_restored(over, tmp_path, monkeypatch):
     """The checkpoint is mapped, not read into memory (an 8B model's is 30 GB), and once the
     model and optimizer hold their copies nothing keeps it: not the file's pages, not a second
-    copy of the weights for the rest of the run (on a CPU the weights and states are read
-    into memory for the optimizer to adopt, and the model's copy is dropped)."""
+    copy of the weights for the rest of the run. On a CPU the weights and states are read
+    into memory for the optimizer to adopt; where the states are parked in host memory
+    (memory.offload_states) they are copied from the mapping, as on a GPU."""
     out = tmp_path / "run"
-    train(_cfg(out, **{"train.max_steps": "2"}))
+    train(_cfg(out, **over, **{"train.max_steps": "2"}))
     saved = out / "checkpoints" / ckpt.checkpoint_name(2)
     real, seen = ckpt.load_state, {}
 
@@ -366,5 +372,5 @@ def test_a_resume_maps_the_checkpoint_and_lets_it_go_once_restored(tmp_path, mon
         seen["kept"] = {"model", "optimizer"} & set(previous.state)
 
     monkeypatch.setattr(ckpt, "load_state", load_state)
-    train(_cfg(out, **{"train.max_steps": "3", "train.resume": "auto"}))
+    train(_cfg(out, **over, **{"train.max_steps": "3", "train.resume": "auto"}))
     assert seen == {"mapped while loading": True, "mapped once restored": False, "kept": set()}

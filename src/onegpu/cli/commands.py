@@ -132,7 +132,7 @@ def _bench(ns, env: Env) -> int:
 
 
 def _plan(ns, env: Env) -> int:
-    from onegpu.offload.host_step import priced_for
+    from onegpu.optim.host_step import priced_for
 
     with priced_for(_host_cpus(ns)):
         return _plan_priced(ns, env)
@@ -172,7 +172,7 @@ def _plan_priced(ns, env: Env) -> int:
 
 
 def _tune(ns, env: Env) -> int:
-    from onegpu.offload.host_step import priced_for
+    from onegpu.optim.host_step import priced_for
 
     with priced_for(_host_cpus(ns)):
         return _tune_priced(ns, env)

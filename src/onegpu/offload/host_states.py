@@ -87,8 +87,12 @@ class HostStates:
     with an accelerator). `visiting(p, optimizer)` brings the state to the device for one step
     and sends it back after; `next_up` names the parameter whose states to send ahead."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, across_steps: bool = False):
+        """`across_steps`: the last parameter's step sends the next step's first states
+        ahead (in backward, where the device holds two parameters' states at the backward's
+        start anyway; after backward they would sit through the forward's peak)."""
         self.device = device
+        self.across_steps = across_steps
         self.pin = device.type == "cuda"
         cuda = device.type == "cuda"
         # two side streams: states going out and coming back use both directions of the link
@@ -111,7 +115,8 @@ class HostStates:
             optimizer.state[p] = self._on_device(p)
         self._learn_order(p)
         following = self._next.get(p)
-        if following is not None and following in self._parked and following not in self._sent:
+        waiting = following in self._parked and following not in self._sent
+        if following is not None and following is not p and waiting:
             self._send_ahead(following)  # on its stream, while p steps on the current one
         yield
         self._park(p, optimizer)
@@ -185,13 +190,14 @@ class HostStates:
 
     def _learn_order(self, p: torch.Tensor) -> None:
         """Record the order of the first step's parameters: each one's successor is sent
-        ahead while it steps, and the last one's is the next step's first (its states wait on
-        the device through the forward: the peak, early in backward, holds two anyway)."""
+        ahead while it steps (and the last one's is the next step's first, `across_steps`)."""
         if self._next:
             return
         if any(p is q for q in self._order):  # a second step has begun: the order is known
-            following = self._order[1:] + self._order[:1]
-            self._next = dict(zip(self._order, following, strict=True))
+            following = self._order[1:]
+            if self.across_steps and len(self._order) > 1:  # one alone: never its own
+                following = following + self._order[:1]
+            self._next = dict(zip(self._order, following, strict=False))
             self._order = []
             return
         self._order.append(p)

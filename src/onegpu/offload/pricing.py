@@ -22,18 +22,27 @@ only the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from onegpu.config import Config
 from onegpu.distributed.shares import shard_fraction
-from onegpu.offload.host_step import host_step_rate
 from onegpu.perf.devices import GPUS
 
 LINK_EFFICIENCY = 0.8
 """Assumed fraction of the link's datasheet rate that pinned, large copies reach."""
 
 
-def offload_costs(cfg: Config, plan: Any, gpu: str | None, world_size: int) -> dict[str, Any]:
+HostStepRate = Callable[[str, torch.dtype], tuple[float, str]]
+"""(optimizer, weights' dtype) -> (parameters/s of the host CPU's step, how it was obtained):
+optim/host_step.py's `host_step_rate`, handed in by the planner (optimizers sit above offload)."""
+
+
+def offload_costs(
+    cfg: Config, plan: Any, gpu: str | None, world_size: int, host_step_rate: HostStepRate
+) -> dict[str, Any]:
     """{} when nothing is offloaded; else the link bytes and seconds and the host step."""
     fsdp_host = cfg.dist.cpu_offload
     n_micro = cfg.grad_accum_steps // world_size

@@ -168,7 +168,8 @@ def build_optimizer(
     if states_on_host:
         make = lambda gs: _make(gs, cfg, device, param_dtype, states_on_host=True)  # noqa: E731
         kind = OptimizerInBackward if cfg.in_backward else OneParameterAtATime
-        return kind(groups, make, states=HostStates(device), slice_block=_slice_block(cfg))
+        states = HostStates(device, across_steps=cfg.in_backward)
+        return kind(groups, make, states=states, slice_block=_slice_block(cfg))
     if offload:
         cpu = torch.device("cpu")
         make = lambda gs: _make(gs, cfg, cpu, param_dtype)  # noqa: E731

@@ -12,6 +12,7 @@ from onegpu.config import Config, ConfigError, DistConfig, check_batch_split
 from onegpu.config.layout import resolve_layout
 from onegpu.distributed.shares import per_rank_memory
 from onegpu.offload.pricing import exposed_host_step, exposed_link, offload_costs
+from onegpu.optim.host_step import host_step_rate
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
 from onegpu.perf.flops import recompute_factor
 from onegpu.plan.memory import MemoryPlan
@@ -97,7 +98,7 @@ def predicted_speed(
         return {}
     tokens = cfg.train.batch_size * cfg.train_seq_len
     recompute = recompute_factor(cfg.memory.checkpointing)
-    offload = offload_costs(cfg, plan, gpu, world_size)
+    offload = offload_costs(cfg, plan, gpu, world_size, host_step_rate)
     host_step_s = exposed_host_step(cfg, offload.get("host_step_s", 0.0), compute_s, world_size)
     step_s = compute_s + exposed_link(cfg, offload, compute_s, world_size) + host_step_s
     return {

@@ -87,8 +87,9 @@ class SelectiveContexts:
 
 
 _HOOKS_CHOICE = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
-"""torch 2.13 asks whether selective checkpointing's saved outputs go through saved-tensor hooks
-(activation offload): they always bypassed them, which SelectiveContexts accounts for."""
+"""Newer torch (2.14 warns, 2.13 has no such argument) asks whether selective checkpointing's
+saved outputs go through saved-tensor hooks (activation offload): they always bypassed them,
+which SelectiveContexts accounts for."""
 
 
 def checkpoint_module(module: nn.Module, *, context_fn: Callable | None = None) -> nn.Module:

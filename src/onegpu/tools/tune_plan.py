@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from onegpu.config import Config, ConfigError, to_toml, with_overrides
-from onegpu.offload.host_step import host_step_rate
 from onegpu.offload.pricing import LINK_EFFICIENCY, exposed_host_step
+from onegpu.optim.host_step import host_step_rate
 from onegpu.optim.state_bytes import state_bytes_per_param
 from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
@@ -57,7 +57,8 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
     m, o = cfg.memory, cfg.optim
     spec = GPUS[gpu]
     precision = resolve_precision(cfg.train.precision, gpu_caps(gpu)).name
-    weight = 2 if precision == "bf16-pure" else 4
+    host_weights = torch.bfloat16 if precision == "bf16-pure" else torch.float32
+    weight = host_weights.itemsize
     # bf16 with the optimizer on the host: the matmul weights are bf16 on the device (at
     # least: embeddings and norms stay fp32), fp32 masters on the host
     on_device = 2 if precision == "bf16" and m.offload_optimizer else weight
@@ -80,7 +81,6 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
         )
     if m.offload_states:  # the states to the device for their step and back
         link = 2 * states / (spec.host_link * LINK_EFFICIENCY)
-    host_weights = torch.bfloat16 if precision == "bf16-pure" else torch.float32
     host_step = n_params / host_step_rate(o.name, host_weights)[0] if host_states else 0.0
     host_step = exposed_host_step(cfg, host_step, compute, 1)
     return Bound(int(device), int(host), max(compute, link) + host_step)

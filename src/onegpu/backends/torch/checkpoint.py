@@ -142,10 +142,16 @@ def _weights_and_states(built: Built, previous: Checkpoint) -> dict[str, Any]:
     if built.device.type == "cpu" and not parks:
         return _torch_load(previous.path, mmap=False)
     state = previous.state
-    if isinstance(built.optimizer, HostOffloadOptimizer):  # adopted on the host: copied out
-        state["optimizer"] = tree_map_only(
-            torch.Tensor, lambda t: copy_to(t, t.device), state["optimizer"]
-        )
+    optimizer = built.optimizer
+    # a host optimizer adopts its states as given (the disk tier copies them into its files);
+    # any optimizer keeps its step count as given, a 0-dim slice that would keep the whole
+    # mapping alive: those are copied out of the file
+    adopts = isinstance(optimizer, HostOffloadOptimizer) and optimizer.disk is None
+    state["optimizer"] = tree_map_only(
+        torch.Tensor,
+        lambda t: copy_to(t, t.device) if adopts or t.dim() == 0 else t,
+        state["optimizer"],
+    )
     return state
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from onegpu.cache import cached, has
 from onegpu.perf.devices import cpu_peak_key
@@ -42,27 +43,28 @@ def priced_for(host_cpus: int | None) -> Iterator[None]:
 
 
 def _optimizer(name: str, p: torch.Tensor) -> torch.optim.Optimizer:
-    """`name` as onegpu builds it (torchao rounds bf16 weights stochastically)."""
-    if name == "adamw":
-        return torch.optim.AdamW([p], lr=1e-3, fused=True)
-    if name == "sgd":
-        return torch.optim.SGD([p], lr=1e-3, momentum=0.9, foreach=True)
+    """`name` over `p` exactly as the host tier builds it for weights of `p`'s dtype (bf16:
+    Kahan-compensated AdamW/SGD, torchao's stochastic rounding)."""
+    from onegpu.config import OptimConfig
+    from onegpu.optim.factory import build_optimizer
     from onegpu.quiet import library_notes_off
 
     library_notes_off()
-    from torchao.optim import AdamW4bit, AdamW8bit
-
-    kind = AdamW8bit if name == "adamw8bit" else AdamW4bit
-    return kind([p], lr=1e-3, bf16_stochastic_round=p.dtype == torch.bfloat16)
+    holder = nn.Module()
+    holder.weight = nn.Parameter(p)
+    cfg = OptimConfig(name=name)  # type: ignore[arg-type]
+    return build_optimizer(holder, cfg, torch.device("cpu"), param_dtype=p.dtype)
 
 
 def _measure(name: str, dtype: torch.dtype) -> float:
     """Parameters per second of a CPU step of `name` over one tensor of `dtype` (best of 5; the
     low-bit steps, compiled by torchao, over a smaller one)."""
-    numel = 1 << 24 if name in ("adamw", "sgd") else 1 << 22
-    p = torch.zeros(numel, dtype=dtype, requires_grad=True)
-    p.grad = torch.randn(numel, dtype=dtype)
+    rows = 1 << 14 if name in ("adamw", "sgd") else 1 << 12  # x 1,024: a matmul weight
+    p = torch.zeros(rows, 1024, dtype=dtype)
     opt = _optimizer(name, p)
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.randn_like(p)
+    numel = p.numel()
     opt.step()  # states allocated (and the low-bit step compiled)
     best = float("inf")
     for _ in range(5):
