@@ -17,8 +17,11 @@ measured):
   in fresh processes, random tokens of the model's vocabulary for both.
 
 Usage: python benchmarks/gpu_suite.py [--sections tests,memory,overlap,speed] [--out DIR]
+       [--speed-models A,B,1B] [--budget-s SECONDS]
        [--quick]   (CPU dry run of the machinery: tiny shapes, no timings worth reading)
 Writes <out>/gpu-<device>-<date>[-N].md and .json (default out: benchmarks/results).
+`--budget-s`: end inside one command of a device lease (benchmarks/gpu_lease.py); how to run
+the suite on a lent machine is docs/gpu-suite.md.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpu_lease import Budget
 from gpu_suite_report import markdown
 
 from onegpu.tools.bench import run_row
@@ -78,6 +82,10 @@ SPEED_MODELS = {
     "B": {"n_layer": 6, "n_head": 6, "d_model": 384, "seq_len": 256, "vocab_size": 8192, "batch": 16},
     "1B": {"n_layer": 20, "n_head": 16, "d_model": 2048, "seq_len": 1024, "vocab_size": 50257, "batch": 8},
 }  # fmt: skip
+HORIZON = 5000
+"""The speed rows' run length: onegpu's `auto` decides (compiles) as for a real run of this
+many steps, stopped gracefully once its timed steps are done (the loop is timed after its own
+compile, so a 30-step run that rightly stays eager is no comparison)."""
 QUICK = {"__preset": "tiny", "train.batch_size": "4", "train.micro_batch_size": "4"}
 QUICK_SPEED = {
     "n_layer": 2,
@@ -115,19 +123,40 @@ def _start_plan(preset: str, over: dict[str, str], gpu: str) -> subprocess.Popen
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _plan_of(proc: subprocess.Popen) -> dict[str, Any]:
-    out, err = proc.communicate()
+def _plan_of(proc: subprocess.Popen, timeout: float | None) -> dict[str, Any]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"{' '.join(proc.args)}: killed at the end of --budget-s") from None
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(proc.args)}: {err.strip()[-800:]}")
     return json.loads(out)
 
 
+def _worker(job: list[str], args: argparse.Namespace, **kwargs: Any) -> subprocess.CompletedProcess:
+    """A child process, killed at the end of the budget (TimeoutExpired: the row fails)."""
+    return subprocess.run(
+        job, capture_output=True, text=True, timeout=args.budget.timeout(), **kwargs
+    )
+
+
 def section_tests(args: argparse.Namespace) -> dict[str, Any]:
+    command = "python -m pytest -m gpu tests"
+    if reason := args.budget.skip_reason("tests"):
+        return {"command": command, "rc": None, "summary": reason, "tail": []}
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    try:
+        proc = _worker(cmd, args, cwd=Path(__file__).parents[1])
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"").decode(errors="replace").strip().splitlines()[-30:]
+        return {"command": command, "rc": None, "summary": "killed at the end of --budget-s",
+                "tail": tail, "wall_s": time.perf_counter() - t0}  # fmt: skip
+    args.budget.took("tests", time.perf_counter() - t0)
     tail = proc.stdout.strip().splitlines()[-30:]
-    return {"command": "python -m pytest -m gpu tests", "rc": proc.returncode,
+    return {"command": command, "rc": proc.returncode,
             "summary": tail[-1] if tail else proc.stderr[-300:], "tail": tail,
             "wall_s": time.perf_counter() - t0}  # fmt: skip
 
@@ -140,10 +169,14 @@ def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.quick:  # a CPU's step peak comes from the profiled step
             over["train.measure_memory"] = "true"
         row: dict[str, Any] = {"name": name, "preset": preset, "overrides": extra}
+        if reason := args.budget.skip_reason("memory"):
+            rows.append(row | {"skipped": reason})
+            continue
+        t0 = time.perf_counter()
         try:
             planning = _start_plan(preset, over, args.gpu)
-            run = run_row(preset, None, over, 4, args.work)
-            plan = _plan_of(planning)
+            run = run_row(preset, None, over, 4, args.work, timeout_s=args.budget.timeout())
+            plan = _plan_of(planning, args.budget.timeout())
             row |= {
                 "planned_peak": plan["memory"]["peak"],
                 "measured_peak": run["peak_mem_bytes"],
@@ -155,24 +188,48 @@ def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
             }
         except Exception as e:  # one configuration's failure is a finding, not the end
             row["failed"] = str(e)[-1500:]
+        args.budget.took("memory", time.perf_counter() - t0)
         rows.append(row)
         args.save("memory", rows)
         print(f"memory: {name}: {row.get('error', row.get('failed'))}", flush=True)
     return rows
 
 
-def _trace_overlap(trace: dict[str, Any]) -> dict[str, float]:
-    """From a chrome trace of one in-backward step: the host steps' total time, the part of it
-    after the step's last GPU kernel (exposed: the GPU waited for the host), both in seconds."""
+def _trace_overlap(
+    trace: dict[str, Any], host_ns: list[tuple[int, int]], anchor_ns: int
+) -> dict[str, float]:
+    """One in-backward step: the host steps' total time, and the part of it after the step's
+    last GPU kernel (exposed: the GPU waited for the host), in seconds. The host steps run on
+    a worker thread the profiler does not follow, so they are timed by `perf_counter_ns` and
+    placed on the trace's clock through the `onegpu.anchor` range, marked at `anchor_ns`."""
     events = trace.get("traceEvents", [])
-    host = [e for e in events if e.get("name") == "onegpu.host_step" and "dur" in e]
+    total = sum(end - start for start, end in host_ns) / 1e9
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    total = sum(e["dur"] for e in host) / 1e6
-    if not host or not kernels:
-        return {"host_step_s": total, "host_steps": len(host), "exposed_s": float("nan")}
-    last_kernel = max(e["ts"] + e["dur"] for e in kernels)
-    exposed = sum(max(0.0, e["ts"] + e["dur"] - max(e["ts"], last_kernel)) for e in host) / 1e6
-    return {"host_step_s": total, "host_steps": len(host), "exposed_s": exposed}
+    anchors = [e["ts"] for e in events if e.get("name") == "onegpu.anchor"]
+    if not host_ns or not kernels or not anchors:
+        return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": float("nan")}
+    offset_us = anchor_ns / 1e3 - anchors[0]  # trace ts = perf_counter us - offset
+    last_kernel = max(e["ts"] + e["dur"] for e in kernels) + offset_us  # on the host clock, us
+    exposed_us = sum(max(0.0, end / 1e3 - max(start / 1e3, last_kernel)) for start, end in host_ns)
+    return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": exposed_us / 1e6}
+
+
+def _timing_host_steps() -> list[tuple[int, int]]:
+    """Every host step from now on, as (start, end) in perf_counter_ns, whatever its thread."""
+    from onegpu.offload.host_optimizer import HostOffloadOptimizer
+
+    spans: list[tuple[int, int]] = []
+    stepped_copy = HostOffloadOptimizer._stepped_copy
+
+    def timed(self, p):
+        start = time.perf_counter_ns()
+        try:
+            return stepped_copy(self, p)
+        finally:
+            spans.append((start, time.perf_counter_ns()))
+
+    HostOffloadOptimizer._stepped_copy = timed
+    return spans
 
 
 def _profile_in_backward(preset: str, over: dict[str, str], out: Path) -> dict[str, float]:
@@ -191,28 +248,56 @@ def _profile_in_backward(preset: str, over: dict[str, str], out: Path) -> dict[s
     if built.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
+    spans = _timing_host_steps()
     with torch.profiler.profile(activities=activities) as prof:
+        anchor_ns = time.perf_counter_ns()
+        with torch.profiler.record_function("onegpu.anchor"):
+            pass
         built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), 3)
         if built.device.type == "cuda":
             torch.cuda.synchronize()
     prof.export_chrome_trace(str(out))
-    return _trace_overlap(json.loads(out.read_text()))
+    return _trace_overlap(json.loads(out.read_text()), spans, anchor_ns)
+
+
+def _overlap_row(args: argparse.Namespace, extra: dict[str, str]) -> dict[str, Any]:
+    preset, over = _overrides(QUICK if args.quick else GPT2, extra, args.work)
+    run = run_row(preset, None, over, 12, args.work, timeout_s=args.budget.timeout())
+    return {"step_time_s": run["step_time_s"], "peak": run["peak_mem_bytes"]}
+
+
+def _overlap_trace(args: argparse.Namespace) -> dict[str, Any]:
+    extra = OVERLAP_ROWS["optimizer on the host, in backward"]
+    preset, over = _overrides(QUICK if args.quick else GPT2, extra, args.work)
+    trace = args.work / "host-step-trace.json"
+    cmd = [sys.executable, __file__, "--profile-worker", json.dumps([preset, over, str(trace)])]
+    proc = _worker(cmd, args)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-1500:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def section_overlap(args: argparse.Namespace) -> dict[str, Any]:
-    base = QUICK if args.quick else GPT2
-    rows = {}
-    for name, extra in OVERLAP_ROWS.items():
-        preset, over = _overrides(base, extra, args.work)
-        run = run_row(preset, None, over, 12, args.work)
-        rows[name] = {"step_time_s": run["step_time_s"], "peak": run["peak_mem_bytes"]}
-    preset, over = _overrides(base, OVERLAP_ROWS["optimizer on the host, in backward"], args.work)
-    trace = args.work / "host-step-trace.json"
-    cmd = [sys.executable, __file__, "--profile-worker", json.dumps([preset, over, str(trace)])]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"rows": rows, "trace_failed": proc.stderr[-1500:]}
-    return {"rows": rows, "trace": json.loads(proc.stdout.strip().splitlines()[-1])}
+    """Each row, then the trace; a row that fails or does not fit is said so, the rest go on."""
+    result: dict[str, Any] = {"rows": {}}
+    jobs = {name: (lambda e=extra: _overlap_row(args, e)) for name, extra in OVERLAP_ROWS.items()}
+    jobs["trace"] = lambda: _overlap_trace(args)
+    for name, job in jobs.items():
+        if reason := args.budget.skip_reason("overlap"):
+            value: dict[str, Any] = {"skipped": reason}
+        else:
+            t0 = time.perf_counter()
+            try:
+                value = job()
+            except Exception as e:  # TimeoutExpired included: the budget ended it
+                value = {"failed": str(e)[-1500:]}
+            args.budget.took("overlap", time.perf_counter() - t0)
+        if name == "trace":
+            result["trace"] = value
+        else:
+            result["rows"][name] = value
+        args.save("overlap", result)
+    return result
 
 
 def _loop_worker(shape: dict[str, int], steps: int, tokens: str) -> dict[str, Any]:
@@ -251,41 +336,56 @@ def _model_overrides(shape: dict[str, int]) -> dict[str, str]:
     return over | {"train.batch_size": str(shape["batch"]), "train.micro_batch_size": str(shape["batch"])}  # fmt: skip
 
 
+def _speed_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
+    """onegpu with its defaults, then the loop, on the same shape; fills `row` as it goes (a
+    loop killed by the budget keeps onegpu's half)."""
+    name, shape = row["model"], row["shape"]
+    steps = 12 if args.quick else (20 if name == "1B" else 30)
+    preset, over = _overrides({}, _model_overrides(shape), args.work)
+    if not args.quick:  # onegpu's defaults decide, as for a long run
+        over.pop("train.compile")
+    planning = _start_plan(preset, over, args.gpu)
+    one = run_row(preset, None, over, steps, args.work, timeout_s=args.budget.timeout(),
+                  horizon=HORIZON)  # fmt: skip
+    plan = _plan_of(planning, args.budget.timeout())
+    row["onegpu"] = {"tokens_per_s": one["tokens_per_s"], "mfu": one["mfu"],
+                     "peak": one["peak_mem_bytes"], "compile_time_s": one["compile_time_s"],
+                     "compile": one["compile"],
+                     "planned_peak": plan["memory"]["peak"],
+                     "predicted_tokens_per_s": plan["predicted_tokens_per_s"]}  # fmt: skip
+    job = json.dumps([shape, steps, over["data.source"]])
+    proc = _worker([sys.executable, __file__, "--loop-worker", job], args)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loop: {proc.stderr[-1500:]}")
+    loop = json.loads(proc.stdout.strip().splitlines()[-1])
+    step = statistics.median(loop["times"][5:])
+    tokens = shape["batch"] * shape["seq_len"]
+    speedup = tokens / step / one["tokens_per_s"]  # the same FLOPs per token
+    row["loop"] = {"tokens_per_s": tokens / step, "peak": loop["peak"],
+                   "mfu": one["mfu"] * speedup if one["mfu"] else None,
+                   "first_step_s": loop["times"][0]}  # fmt: skip
+    row["ratio"] = row["onegpu"]["tokens_per_s"] / row["loop"]["tokens_per_s"]
+
+
 def section_speed(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    models = {"quick": QUICK_SPEED} if args.quick else SPEED_MODELS
+    models = {"quick": QUICK_SPEED} if args.quick else {m: SPEED_MODELS[m] for m in args.models}
     for name, shape in models.items():
-        steps = 12 if args.quick else (20 if name == "1B" else 30)
-        extra = _model_overrides(shape)
-        preset, over = _overrides({}, extra, args.work)
-        over.pop("train.compile")  # onegpu's defaults decide
         row: dict[str, Any] = {"model": name, "shape": shape}
-        tokens = shape["batch"] * shape["seq_len"]
-        try:
-            planning = _start_plan(preset, over, args.gpu)
-            one = run_row(preset, None, over, steps, args.work)
-            plan = _plan_of(planning)
-            row["onegpu"] = {"tokens_per_s": one["tokens_per_s"], "mfu": one["mfu"],
-                             "peak": one["peak_mem_bytes"], "compile_time_s": one["compile_time_s"],
-                             "planned_peak": plan["memory"]["peak"],
-                             "predicted_tokens_per_s": plan["predicted_tokens_per_s"]}  # fmt: skip
-            job = json.dumps([shape, steps, over["data.source"]])
-            proc = subprocess.run([sys.executable, __file__, "--loop-worker", job],
-                                  capture_output=True, text=True)  # fmt: skip
-            if proc.returncode != 0:
-                raise RuntimeError(f"loop: {proc.stderr[-1500:]}")
-            loop = json.loads(proc.stdout.strip().splitlines()[-1])
-            step = statistics.median(loop["times"][5:])
-            speedup = tokens / step / one["tokens_per_s"]  # the same FLOPs per token
-            row["loop"] = {"tokens_per_s": tokens / step, "peak": loop["peak"],
-                           "mfu": one["mfu"] * speedup if one["mfu"] else None,
-                           "first_step_s": loop["times"][0]}  # fmt: skip
-            row["ratio"] = row["onegpu"]["tokens_per_s"] / row["loop"]["tokens_per_s"]
-        except Exception as e:
-            row["failed"] = str(e)[-1500:]
+        if reason := args.budget.skip_reason("speed"):
+            row["skipped"] = reason
+        else:
+            t0 = time.perf_counter()
+            try:
+                _speed_row(args, row)
+            except Exception as e:  # TimeoutExpired included: the budget ended it
+                row["failed"] = str(e)[-1500:]
+            args.budget.took("speed", time.perf_counter() - t0)
         rows.append(row)
         args.save("speed", rows)
-        print(f"speed: {name}: {row.get('ratio', row.get('failed'))}", flush=True)
+        print(
+            f"speed: {name}: {row.get('ratio', row.get('failed', row.get('skipped')))}", flush=True
+        )
     return rows
 
 
@@ -312,6 +412,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--gpu", default="", help="the planner's GPU (default: the one it detects)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--speed-models",
+        default=",".join(SPEED_MODELS),
+        help=f"the speed section's models, from {', '.join(SPEED_MODELS)}",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="end within this many seconds, leaving out rows that would not fit",
+    )
     ap.add_argument("--loop-worker", help=argparse.SUPPRESS)
     ap.add_argument("--profile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -322,6 +433,13 @@ def main() -> None:
         preset, over, trace = json.loads(args.profile_worker)
         print(json.dumps(_profile_in_backward(preset, over, Path(trace))))
         return
+    sections = args.sections.split(",")
+    if bad := [x for x in sections if x not in SECTIONS]:
+        ap.error(f"--sections: unknown {bad[0]!r}; choose from {', '.join(SECTIONS)}")
+    args.models = args.speed_models.split(",")
+    if bad := [m for m in args.models if m not in SPEED_MODELS]:
+        ap.error(f"--speed-models: unknown {bad[0]!r}; choose from {', '.join(SPEED_MODELS)}")
+    args.budget = Budget(args.budget_s)
     if not args.gpu and torch.cuda.is_available():  # the table's row for this GPU
         from onegpu.perf.devices import gpu_spec_for
 
@@ -330,7 +448,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work = Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     results: dict[str, Any] = {"environment": _environment(), "command": " ".join(sys.argv),
-                               "planned_for": args.gpu or "this machine"}  # fmt: skip
+                               "planned_for": args.gpu or "this machine",
+                               "budget_s": args.budget_s}  # fmt: skip
     path = _result_path(args.out, results["environment"]["device"])
     run = {"tests": section_tests, "memory": section_memory, "overlap": section_overlap,
            "speed": section_speed}  # fmt: skip
@@ -342,7 +461,7 @@ def main() -> None:
         path.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
 
     args.save = save
-    for name in args.sections.split(","):
+    for name in sections:
         t0 = time.perf_counter()
         try:
             results[name] = run[name](args)

@@ -15,8 +15,21 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+def _not_run(r: dict[str, Any]) -> str | None:
+    """A row that did not run or failed, in one cell: why (the budget's words, or the error's end)."""
+    if "skipped" in r:
+        return r["skipped"]
+    if "failed" in r:
+        return f"failed: {r['failed'][-200:]!r}"
+    return None
+
+
 def _tests(t: dict[str, Any]) -> list[str]:
-    return ["## CUDA-only tests", "", f"`{t['command']}`: exit {t['rc']}, {t['summary']}", ""]
+    status = "did not finish" if t["rc"] is None else f"exit {t['rc']}"
+    lines = ["## CUDA-only tests", "", f"`{t['command']}`: {status}, {t['summary']}", ""]
+    if t["rc"] != 0 and t["tail"]:  # what failed, to fix without another lease
+        lines += ["```", *t["tail"], "```", ""]
+    return lines
 
 
 def _memory(rows: list[dict[str, Any]]) -> list[str]:
@@ -24,8 +37,8 @@ def _memory(rows: list[dict[str, Any]]) -> list[str]:
              "| configuration | planned GiB | measured GiB | error | step ms | predicted ms |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        if "failed" in r:
-            lines.append(f"| {r['name']} | failed: {r['failed'][-200:]!r} | | | | |")
+        if why := _not_run(r):
+            lines.append(f"| {r['name']} | {why} | | | | |")
             continue
         lines.append(
             f"| {r['name']} | {_gib(r['planned_peak'])} | {_gib(r['measured_peak'])} | "
@@ -42,23 +55,32 @@ def _overlap(o: dict[str, Any]) -> list[str]:
     lines = ["## The optimizer on the host: overlap with backward", "",
              "| row | step ms | peak GiB |", "|---|---|---|"]  # fmt: skip
     for name, r in o["rows"].items():
-        lines.append(f"| {name} | {_ms(r['step_time_s'])} | {_gib(r['peak'])} |")
-    tr = o.get("trace") or {}
+        why = _not_run(r)
+        cells = f"{why} | " if why else f"{_ms(r['step_time_s'])} | {_gib(r['peak'])} |"
+        lines.append(f"| {name} | {cells}")
+    tr = o.get("trace")
+    if tr is None:
+        return lines + [""]
+    if why := _not_run(tr):
+        return lines + ["", f"Trace of one in-backward step: {why}", ""]
     return lines + ["", f"Trace of one in-backward step: {tr.get('host_steps')} host steps, "
                     f"{_ms(tr.get('host_step_s'))} ms of host stepping, {_ms(tr.get('exposed_s'))} "
-                    f"ms of it after the GPU's last kernel. {o.get('trace_failed', '')}", ""]  # fmt: skip
+                    f"ms of it after the GPU's last kernel.", ""]  # fmt: skip
 
 
 def _speed(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## Speed against a nanoGPT-style compiled loop", "",
-             "| model | onegpu tok/s | MFU | peak GiB (planned) | loop tok/s | loop MFU | "
-             "loop peak GiB | onegpu / loop |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| model | onegpu tok/s | compile | MFU | peak GiB (planned) | loop tok/s | loop MFU | "
+             "loop peak GiB | onegpu / loop |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        if "failed" in r:
-            lines.append(f"| {r['model']} | failed: {r['failed'][-200:]!r} | | | | | | |")
+        if why := _not_run(r):
+            half = r.get("onegpu")  # the loop failed or ran out of budget after onegpu's run
+            done = f"{half['tokens_per_s']:,.0f} tok/s; " if half else ""
+            lines.append(f"| {r['model']} | {done}{why} | | | | | | | |")
             continue
         o, lp = r["onegpu"], r["loop"]
-        lines.append(f"| {r['model']} | {o['tokens_per_s']:,.0f} | {o['mfu'] or 0:.1%} | "
+        lines.append(f"| {r['model']} | {o['tokens_per_s']:,.0f} | {o.get('compile', '?')} | "
+                     f"{o['mfu'] or 0:.1%} | "
                      f"{_gib(o['peak'])} ({_gib(o['planned_peak'])}) | {lp['tokens_per_s']:,.0f} | "
                      f"{lp['mfu'] or 0:.1%} | {_gib(lp['peak'])} | {r['ratio']:.2f}x |")  # fmt: skip
     return lines + [""]

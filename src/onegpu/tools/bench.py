@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,24 +102,65 @@ def run_row(
     steps: int,
     workdir: Path,
     nproc: int = 1,
+    timeout_s: float | None = None,
+    horizon: int | None = None,
 ) -> dict[str, Any]:
     """One `onegpu train` in a fresh process (`nproc` > 1: a `torchrun --standalone` launch of
-    that many); the row's measurements from its run folder."""
+    that many); the row's measurements from its run folder. `timeout_s`: the process is killed
+    after that long and the row fails (a suite that must end inside a device lease).
+    `horizon`: the run is set to that many steps, which `auto` decides by (compile repays only
+    a long run), and stopped gracefully (SIGTERM) once `steps` steps are logged."""
     out = Path(tempfile.mkdtemp(dir=workdir))
-    cmd = train_command(preset, config_file, overrides, steps, out, nproc)
+    cmd = train_command(preset, config_file, overrides, horizon or steps, out, nproc)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-    if proc.returncode != 0:  # a rank's own cause sits above torchrun's report: keep it
-        lines = proc.stderr.strip().splitlines()
+    try:
+        returncode, stderr = _run_train(cmd, out, steps if horizon else None, timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(cmd)}\nkilled after {timeout_s:.0f} s") from None
+    if returncode != 0:  # a rank's own cause sits above torchrun's report: keep it
+        lines = stderr.strip().splitlines()
         causes = [
             x
             for x in lines[:-15]
             if "terminate called" in x or "what():" in x or "Error" in x or "error:" in x
         ][-5:]
         tail = "\n".join(causes + lines[-15:])
-        raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {proc.returncode}:\n{tail}")
+        raise RuntimeError(f"{' '.join(cmd)}\nfailed with exit code {returncode}:\n{tail}")
     row = measured_row(out)
     return {"overrides": overrides, **row, "wall_s": time.perf_counter() - t0}
+
+
+def _run_train(
+    cmd: list[str], out: Path, stop_after: int | None, timeout_s: float | None
+) -> tuple[int, str]:
+    """Run `cmd` (exit code, stderr); with `stop_after`, send SIGTERM once that many steps are
+    in its metrics: the graceful stop's exit code (143) then counts as success."""
+    if stop_after is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        return proc.returncode, proc.stderr
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        stopped = False
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(cmd, timeout_s or 0.0)
+            if not stopped and _logged_steps(out / "metrics.jsonl") >= stop_after:
+                proc.send_signal(signal.SIGTERM)
+                stopped = True
+            time.sleep(0.2)
+        err.seek(0)
+        graceful = stopped and proc.returncode == 128 + signal.SIGTERM
+        return (0 if graceful else proc.returncode), err.read()
+
+
+def _logged_steps(metrics: Path) -> int:
+    try:
+        return metrics.read_text().count('"step_time_s"')
+    except FileNotFoundError:
+        return 0
 
 
 def train_command(
@@ -182,6 +224,7 @@ def measured_row(out: Path) -> dict[str, Any]:
         "loss": summary["loss"],
         "offload": summary.get("offload"),
         "compile_time_s": summary.get("compile_time_s"),
+        "compile": summary["config"]["train"]["compile"],  # what `auto` decided
         "mfu": summary.get("mfu"),
         "precision": summary["precision"],
         "model": _model_line(summary),

@@ -1,0 +1,101 @@
+"""benchmarks/gpu_suite.py must fit a device lease (15 minutes of device time, 10 a command):
+its budget leaves rows out and says so, kills what would overrun, and the speed rows let
+onegpu's `auto` decide as for a long run. Checked on the CPU with the suite's `--quick` shapes."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onegpu.tools.bench import run_row
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from gpu_lease import Budget  # noqa: E402
+from gpu_suite import _trace_overlap  # noqa: E402
+
+
+def _suite(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "gpu_suite.py"),
+            "--quick",
+            "--out",
+            str(tmp_path),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.glob("gpu-*.json")
+    return proc, json.loads(result.read_text()), result.with_suffix(".md").read_text()
+
+
+def test_rows_the_budget_cannot_hold_are_left_out_and_said_so(tmp_path):
+    _, result, md = _suite(tmp_path, "--sections", "memory,overlap,speed", "--budget-s", "1")
+    assert result["budget_s"] == 1.0
+    why = re.compile(r"left out: [01] s of --budget-s left, a memory row takes ~45 s")
+    assert all(why.fullmatch(r.get("skipped", "")) for r in result["memory"]), result["memory"]
+    overlap = [*result["overlap"]["rows"].values(), result["overlap"]["trace"]]
+    assert all("skipped" in r for r in overlap) and len(overlap) == 5
+    assert all("skipped" in r for r in result["speed"])
+    assert md.count("left out: ") == len(result["memory"]) + 5 + len(result["speed"])
+
+
+def test_a_section_or_model_it_does_not_know_is_one_line_and_exit_2(tmp_path):
+    for args in (["--sections", "memroy"], ["--speed-models", "7B"]):
+        proc = subprocess.run(
+            [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--out", str(tmp_path), *args],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2 and "unknown" in proc.stderr.splitlines()[-1], proc.stderr
+        assert not list(tmp_path.iterdir())
+
+
+def test_the_budget_guesses_from_the_longest_row_so_far():
+    budget = Budget(100.0)
+    assert budget.skip_reason("memory") is None  # 45 s guessed, 100 left
+    budget.took("memory", 120.0)
+    assert budget.skip_reason("memory").startswith("left out: ")
+    assert 99.0 < budget.timeout() <= 100.0
+    assert Budget(None).timeout() is None and Budget(None).skip_reason("speed") is None
+
+
+def test_host_steps_after_the_last_kernel_are_the_exposed_part():
+    """The anchor range puts perf_counter times on the trace's clock: anchor at trace 1,000 us
+    = 5,000 us on the host; the last kernel ends at trace 1,500 us = 5,500 us. Of two host
+    steps, 5,000-5,100 us overlaps backward and 5,400-5,600 us runs 100 us past it."""
+    trace = {
+        "traceEvents": [
+            {"name": "onegpu.anchor", "ts": 1000.0, "dur": 1.0},
+            {"cat": "kernel", "name": "gemm", "ts": 1400.0, "dur": 100.0},
+        ]
+    }
+    spans = [(5_000_000, 5_100_000), (5_400_000, 5_600_000)]
+    got = _trace_overlap(trace, spans, anchor_ns=5_000_000)
+    assert got == {
+        "host_step_s": pytest.approx(3e-4),
+        "host_steps": 2,
+        "exposed_s": pytest.approx(1e-4),
+    }
+    assert _trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"] != 0.0  # nan: no kernels
+
+
+def test_a_row_set_for_a_long_run_stops_gracefully_after_its_steps(tmp_path):
+    """`horizon`: the run is configured for 5,000 steps (what `auto` decides by) and stopped
+    by SIGTERM once 6 steps are logged; its steady steps are measured as a short run's."""
+    over = {"model.dropout": "0", "train.compile": "none", "train.batch_size": "4",
+            "train.micro_batch_size": "4"}  # fmt: skip
+    row = run_row("tiny", None, over, 6, tmp_path, horizon=5000)
+    (folder,) = [p for p in tmp_path.iterdir() if (p / "summary.json").exists()]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["config"]["train"]["max_steps"] == 5000
+    assert 6 <= summary["steps"] < 5000
+    assert row["tokens_per_s"] > 0 and row["compile"] == "none"
