@@ -88,6 +88,7 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
     assert _trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"] != 0.0  # nan: no kernels
 
 
+@pytest.mark.slow  # a real `onegpu train` process (~14 s here)
 def test_a_row_set_for_a_long_run_stops_gracefully_after_its_steps(tmp_path):
     """`horizon`: the run is configured for 5,000 steps (what `auto` decides by) and stopped
     by SIGTERM once 6 steps are logged; its steady steps are measured as a short run's."""
