@@ -100,3 +100,16 @@ def test_a_row_set_for_a_long_run_stops_gracefully_after_its_steps(tmp_path):
     assert summary["config"]["train"]["max_steps"] == 5000
     assert 6 <= summary["steps"] < 5000
     assert row["tokens_per_s"] > 0 and row["compile"] == "none"
+
+
+@pytest.mark.slow  # the suite's --quick overlap and speed sections: ~70 s of real runs
+def test_the_quick_suite_times_the_host_steps_and_runs_the_speed_rows(tmp_path):
+    """On a CPU the in-backward host steps run on the main thread; the suite's own timing
+    must still see each of them (the GPU's worker thread is what the profiler misses)."""
+    _, result, md = _suite(tmp_path, "--sections", "overlap,speed")
+    trace = result["overlap"]["trace"]
+    assert trace["host_steps"] > 0 and trace["host_step_s"] > 0, trace
+    assert all(r["step_time_s"] > 0 for r in result["overlap"]["rows"].values())
+    (speed,) = result["speed"]
+    assert speed["onegpu"]["compile"] == "none" and speed["ratio"] > 0, speed
+    assert "| quick | " in md and "left out" not in md
