@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -242,19 +243,20 @@ def _first_line(e: BaseException) -> str:
 
 
 def _list_text_files(root: Path, kind: str) -> list[Path]:
+    """The text files under `root`, sorted (the token cache's fingerprint follows this order).
+    Skipped folders are pruned, not walked: the standard library's folder holds site-packages,
+    ~90,000 entries with torch installed, which took 6 s to list and drop."""
     stdlib = kind == "stdlib"
+    skipped = STDLIB_SKIP_DIRS if stdlib else set()
     files = []
-    for f in sorted(root.rglob("*")):
-        rel_parts = f.relative_to(root).parts
-        if any(p.startswith(".") for p in rel_parts) or not f.is_file():
-            continue
-        if stdlib:
-            if f.suffix != ".py" or STDLIB_SKIP_DIRS.intersection(rel_parts[:-1]):
-                continue
-        elif f.suffix.lower() not in TEXT_SUFFIXES:
-            continue
-        files.append(f)
-    return files
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skipped]
+        for name in names:
+            f = Path(folder, name)
+            wanted = f.suffix == ".py" if stdlib else f.suffix.lower() in TEXT_SUFFIXES
+            if wanted and not name.startswith(".") and f.is_file():
+                files.append(f)
+    return sorted(files)
 
 
 def _fingerprint(files: list[Path], root: Path) -> str:
