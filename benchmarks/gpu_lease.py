@@ -3,8 +3,8 @@
 A lease gives a session 15 minutes of device time, the machine's start included, and 10 minutes
 a command (docs/gpu-suite.md). `--budget-s` makes the suite end inside one command with what it
 measured: a row starts only if the longest row of its section so far (or the section's first
-guess) still fits, every process it starts is killed at the deadline, and a row left out says
-so in the result file instead of vanishing.
+guess) still fits, every process it starts is killed at the deadline with what it started
+(onegpu.tools.processes), and a row left out says so in the result file instead of vanishing.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ class Budget:
             return math.inf
         return self.seconds - (time.monotonic() - self.start)
 
-    def skip_reason(self, section: str) -> str | None:
-        """None when the next row of `section` fits in what is left, else why it is left out."""
-        need = self.longest.get(section, FIRST_GUESS_S[section])
+    def skip_reason(self, section: str, guess_s: float | None = None) -> str | None:
+        """None when the next row of `section` fits in what is left, else why it is left out.
+        `guess_s`: the least this row is taken to need (a larger model than those timed)."""
+        need = max(self.longest.get(section, FIRST_GUESS_S[section]), guess_s or 0.0)
         left = self.left()
         if left >= need:
             return None

@@ -11,9 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# torchao: 8-bit / 4-bit states; pytorch-optimizer: lamb, lars, apollo; cmeel-mimalloc: the
-# host allocator a pip install of onegpu brings (the host optimizer steps through it).
-WHEELS=(torchao==0.18.0 pytorch-optimizer==4.1.0 cmeel-mimalloc==3.4.3)
+# torchao: 8-bit / 4-bit states; pytorch-optimizer: lamb, lars, apollo. (cmeel-mimalloc, the
+# host allocator onegpu preloads on CPUs, is left alone where a GPU is: perf/allocator.py.)
+# The image's Python is 3.12: the wheels are fetched for it.
+WHEELS=(torchao==0.18.0 pytorch-optimizer==4.1.0)
 
 case "${1:-}" in
 wheels)

@@ -19,13 +19,13 @@ def _not_run(r: dict[str, Any]) -> str | None:
     """A row that did not run or failed, in one cell: why (the budget's words, or the error's end)."""
     if "skipped" in r:
         return r["skipped"]
-    if "failed" in r:
-        return f"failed: {r['failed'][-200:]!r}"
+    if "failed" in r:  # one cell: a `|` in the error would split it
+        return f"failed: {r['failed'][-200:]!r}".replace("|", "\\|")
     return None
 
 
 def _tests(t: dict[str, Any]) -> list[str]:
-    status = "did not finish" if t["rc"] is None else f"exit {t['rc']}"
+    status = f"exit {t['rc']}" if t["rc"] is not None else "did not run to its end"
     lines = ["## CUDA-only tests", "", f"`{t['command']}`: {status}, {t['summary']}", ""]
     if t["rc"] != 0 and t["tail"]:  # what failed, to fix without another lease
         lines += ["```", *t["tail"], "```", ""]
@@ -56,7 +56,7 @@ def _overlap(o: dict[str, Any]) -> list[str]:
              "| row | step ms | peak GiB |", "|---|---|---|"]  # fmt: skip
     for name, r in o["rows"].items():
         why = _not_run(r)
-        cells = f"{why} | " if why else f"{_ms(r['step_time_s'])} | {_gib(r['peak'])} |"
+        cells = f"{why} | |" if why else f"{_ms(r['step_time_s'])} | {_gib(r['peak'])} |"
         lines.append(f"| {name} | {cells}")
     tr = o.get("trace")
     if tr is None:

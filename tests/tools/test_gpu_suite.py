@@ -3,6 +3,7 @@ its budget leaves rows out and says so, kills what would overrun, and the speed 
 onegpu's `auto` decide as for a long run. Checked on the CPU with the suite's `--quick` shapes."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from onegpu.backends.torch.build import build
+from onegpu.config import load_config
 from onegpu.tools.bench import run_row
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -70,12 +73,16 @@ def test_the_budget_guesses_from_the_longest_row_so_far():
 
 def test_host_steps_after_the_last_kernel_are_the_exposed_part():
     """The anchor range puts perf_counter times on the trace's clock: anchor at trace 1,000 us
-    = 5,000 us on the host; the last kernel ends at trace 1,500 us = 5,500 us. Of two host
-    steps, 5,000-5,100 us overlaps backward and 5,400-5,600 us runs 100 us past it."""
+    = 5,000 us on the host; the compute stream's last kernel ends at trace 1,500 us = 5,500 us.
+    Of two host steps, 5,000-5,100 us overlaps backward and 5,400-5,600 us runs 100 us past
+    it. The side stream's cast of the weight sent back (trace 1,700 us) is not backward."""
+    kernel = {"cat": "kernel", "name": "gemm", "args": {"stream": 7}}
     trace = {
         "traceEvents": [
             {"name": "onegpu.anchor", "ts": 1000.0, "dur": 1.0},
-            {"cat": "kernel", "name": "gemm", "ts": 1400.0, "dur": 100.0},
+            kernel | {"ts": 1300.0, "dur": 100.0},
+            kernel | {"ts": 1400.0, "dur": 100.0},
+            {"cat": "kernel", "name": "cast", "args": {"stream": 20}, "ts": 1700.0, "dur": 5.0},
         ]
     }
     spans = [(5_000_000, 5_100_000), (5_400_000, 5_600_000)]
@@ -85,7 +92,23 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
         "host_steps": 2,
         "exposed_s": pytest.approx(1e-4),
     }
-    assert _trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"] != 0.0  # nan: no kernels
+    assert math.isnan(_trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"])  # no kernels
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_host_step_of_the_worker_thread_is_timed(tmp_path):
+    """The optimizer on the host, in backward, steps each parameter on a worker thread the
+    profiler does not follow: the suite's own timing sees each, and the exposed part is a
+    part of the host's stepping."""
+    from gpu_suite import _profile_in_backward
+
+    over = {"model.dropout": "0", "train.device": "cuda", "train.batch_size": "4",
+            "train.micro_batch_size": "4", "memory.offload_optimizer": "true",
+            "optim.in_backward": "true", "optim.grad_clip": "0", "train.compile": "none"}  # fmt: skip
+    got = _profile_in_backward("tiny", over, tmp_path / "trace.json")
+    model = build(load_config("tiny", overrides=over), with_data=False).model
+    assert 0 < got["host_steps"] <= len(list(model.parameters()))  # each once, in one backward
+    assert 0.0 <= got["exposed_s"] <= got["host_step_s"]
 
 
 @pytest.mark.slow  # a real `onegpu train` process (~14 s here)

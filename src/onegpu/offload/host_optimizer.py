@@ -160,7 +160,9 @@ class HostOffloadOptimizer:
     def _stepped_copy(self, p: torch.Tensor) -> torch.Tensor:
         """Step `p`'s host copy on its whole gradient, zero that gradient; the new weight."""
         h = self._host[p]
-        with torch.profiler.record_function("onegpu.host_step"):  # benchmarks/gpu_suite.py
+        # A named range in traces of the thread that steps (the profiler follows no worker
+        # thread it did not start: benchmarks/gpu_suite.py times those steps itself).
+        with torch.profiler.record_function("onegpu.host_step"):
             self.inner.step_param(h)
         h.grad.zero_()
         return h

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from onegpu.config import ConfigError, load_toml
 from onegpu.runs.atomic import write_together
 from onegpu.tools.bench_backend import for_backend, refused
 from onegpu.tools.bench_grids import GRID_ALIASES, GRIDS, Row  # noqa: F401 - bench's API
+from onegpu.tools.processes import run_bounded, run_stopped
 
 # Steps left out of the timing: 1 compiles/warms up, 2 is profiled for memory, 3 still pays
 # for the profiler's teardown (measured here: 338 ms against a steady 25 ms on `tiny`).
@@ -133,34 +133,12 @@ def run_row(
 def _run_train(
     cmd: list[str], out: Path, stop_after: int | None, timeout_s: float | None
 ) -> tuple[int, str]:
-    """Run `cmd` (exit code, stderr); with `stop_after`, send SIGTERM once that many steps are
-    in its metrics: the graceful stop's exit code (143) then counts as success."""
+    """Run `cmd` (exit code, stderr), or with `stop_after`, stop it gracefully after that many
+    steps; past `timeout_s` it is killed with everything it started (TimeoutExpired)."""
     if stop_after is None:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = run_bounded(cmd, timeout_s)
         return proc.returncode, proc.stderr
-    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        stopped = False
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise subprocess.TimeoutExpired(cmd, timeout_s or 0.0)
-            if not stopped and _logged_steps(out / "metrics.jsonl") >= stop_after:
-                proc.send_signal(signal.SIGTERM)
-                stopped = True
-            time.sleep(0.2)
-        err.seek(0)
-        graceful = stopped and proc.returncode == 128 + signal.SIGTERM
-        return (0 if graceful else proc.returncode), err.read()
-
-
-def _logged_steps(metrics: Path) -> int:
-    try:
-        return metrics.read_text().count('"step_time_s"')
-    except FileNotFoundError:
-        return 0
+    return run_stopped(cmd, out / "metrics.jsonl", stop_after, timeout_s)
 
 
 def train_command(
