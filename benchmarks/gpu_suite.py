@@ -32,6 +32,7 @@ import datetime
 import json
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -177,14 +178,16 @@ def _base(args: argparse.Namespace) -> dict[str, str]:
 def section_tests(args: argparse.Namespace) -> dict[str, Any]:
     command = "python -m pytest -m gpu tests"
     if reason := args.budget.skip_reason("tests"):
-        return {"command": command, "rc": None, "summary": reason, "tail": []}
+        return {"command": command, "rc": None, "summary": reason, "tail": [], "skipped": reason}
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
     t0 = time.perf_counter()
     try:
         proc = _worker(cmd, args, cwd=Path(__file__).parents[1])
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:  # what it printed says which test it was in
+        printed = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
         return {"command": command, "rc": None, "summary": "killed at the end of --budget-s",
-                "tail": [], "wall_s": time.perf_counter() - t0}  # fmt: skip
+                "tail": (printed or "").strip().splitlines()[-30:],
+                "wall_s": time.perf_counter() - t0}  # fmt: skip
     args.budget.took("tests", time.perf_counter() - t0)
     tail = proc.stdout.strip().splitlines()[-30:]
     return {"command": command, "rc": proc.returncode,
@@ -194,6 +197,7 @@ def section_tests(args: argparse.Namespace) -> dict[str, Any]:
 
 def _memory_row(args: argparse.Namespace, extra: dict[str, str], row: dict[str, Any]) -> None:
     preset, over = _overrides(_base(args), extra, args.work)
+    row["preset"] = preset
     if args.quick:  # a CPU's step peak comes from the profiled step
         over["train.measure_memory"] = "true"
     with _planning(args, preset, over) as plan_of:
@@ -372,10 +376,14 @@ def _speed_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
                       horizon=HORIZON)  # fmt: skip
         row["onegpu"] = {"tokens_per_s": one["tokens_per_s"], "mfu": one["mfu"],
                          "peak": one["peak_mem_bytes"], "compile_time_s": one["compile_time_s"],
-                         "compile": one["compile"]}  # fmt: skip
-        plan = plan_of()
-    row["onegpu"] |= {"planned_peak": plan["memory"]["peak"],
-                      "predicted_tokens_per_s": plan["predicted_tokens_per_s"]}  # fmt: skip
+                         "compile": one["compile"], "planned_peak": None,
+                         "predicted_tokens_per_s": None}  # fmt: skip
+        try:  # a plan that fails is a finding beside the row, not the loop's end
+            plan = plan_of()
+            row["onegpu"] |= {"planned_peak": plan["memory"]["peak"],
+                              "predicted_tokens_per_s": plan["predicted_tokens_per_s"]}  # fmt: skip
+        except Exception as e:
+            row["onegpu"]["plan_failed"] = str(e)[-800:]
     job = json.dumps([shape, steps, over["data.source"]])
     proc = _worker([sys.executable, __file__, "--loop-worker", job], args)
     if proc.returncode != 0:
@@ -456,6 +464,8 @@ def main() -> None:
     if bad := [m for m in args.models if m not in SPEED_MODELS]:
         ap.error(f"--speed-models: unknown {bad[0]!r}; choose from {', '.join(SPEED_MODELS)}")
     args.budget = Budget(args.budget_s)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind, so every row's group is ended
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     if not args.gpu and torch.cuda.is_available():  # the table's row for this GPU
         from onegpu.perf.devices import gpu_spec_for
 

@@ -25,6 +25,8 @@ def _not_run(r: dict[str, Any]) -> str | None:
 
 
 def _tests(t: dict[str, Any]) -> list[str]:
+    if "skipped" in t:
+        return ["## CUDA-only tests", "", f"`{t['command']}`: not run, {t['skipped']}", ""]
     status = f"exit {t['rc']}" if t["rc"] is not None else "did not run to its end"
     lines = ["## CUDA-only tests", "", f"`{t['command']}`: {status}, {t['summary']}", ""]
     if t["rc"] != 0 and t["tail"]:  # what failed, to fix without another lease
@@ -65,7 +67,7 @@ def _overlap(o: dict[str, Any]) -> list[str]:
         return lines + ["", f"Trace of one in-backward step: {why}", ""]
     return lines + ["", f"Trace of one in-backward step: {tr.get('host_steps')} host steps, "
                     f"{_ms(tr.get('host_step_s'))} ms of host stepping, {_ms(tr.get('exposed_s'))} "
-                    f"ms of it after the GPU's last kernel.", ""]  # fmt: skip
+                    f"ms of it after the compute stream's last kernel.", ""]  # fmt: skip
 
 
 def _speed(rows: list[dict[str, Any]]) -> list[str]:

@@ -31,7 +31,7 @@ def test_a_deadline_ends_the_child_and_what_it_started(tmp_path):
     )
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        run_bounded([sys.executable, "-c", parent], timeout_s=3.0)
+        run_bounded([sys.executable, "-c", parent], timeout_s=5.0)
     assert time.monotonic() - t0 < 30
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
@@ -75,3 +75,13 @@ def test_a_run_that_ends_before_its_steps_keeps_its_own_exit_code(tmp_path):
     assert code == 0 and logged_steps(tmp_path / "metrics.jsonl") == 2
     crash = [sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(1)"]
     assert run_stopped(crash, tmp_path / "none.jsonl", 5, 60.0) == (1, "boom\n")
+
+
+def test_a_run_that_never_logs_its_steps_ends_at_its_deadline(tmp_path):
+    pid_file = tmp_path / "run.pid"
+    silent = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_stopped([sys.executable, "-c", silent], tmp_path / "metrics.jsonl", 5, 3.0)
+    assert not _alive(int(pid_file.read_text()))

@@ -1,14 +1,16 @@
 """Child processes that end inside a deadline, with everything they started.
 
 Benchmarks run each row as a fresh `onegpu train` (or torchrun, or a worker script). On a
-short-lived GPU machine a row that overruns must end, and with it torchrun's ranks and
-inductor's compile workers: a child given a deadline starts its own process group, and the
-whole group is killed when the deadline passes (or the caller is interrupted). A child with no
-deadline stays in ours, so a Ctrl-C reaches it as before.
+short-lived GPU machine a row that overruns must end, and with it what it started (inductor's
+compile workers; torchrun's ranks, which torchrun ends when it is sent SIGTERM): a child given
+a deadline starts its own process group, which is sent SIGTERM, then SIGKILL, when the
+deadline passes or the caller is interrupted. A child with no deadline stays in ours, so a
+Ctrl-C reaches it as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,15 +24,23 @@ GRACEFUL_EXIT = (128 + signal.SIGTERM, -signal.SIGTERM)
 already shutting down after its last step (-15)."""
 
 
-def end_group(proc: subprocess.Popen) -> None:
-    """Kill `proc` and, where `start` gave it a process group of its own, the whole group."""
+def end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End `proc` and, where `start` gave it a process group of its own, the whole group:
+    SIGTERM first (torchrun then ends the ranks it started in sessions of their own; onegpu
+    stops gracefully), SIGKILL for what is left after `grace_s`."""
+    if not getattr(proc, "own_group", False):
+        proc.kill()
+        proc.wait()
+        return
     try:
-        if getattr(proc, "own_group", False):
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-    except ProcessLookupError:  # already gone, and the group with it
-        pass
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the leader and its group are gone
+        proc.wait()
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):  # what is left, the leader included
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
