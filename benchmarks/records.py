@@ -4,6 +4,7 @@ it) and a name of its own (a result file is a record: a rerun writes beside it, 
 from __future__ import annotations
 
 import datetime
+import subprocess
 from pathlib import Path
 
 from onegpu.perf.cpu import read_cpuinfo
@@ -26,3 +27,13 @@ def new_result_file(stem: str) -> Path:
         out = RESULTS / f"{stem}-{today}-{n}.md"
         n += 1
     return out
+
+
+def commit_of(src: Path) -> str:
+    """The commit of the checkout `src` is in (with '+changes' where its tree differs)."""
+    git = ["git", "-C", str(src)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "."], capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")

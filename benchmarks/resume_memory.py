@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from records import bf16_kind, new_result_file
+from records import bf16_kind, commit_of, new_result_file
 
 from onegpu.perf.devices import cpu_name
 
@@ -75,16 +75,6 @@ def run(out: Path, steps: int, resume: bool, src: str | None) -> dict[str, dict[
     return {r.pop("when"): r for r in readings}
 
 
-def _commit(src: Path) -> str:
-    """The commit of the checkout `src` is in (with '+changes' where its tree differs)."""
-    git = ["git", "-C", str(src)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "."], capture_output=True, text=True
-    )
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
 def _mib(kib: int) -> str:
     return f"{kib / MIB:,.0f}"
 
@@ -110,7 +100,7 @@ def main() -> None:
         f"| {_mib(after['RssAnon'])} / {_mib(after['RssFile'])} "
         f"| {_mib(end['RssAnon'])} / {_mib(end['RssFile'])} |"
     )
-    code = _commit(Path(args.src) if args.src else Path(__file__).parents[1] / "src")
+    code = commit_of(Path(args.src) if args.src else Path(__file__).parents[1] / "src")
     lines = [
         "# Host memory of a resume (CPU)",
         "",
