@@ -27,7 +27,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from records import bf16_kind, new_result_file
+from records import bf16_kind, write_result
 
 from onegpu.config import load_config, with_overrides
 from onegpu.perf.flops import recompute_factor
@@ -147,10 +147,7 @@ def main() -> None:
         for name in MODELS if not args.skip_measured else ():
             lines += measured_table(name, args.steps, Path(tmp)) + [""]
     lines += planned_table()
-    out = new_result_file("budget-checkpointing")
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    write_result("budget-checkpointing", lines, show=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from records import bf16_kind, new_result_file
+from records import bf16_kind, write_result
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "data"))
 from instruction_sets import arithmetic_rows, write_jsonl  # noqa: E402
@@ -156,9 +156,7 @@ def write(results: list, steps: int) -> None:
             f"{data.get('overlong', 0)} of {data['counts']['train']['examples']:,} | {curve} | "
             f"{score:.3f} |"
         )
-    out = new_result_file("instruction-data")
-    out.write_text("\n".join(lines) + "\n")
-    print(out)
+    write_result("instruction-data", lines)
 
 
 if __name__ == "__main__":

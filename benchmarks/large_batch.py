@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from records import bf16_kind, new_result_file
+from records import bf16_kind, write_result
 
 from onegpu.config import load_config
 from onegpu.train import train
@@ -95,10 +95,7 @@ def main() -> None:
                 cells.append(f"{s.get('val_loss', s['loss']):.4f}")
                 print(name, batch, cells[-1], f"{s['seconds']:.0f} s", flush=True)
             lines.append(f"| {batch} | {steps} | " + " | ".join(cells) + " |")
-    out = new_result_file("large-batch")
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    write_result("large-batch", lines, show=True)
 
 
 if __name__ == "__main__":

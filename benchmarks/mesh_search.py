@@ -19,7 +19,7 @@ import os
 import time
 
 from parallel_layouts import LLAMA_SIZED as PLANNED_MODEL
-from records import new_result_file
+from records import write_result
 
 from onegpu.config import load_config
 from onegpu.perf.devices import GPUS
@@ -80,9 +80,7 @@ def main() -> None:
             f"{r['skipped_by_arithmetic']} / {r['planned']} | {seconds:.0f} |"
         )
         print(lines[-1], flush=True)
-    out = new_result_file("mesh-search")
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    write_result("mesh-search", lines)
 
 
 if __name__ == "__main__":

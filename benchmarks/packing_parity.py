@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from records import bf16_kind, new_result_file
+from records import bf16_kind, write_result
 
 TESTS = Path(__file__).parents[1] / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "data")]
@@ -111,9 +111,7 @@ def main() -> None:
                     f"| {loss:.1e} | {grad:.1e} |"
                 )
                 print(lines[-1], flush=True)
-    out = new_result_file("packing-parity")
-    out.write_text("\n".join(lines) + "\n")
-    print(out)
+    write_result("packing-parity", lines)
 
 
 if __name__ == "__main__":

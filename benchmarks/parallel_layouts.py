@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from records import bf16_kind, new_result_file
+from records import bf16_kind, write_result
 
 from onegpu.config import load_config
 from onegpu.config.layout import resolve_layout
@@ -236,9 +236,7 @@ def main() -> None:
         if not args.skip_powersgd:
             lines += ["", "## PowerSGD against DDP's plain all-reduce, 2 processes, 200 steps", ""]
             lines += powersgd_table(Path(tmp))
-    out = new_result_file("parallel-layouts")
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    write_result("parallel-layouts", lines)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,16 @@ def new_result_file(stem: str) -> Path:
     return out
 
 
+def write_result(stem: str, lines: list[str], *, show: bool = False) -> Path:
+    """`lines` as a new results/<stem>-<date>.md (`show`: printed too); says where it went."""
+    out = new_result_file(stem)
+    out.write_text("\n".join(lines) + "\n")
+    if show:
+        print("\n".join(lines))
+    print(f"wrote {out}")
+    return out
+
+
 def commit_of(src: Path) -> str:
     """The commit of the checkout `src` is in (with '+changes' where its tree differs)."""
     git = ["git", "-C", str(src)]

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from records import bf16_kind, commit_of, new_result_file
+from records import bf16_kind, commit_of, write_result
 
 from onegpu.perf.devices import cpu_name
 
@@ -116,10 +116,7 @@ def main() -> None:
         "mapped checkpoint), which count in the resident set but are page cache "
         "the kernel reclaims when memory is short.",
     ]
-    out = new_result_file("resume-memory")
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"-> {out}")
+    write_result("resume-memory", lines, show=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from records import bf16_kind, new_result_file
+from records import bf16_kind, write_result
 
 from onegpu.tools.bench import run_row
 
@@ -81,9 +81,7 @@ def main() -> None:
             f"{measured / plan['params']:.2f} | "
             f"{run['loss']:.4f} | {run['tokens_per_s']:,.0f} |"
         )
-    out = new_result_file("small-state-optimizers")
-    out.write_text("\n".join(lines) + "\n")
-    print(out)
+    write_result("small-state-optimizers", lines)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from records import bf16_kind, commit_of, new_result_file
+from records import bf16_kind, commit_of, write_result
 
 from onegpu.perf.devices import cpu_name
 
@@ -71,10 +71,7 @@ def main() -> None:
         "",
         f"After / before: {after / before:.2f}x the wall time.",
     ]
-    out = new_result_file("startup-time")
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"-> {out}")
+    write_result("startup-time", lines, show=True)
 
 
 if __name__ == "__main__":
