@@ -84,8 +84,8 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
         f"  HF's single-GPU guide: mixed-precision AdamW needs 18 bytes/parameter (fp32 weights 4, 16-bit copy "
         f"2, fp32 grads 4, states 8); planned here: "
         f"{(2 * mem['params'] + mem['optimizer']) / n:.2f} with every gradient alive (weights, "
-        "same-sized gradients, states; the 16-bit weight copies of autocast live only inside a "
-        "forward and are counted under activations)",
+        "same-sized gradients, states; the 16-bit weight copies of autocast live only while a "
+        "step's micro-batches run and are counted under activations)",
         f"  Korthikanti et al.: s*b*h*(34 + 5*a*s/h) = "
         f"{r['korthikanti_bytes_per_layer'] / mib:,.1f} MiB per layer (16-bit, full attention "
         "matrix stored); fused attention keeps no s x s matrix and fp32 autocast ops keep 4-byte "

@@ -23,6 +23,16 @@ from onegpu.config import ConfigError
 PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
 
 
+@contextlib.contextmanager
+def _autocast_cache_held():
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+
+
 @dataclass(frozen=True, slots=True)
 class PrecisionPolicy:
     name: str
@@ -35,6 +45,18 @@ class PrecisionPolicy:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def casts_once(self) -> contextlib.AbstractContextManager:
+        """Around a step's micro-batches: autocast's 16-bit copies of the weights are made by
+        the first micro-batch and reused by the others, not made again in each. Autocast keeps
+        them in a cache that it empties when its outermost region ends (after every
+        micro-batch's forward); holding the region count up keeps them until the step's last
+        backward. The weights do not change before the optimizer steps, so the copies and every
+        result are the same, bit for bit. Autocast itself stays off in between: backward runs
+        outside it, as it does without this."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return _autocast_cache_held()
 
     def grad_scaler(
         self, device: torch.device, init_scale: float = 2.0**16

@@ -25,7 +25,7 @@ import torch
 from onegpu.backends.torch.data import data_tokenizer, prepare_data
 from onegpu.backends.torch.model import Applied, apply_techniques, make_model, materialize
 from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
-from onegpu.backends.torch.step import TrainStep
+from onegpu.backends.torch.step import TrainStep, reuses_casts
 from onegpu.config import LOW_RANK_OPTIMIZERS, Config, ConfigError, check_distributed
 from onegpu.config.data import PACKED
 from onegpu.config.schedule import scaled_optim
@@ -209,6 +209,7 @@ def _train_step(
         no_sync=applied.no_sync,
         loss_context=applied.loss_context,
         pipeline=applied.pipeline,
+        reuse_casts=reuses_casts(cfg, ctx),
     )
 
 

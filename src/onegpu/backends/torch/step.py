@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.profiler import record_function
 
 from onegpu.backends.torch.loader import count_targets
-from onegpu.config import OptimConfig
+from onegpu.config import Config, OptimConfig
 from onegpu.distributed import DistContext, single_process
 from onegpu.distributed.parallelize import full_tensor
 from onegpu.distributed.pipeline import Pipeline
@@ -48,6 +48,18 @@ class StepOutput:
     overflow test) left parameters and optimizer state untouched (device tensor)."""
     lr: float
     """The learning rate this step used."""
+
+
+def reuses_casts(cfg: Config, dist: DistContext) -> bool:
+    """Whether a step's micro-batches share autocast's 16-bit weight copies
+    (`PrecisionPolicy.casts_once`): where each process holds whole weights (FSDP's would all
+    stay gathered; tensor parallelism's are DTensors) and backward keeps the copies anyway.
+    Checkpointing recomputes them block by block in backward, and with activations on the host
+    they are most of the device's peak: holding them there would raise the peak (by 2-10% in
+    plans of `tiny`), so those steps cast again in each micro-batch."""
+    m = cfg.memory
+    whole = dist.strategy in ("none", "ddp") and dist.layout.tp == 1
+    return whole and m.checkpointing == "none" and not m.offload_activations
 
 
 class TrainStep:
@@ -79,6 +91,7 @@ class TrainStep:
         no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
         loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         pipeline: Pipeline | None = None,
+        reuse_casts: bool = False,
     ):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.dist = dist or single_process()
@@ -96,6 +109,8 @@ class TrainStep:
         # Micro-batches before the last only accumulate (the optimizer in backward steps in
         # the last one's backward; the others step after it anyway).
         self._accumulating = optimizer.accumulating if in_backward else contextlib.nullcontext
+        # Autocast's weight copies made once a step, not once a micro-batch (reuses_casts).
+        self._casts = policy.casts_once if n_micro > 1 and reuse_casts else contextlib.nullcontext
         # Where the batch's gradients are: on the parameters, or in the host optimizer's
         # buffers (memory.offload_optimizer), in the model's parameter order either way.
         self._gradients = (
@@ -154,20 +169,21 @@ class TrainStep:
         n = self.n_micro
         positions = [None] * n if positions_BT is None else positions_BT.chunk(n)
         micro = list(zip(inputs_BT.chunk(n), targets_BT.chunk(n), positions, strict=True))
-        for i, (x_bT, y_bT, pos_bT) in enumerate(micro):
-            last = i == len(micro) - 1
-            hold = self.no_sync is not None and not last
-            with (
-                self.no_sync() if hold else contextlib.nullcontext(),
-                contextlib.nullcontext() if last else self._accumulating(),
-                self.loss_context(),
-                documents(self.model, pos_bT),
-            ):
-                with record_function("forward"), self.policy.autocast(inputs_BT.device):
-                    loss = self.loss_fn(self.model, x_bT, y_bT) / denom
-                with record_function("backward"):
-                    self.scaler.scale(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+        with self._casts():
+            for i, (x_bT, y_bT, pos_bT) in enumerate(micro):
+                last = i == len(micro) - 1
+                hold = self.no_sync is not None and not last
+                with (
+                    self.no_sync() if hold else contextlib.nullcontext(),
+                    contextlib.nullcontext() if last else self._accumulating(),
+                    self.loss_context(),
+                    documents(self.model, pos_bT),
+                ):
+                    with record_function("forward"), self.policy.autocast(inputs_BT.device):
+                        loss = self.loss_fn(self.model, x_bT, y_bT) / denom
+                    with record_function("backward"):
+                        self.scaler.scale(loss).backward()
+                total = loss.detach() if total is None else total + loss.detach()
         assert total is not None  # n_micro >= 1
         return total
 
