@@ -278,12 +278,15 @@ def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():
     x = torch.randint(0, 256, (4, 64))
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    left = []
-    candidate = compile.Candidate(lambda: built.loss_fn, lambda: left.append(True))
+    calls = []
+    candidate = compile.Candidate(
+        lambda: calls.append("enter") or built.loss_fn, lambda: calls.append("leave")
+    )
     trial = time_compile(
         built.model, built.loss_fn, candidate, (x, x), lambda: built.policy.autocast(CPU), CPU
     )
-    assert left == [True]  # the candidate is left after its timing
+    # eager and compiled runs alternate, and the candidate is left after its timing
+    assert calls == ["enter"] + ["leave", "enter"] * compile.TRIAL_ROUNDS + ["leave"]
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in built.model.parameters())
     assert trial.eager_s > 0 and trial.compiled_s > 0 and trial.compile_s >= 0

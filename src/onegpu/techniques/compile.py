@@ -146,6 +146,12 @@ def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) 
     return time.perf_counter() - t0
 
 
+TRIAL_ROUNDS = 3
+"""Rounds of a compile trial after the compiling run, each one eager and one compiled
+micro-batch: on a shared CPU two runs of one micro-batch differ by a few percent, as much as
+compiling gains there, so the two are alternated and each one's fastest is compared."""
+
+
 def time_compile(
     model: nn.Module,
     eager: LossFn,
@@ -154,19 +160,26 @@ def time_compile(
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
 ) -> CompileTrial:
-    """Run `batch` eagerly, then under the candidate mode (entered after the eager runs, left
-    afterwards), on the real model (gradients dropped after each run, RNG state restored):
-    each one's minimum over 2 runs after a first one (the eager warm-up; the compiled compile,
-    whose excess is the compile time)."""
+    """Run `batch` eagerly once (warm-up), then under the candidate mode once (its compile,
+    whose excess over the compiled time is the compile time), then TRIAL_ROUNDS rounds of one
+    eager run (the candidate left) and one compiled run (entered again: the compiled code is
+    reused), on the real model (gradients dropped after each run, RNG state restored). Each
+    one's minimum: a busy moment of a shared machine only slows a run down, and alternating
+    gives both the same moments."""
+    eager_runs, compiled_runs = [], []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _timed(eager, model, batch, autocast, device)
-        eager_s = min(_timed(eager, model, batch, autocast, device) for _ in range(2))
         try:
             compiled = candidate.enter()
             first = _timed(compiled, model, batch, autocast, device)
-            compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(2))
+            for _ in range(TRIAL_ROUNDS):
+                candidate.leave()
+                eager_runs.append(_timed(eager, model, batch, autocast, device))
+                compiled = candidate.enter()
+                compiled_runs.append(_timed(compiled, model, batch, autocast, device))
         finally:
             candidate.leave()
+    eager_s, compiled_s = min(eager_runs), min(compiled_runs)
     return CompileTrial(eager_s, compiled_s, max(0.0, first - compiled_s))
 
 
