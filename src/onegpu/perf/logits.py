@@ -52,11 +52,17 @@ def logits_share(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
     attention).
     """
     head = plain_logits_bytes(m, tokens, compute_bytes)
+    blocks = saved_block_bytes(m, tokens, compute_bytes)
+    return head / (head + blocks)
+
+
+def saved_block_bytes(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
+    """What the blocks save for backward over `tokens` tokens, estimated from the shapes as
+    logits_share says."""
     per_token = (7.5 + 2.5 * m.mlp_ratio) * m.d_model
     if m.attention == "plain":
         per_token += 2.5 * m.n_head * m.seq_len
-    blocks = m.n_layer * tokens * per_token * compute_bytes
-    return head / (head + blocks)
+    return m.n_layer * tokens * per_token * compute_bytes
 
 
 def worth_chunking(m: ModelConfig, tokens: int, compute_bytes: int) -> bool:

@@ -53,7 +53,8 @@ class PrecisionPolicy:
         micro-batch's forward); holding the region count up keeps them until the step's last
         backward. The weights do not change before the optimizer steps, so the copies and every
         result are the same, bit for bit. Autocast itself stays off in between: backward runs
-        outside it, as it does without this."""
+        outside it, as it does without this. Eager code only: a compiled graph makes its casts
+        inside itself (under `regional`, what runs outside the blocks still shares them)."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return _autocast_cache_held()

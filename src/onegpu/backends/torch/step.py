@@ -34,6 +34,7 @@ from onegpu.models.protocol import LossFn
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim import lr_at, set_lr
 from onegpu.optim.in_backward import PerParameterOptimizers
+from onegpu.perf.logits import saved_block_bytes
 from onegpu.techniques.precision import PrecisionPolicy
 
 
@@ -52,14 +53,21 @@ class StepOutput:
 
 def reuses_casts(cfg: Config, dist: DistContext) -> bool:
     """Whether a step's micro-batches share autocast's 16-bit weight copies
-    (`PrecisionPolicy.casts_once`): where each process holds whole weights (FSDP's would all
-    stay gathered; tensor parallelism's are DTensors) and backward keeps the copies anyway.
-    Checkpointing recomputes them block by block in backward, and with activations on the host
-    they are most of the device's peak: holding them there would raise the peak (by 2-10% in
-    plans of `tiny`), so those steps cast again in each micro-batch."""
-    m = cfg.memory
-    whole = dist.strategy in ("none", "ddp") and dist.layout.tp == 1
-    return whole and m.checkpointing == "none" and not m.offload_activations
+    (`PrecisionPolicy.casts_once`) without raising the step's peak. Held copies stay alive
+    through each backward, where they would otherwise be freed layer by layer; that is free
+    where the peak is at the end of a forward, where every copy is alive anyway. So not:
+    - where backward drops the copies early: checkpointing (recomputes them block by block)
+      and activations on the host (the copies are then most of the device's peak);
+    - where the step's peak is late in backward: blocks that save less than twice the copies'
+      bytes a micro-batch (a weight-bound step, e.g. `seed-ref` at 128 tokens: +3% planned);
+    - where a process holds no whole weights: FSDP (incl. weights on the host) gathers them in
+      16 bits already, tensor parallelism's are DTensors."""
+    m, mem = cfg.model, cfg.memory
+    whole = dist.strategy in ("none", "ddp") and dist.layout.tp == 1 and not mem.offload_params
+    kept = mem.checkpointing == "none" and not mem.offload_activations
+    copies = 2 * m.n_layer * (4 + 2 * m.mlp_ratio) * m.d_model**2  # q, k, v, o and the MLP
+    saved = saved_block_bytes(m, cfg.train.micro_batch_size * cfg.train_seq_len, 2)
+    return whole and kept and saved >= 2 * copies
 
 
 class TrainStep:
