@@ -272,7 +272,7 @@ def decide(
     a cached timing, one eager micro-batch is timed first: where the run could not repay the
     least compile time this machine has shown even at the best speedup it has shown, compiled
     is never timed (no compile spent on a run that cannot win it back)."""
-    key = f"{device_key(device)}|{step_fingerprint(cfg)}"
+    key = trial_key(cfg, device)
     micro_steps = cfg.train.max_steps * cfg.grad_accum_steps
     batch = trial_batch(cfg, model.vocab_size, device)
     valid = has("eager_step_s", "compiled_step_s", "compile_s")
@@ -291,6 +291,12 @@ def decide(
         return lambda: time_compile(model, eager, candidate, batch, autocast, device)
 
     return choose_compile(key, micro_steps, {m: measure(c) for m, c in candidates.items()})
+
+
+def trial_key(cfg: Config, device: torch.device) -> str:
+    """Where a run's trials are cached (then `|mode`): the device, the step, and how the trial
+    times (a trial timed another way is timed again)."""
+    return f"{device_key(device)}|{step_fingerprint(cfg)}|rounds={TRIAL_ROUNDS}"
 
 
 def step_fingerprint(cfg: Config) -> str:
