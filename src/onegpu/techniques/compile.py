@@ -146,12 +146,6 @@ def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) 
     return time.perf_counter() - t0
 
 
-TRIAL_ROUNDS = 3
-"""Rounds of a compile trial after the compiling run, each one eager and one compiled
-micro-batch: on a shared CPU two runs of one micro-batch differ by a few percent, as much as
-compiling gains there, so the two are alternated and each one's fastest is compared."""
-
-
 def time_compile(
     model: nn.Module,
     eager: LossFn,
@@ -160,26 +154,19 @@ def time_compile(
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
 ) -> CompileTrial:
-    """Run `batch` eagerly once (warm-up), then under the candidate mode once (its compile,
-    whose excess over the compiled time is the compile time), then TRIAL_ROUNDS rounds of one
-    eager run (the candidate left) and one compiled run (entered again: the compiled code is
-    reused), on the real model (gradients dropped after each run, RNG state restored). Each
-    one's minimum: a busy moment of a shared machine only slows a run down, and alternating
-    gives both the same moments."""
-    eager_runs, compiled_runs = [], []
+    """Run `batch` eagerly, then under the candidate mode (entered after the eager runs, left
+    afterwards), on the real model (gradients dropped after each run, RNG state restored):
+    each one's minimum over 2 runs after a first one (the eager warm-up; the compiled compile,
+    whose excess is the compile time)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _timed(eager, model, batch, autocast, device)
+        eager_s = min(_timed(eager, model, batch, autocast, device) for _ in range(2))
         try:
             compiled = candidate.enter()
             first = _timed(compiled, model, batch, autocast, device)
-            for _ in range(TRIAL_ROUNDS):
-                candidate.leave()
-                eager_runs.append(_timed(eager, model, batch, autocast, device))
-                compiled = candidate.enter()
-                compiled_runs.append(_timed(compiled, model, batch, autocast, device))
+            compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(2))
         finally:
             candidate.leave()
-    eager_s, compiled_s = min(eager_runs), min(compiled_runs)
     return CompileTrial(eager_s, compiled_s, max(0.0, first - compiled_s))
 
 
@@ -272,7 +259,7 @@ def decide(
     a cached timing, one eager micro-batch is timed first: where the run could not repay the
     least compile time this machine has shown even at the best speedup it has shown, compiled
     is never timed (no compile spent on a run that cannot win it back)."""
-    key = trial_key(cfg, device)
+    key = f"{device_key(device)}|{step_fingerprint(cfg)}"
     micro_steps = cfg.train.max_steps * cfg.grad_accum_steps
     batch = trial_batch(cfg, model.vocab_size, device)
     valid = has("eager_step_s", "compiled_step_s", "compile_s")
@@ -291,12 +278,6 @@ def decide(
         return lambda: time_compile(model, eager, candidate, batch, autocast, device)
 
     return choose_compile(key, micro_steps, {m: measure(c) for m, c in candidates.items()})
-
-
-def trial_key(cfg: Config, device: torch.device) -> str:
-    """Where a run's trials are cached (then `|mode`): the device, the step, and how the trial
-    times (a trial timed another way is timed again)."""
-    return f"{device_key(device)}|{step_fingerprint(cfg)}|rounds={TRIAL_ROUNDS}"
 
 
 def step_fingerprint(cfg: Config) -> str:
