@@ -59,7 +59,7 @@ def reuses_casts(cfg: Config, dist: DistContext) -> bool:
     - where backward drops the copies early: checkpointing (recomputes them block by block)
       and activations on the host (the copies are then most of the device's peak);
     - where the step's peak is late in backward: blocks that save less than twice the copies'
-      bytes a micro-batch (a weight-bound step, e.g. `seed-ref` at 128 tokens: +3% planned);
+      bytes a micro-batch (a weight-bound step, e.g. `seed-ref` at 128 tokens: +9% planned);
     - where a process holds no whole weights: FSDP (incl. weights on the host) gathers them in
       16 bits already, tensor parallelism's are DTensors."""
     m, mem = cfg.model, cfg.memory
