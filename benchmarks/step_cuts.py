@@ -39,6 +39,14 @@ CUTS: dict[str, tuple[list[str], str]] = {
         "whole graph, inductor's GEMM templates autotuned against oneDNN",
     ),
     "attention-plain": (["--model.attention", "plain"], "matmul attention, fp32 softmax"),
+    "attention-blocked": (
+        ["--model.attention", "blocked"],
+        "matmul attention over causal query blocks, fp32 softmax, probabilities saved",
+    ),
+    "blocked+compile": (
+        ["--model.attention", "blocked", "--train.compile", "default"],
+        "blocked attention, the whole forward + loss compiled",
+    ),
     "loss-unchunked": (["--memory.loss_chunk", "0"], "the plain loss (full logits)"),
     "glibc": ([], "ONEGPU_ALLOCATOR=system: glibc malloc, tuned in-process"),
 }

@@ -50,7 +50,7 @@ def test_plain_attention_keeps_fp32_softmax_under_autocast(tiny_cfg):
 
 def test_causal_no_information_from_the_future(tiny_cfg):
     """The output at position t has zero gradient with respect to inputs after t (nanodo)."""
-    for impl in ("sdpa", "plain"):
+    for impl in ("sdpa", "plain", "blocked"):
         tiny_cfg.model.attention = impl
         model = GPT(tiny_cfg.model)
         model.init_weights()
@@ -64,7 +64,7 @@ def test_causal_no_information_from_the_future(tiny_cfg):
 
 
 def test_each_available_sdpa_backend_equals_the_plain_reference(tiny_cfg):
-    """flash and math run on a CPU and give the reference's outputs and gradients;
+    """flash, math and blocked run on a CPU and give the reference's outputs and gradients;
     efficient has no CPU kernel and is refused before anything runs (exit 2 in the CLI)."""
     import pytest
 
@@ -75,7 +75,7 @@ def test_each_available_sdpa_backend_equals_the_plain_reference(tiny_cfg):
     idx = torch.randint(0, 256, (2, tiny_cfg.model.seq_len))
     ref = plain(idx)
     ref.square().mean().backward()
-    for impl in ("flash", "math"):
+    for impl in ("flash", "math", "blocked"):
         check_attention_backend(impl, torch.device("cpu"), torch.float32)
         tiny_cfg.model.attention = impl
         model = GPT(tiny_cfg.model)
@@ -95,7 +95,7 @@ def test_auto_attention_is_measured_once_then_cached(tiny_cfg, monkeypatch):
     cpu = torch.device("cpu")
     tiny_cfg.model.attention = "auto"
     first = attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3)
-    assert first in ("sdpa", "plain")
+    assert first in attention.cpu_candidates(tiny_cfg.model)
 
     def no_measuring(*a):
         raise AssertionError("measured again")
@@ -110,3 +110,18 @@ def test_auto_attention_is_measured_once_then_cached(tiny_cfg, monkeypatch):
     assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=5) == "sdpa"
     tiny_cfg.model.attention = "math"
     assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3) == "math"
+
+
+def test_auto_weighs_blocked_only_where_its_probabilities_are_small(tiny_cfg):
+    """blocked saves T^2/2 values a head: a candidate at seq 256 (model B's shape), not at
+    seq 2048 with 4 heads of 64 (its probabilities would double the block's activations),
+    never with dropout (it takes none)."""
+    from onegpu.techniques.attention import cpu_candidates
+
+    m = tiny_cfg.model
+    m.dropout, m.n_head, m.d_model, m.seq_len = 0.0, 6, 384, 256
+    assert cpu_candidates(m) == ("sdpa", "plain", "blocked")
+    m.n_head, m.d_model, m.seq_len = 4, 256, 2048
+    assert "blocked" not in cpu_candidates(m)
+    m.seq_len, m.dropout = 256, 0.1
+    assert "blocked" not in cpu_candidates(m)

@@ -39,7 +39,7 @@ def validate_backend(cfg: Config) -> None:
     _refuse(
         m.attention not in JAX_ATTENTION,
         "model.attention",
-        f"'{m.attention}' is an SDPA kernel of torch; on JAX use auto or plain",
+        f"'{m.attention}' is a torch attention kernel; on JAX use auto, sdpa or plain",
     )
     _refuse(
         t.precision in ("fp16", "tf32"),

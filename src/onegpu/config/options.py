@@ -45,11 +45,14 @@ class ModelConfig:
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output layer (GPT-2 does)."""
-    attention: Literal["auto", "sdpa", "flash", "efficient", "math", "plain"] = "auto"
-    """'auto': the fastest exact one here (sdpa on GPUs; on CPUs sdpa or plain, timed once and
-    cached); 'sdpa': torch scaled_dot_product_attention, which picks its fastest kernel;
-    'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device has
-    none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference."""
+    attention: Literal["auto", "sdpa", "flash", "efficient", "math", "plain", "blocked"] = "auto"
+    """'auto': the fastest exact one here (sdpa on GPUs; on CPUs sdpa, plain or blocked, timed
+    once and cached); 'sdpa': torch scaled_dot_product_attention, which picks its fastest
+    kernel; 'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device
+    has none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference;
+    'blocked': batched matmuls over query blocks that skip the masked ones, 16-bit scores and an
+    fp32 softmax whose probabilities are saved for backward (CPUs: about twice flash's speed,
+    T^2/2 more memory a head; no dropout)."""
     softmax_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the attention scores and softmax in 'plain' attention (Lippe's tutorial keeps it fp32)."""
     init_std: float = 0.02

@@ -100,6 +100,18 @@ def _validate_shapes(cfg: Config) -> None:
         f"use a multiple of it, e.g. {t.micro_batch_size * max(1, t.batch_size // t.micro_batch_size)}",
     )
     _require(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
+    _require(
+        m.attention != "blocked" or m.dropout == 0,
+        "model.attention",
+        f"blocked attention saves its probabilities undropped and takes no dropout "
+        f"(model.dropout={m.dropout}); use sdpa or set model.dropout 0",
+    )
+    _require(
+        m.attention != "blocked" or not m.hf,
+        "model.attention",
+        "blocked is onegpu GPT's attention; a model.hf model runs transformers' kernels: use "
+        "auto, sdpa or plain",
+    )
     validate_data(d, m)
 
 

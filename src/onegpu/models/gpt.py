@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from onegpu.config import ModelConfig
+from onegpu.models.blocked_attention import blocked_attention
 from onegpu.models.documents import document_mask
 from onegpu.models.qkv import split_fused_qkv
 from onegpu.perf.logits import padded_vocab
@@ -96,6 +97,8 @@ class Attention(nn.Module):
         elif self.impl in SDPA_BACKENDS:
             with sdpa_kernel(SDPA_BACKENDS[self.impl]):
                 y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, **sdpa)
+        elif self.impl == "blocked":  # no dropout (config checks)
+            y_BHTK = blocked_attention(q_BHTK, k_BHTK, v_BHTK, mask)
         else:
             y_BHTK = plain_attention(
                 q_BHTK,

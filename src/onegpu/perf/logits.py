@@ -9,6 +9,7 @@ from typing import Any
 
 from onegpu.cache import has
 from onegpu.config import ModelConfig
+from onegpu.perf.attention_blocks import saved_prob_bytes
 
 CHUNK_SIZES = (1024, 2048, 4096, 8192)
 """Chunk sizes `auto` times (tokens; at most the micro-batch's tokens)."""
@@ -56,12 +57,20 @@ def logits_share(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
     return head / (head + blocks)
 
 
+def block_values_per_token(m: ModelConfig) -> float:
+    """Values a block saves per token besides an attention score matrix (logits_share)."""
+    return (7.5 + 2.5 * m.mlp_ratio) * m.d_model
+
+
 def saved_block_bytes(m: ModelConfig, tokens: int, compute_bytes: int) -> float:
     """What the blocks save for backward over `tokens` tokens, estimated from the shapes as
-    logits_share says."""
-    per_token = (7.5 + 2.5 * m.mlp_ratio) * m.d_model
+    logits_share says; blocked attention adds its 16-bit probabilities (the keys each query
+    sees)."""
+    per_token = block_values_per_token(m)
     if m.attention == "plain":
         per_token += 2.5 * m.n_head * m.seq_len
+    elif m.attention == "blocked":
+        per_token += saved_prob_bytes(1, m.n_head, m.seq_len, 1) / m.seq_len
     return m.n_layer * tokens * per_token * compute_bytes
 
 

@@ -94,6 +94,8 @@ def _kind(op: str, module: str, dtype: torch.dtype) -> str:
         return "logits / loss"
     if op in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"):
         return "matmul outputs"
+    if module.endswith("attn") and op in ("aten._softmax", "aten._to_copy"):
+        return "attention probabilities (blocked)"
     if op == "aten._to_copy":
         return "16-bit copies (autocast)"
     if op in ("aten.add", "aten.add_"):
