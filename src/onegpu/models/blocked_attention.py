@@ -60,6 +60,8 @@ class BlockedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_BHTK, k_BHTK, v_BHTK, mask_B1TT):  # type: ignore[override]
+        # heads-major once, so that every block's slices fold into batched matmuls as views
+        q_BHTK, k_BHTK, v_BHTK = (x.contiguous() for x in (q_BHTK, k_BHTK, v_BHTK))
         T = q_BHTK.shape[-2]
         y_BHTK = _heads_view(torch.empty, q_BHTK, q_BHTK.dtype)
         probs = []
@@ -74,6 +76,7 @@ class BlockedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_BHTK):  # type: ignore[override]
         q_BHTK, k_BHTK, v_BHTK, *probs = ctx.saved_tensors
+        dy_BHTK = dy_BHTK.contiguous()
         scale = 1.0 / math.sqrt(q_BHTK.shape[-1])
         dq_BHTK = _heads_view(torch.empty, q_BHTK, q_BHTK.dtype)
         # keys are shared by all later blocks: their gradients sum over blocks in fp32
