@@ -7,7 +7,7 @@ Runs itself again under the allocator `onegpu` preloads (mimalloc, freed pages k
 kernels' large temporaries would otherwise time page faults (docs/cpu-notes.md). Rounds are
 interleaved; medians are compared. Also reports each kernel's error against fp64 SDPA (the
 output's and the worst gradient's, relative to their largest value) and the bytes a layer
-saves beyond q, k and v. Writes results/attention-kernels-<date>.{md,json} (never over an
+keeps for backward. Writes results/attention-kernels-<date>.{md,json} (never over an
 earlier file).
 """
 
@@ -69,12 +69,14 @@ def _errors(kernel, shape, dtype) -> tuple[float, float]:
 
 
 def _saved_bytes(kernel, shape, dtype) -> int:
+    """Every storage a layer keeps for backward, once (q, k, v or the kernel's copies of them
+    included)."""
     (q, k, v), _ = _inputs(shape, dtype)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         kernel(q, k, v)
-    inputs = {x.data_ptr() for x in (q, k, v)}
-    return sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in inputs)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return sum(storages.values())
 
 
 def _time(kernel, q, k, v, dy) -> float:
@@ -115,7 +117,8 @@ def table(results: dict, a: argparse.Namespace) -> str:
         f"{torch.get_num_threads()} threads, allocator {os.environ.get('ONEGPU_BENCH_ALLOC')}; "
         f"{time.strftime('%Y-%m-%d')}; medians of {a.rounds} interleaved rounds. Error: max "
         "|error| against fp64 SDPA relative to the largest value, of the output and of the "
-        "worst of the three gradients. Saved: bytes a layer keeps for backward beyond q, k, v.",
+        "worst of the three gradients. Saved: every storage a layer keeps for backward, once "
+        "(q, k, v included: 3 x B x T x H x K x 2 bytes).",
         "",
         "| shape (B, H, T, K) | kernel | ms | x sdpa | spread | error out | error grad | saved |",
         "|---|---|---|---|---|---|---|---|",

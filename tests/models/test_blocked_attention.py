@@ -81,15 +81,17 @@ def test_the_masked_query_blocks_are_never_multiplied():
 
 
 def test_it_saves_the_bytes_the_planner_counts():
-    """What backward keeps beyond q, k, v is exactly saved_prob_bytes (16-bit probabilities)."""
+    """What backward keeps is q, k, v (heads-major copies, which replace the projections'
+    outputs) and exactly saved_prob_bytes of 16-bit probabilities."""
     B, H, T, K = 2, 3, 384, 16
     q, k, v = _qkv(B, H, T, K, torch.bfloat16)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         blocked_attention(q, k, v)
-    inputs = {x.data_ptr() for x in (q, k, v)}
-    probs = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in inputs)
-    assert probs == saved_prob_bytes(B, H, T, 2) == B * H * T * T * 2 * 4 // 6
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    qkv_bytes = 3 * B * T * H * K * 2
+    assert sum(storages.values()) - qkv_bytes == saved_prob_bytes(B, H, T, 2)
+    assert saved_prob_bytes(B, H, T, 2) == B * H * T * T * 2 * 4 // 6
 
 
 def _model_step(**over):
