@@ -26,3 +26,22 @@ def test_compiled_step_equals_eager(mode, tiny_cfg):
     assert loss == pytest.approx(eager_loss, rel=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # a compile: ~8 s
+def test_compiled_gelu_is_gpt2s_tanh_gelu():
+    """Compiled, TanhGELU computes x * sigmoid(2u) instead of 0.5 x (1 + tanh(u)): the same
+    function to fp32 rounding, forward and backward, over the range activations take."""
+    import torch.nn.functional as F
+
+    from onegpu.models.gpt import TanhGELU
+
+    x = torch.linspace(-12, 12, 20_001, dtype=torch.float64).float().requires_grad_()
+    compiled = torch.compile(TanhGELU(), backend="inductor")
+    y = compiled(x)
+    ref = F.gelu(x, approximate="tanh")
+    torch.testing.assert_close(y, ref, rtol=2e-6, atol=2e-6)
+    (dy,) = torch.autograd.grad(y.sum(), x)
+    (dref,) = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(dy, dref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(TanhGELU()(x), ref)  # eager: torch's own kernel

@@ -112,6 +112,23 @@ class Attention(nn.Module):
         return self.resid_dropout(self.proj(y_BTD))
 
 
+class TanhGELU(nn.GELU):
+    """GPT-2's GELU (tanh approximation). Compiled, it is written as x * sigmoid(2u) with
+    u = sqrt(2/pi) (x + 0.044715 x^3): the same function, since 1 + tanh(u) = 2 sigmoid(2u).
+    Inductor's vectorised tanh on CPUs is slow (forward + backward 14.9 ms vs 7.0 ms this way
+    at B's 4,096 x 1,536 in bf16, 2 Zen 4 cores); eager keeps torch's own GELU kernel."""
+
+    def __init__(self) -> None:
+        super().__init__(approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return super().forward(x)
+        x32 = x.float()
+        u2 = (2 * math.sqrt(2 / math.pi)) * (x32 + 0.044715 * x32 * x32 * x32)
+        return (x32 * torch.sigmoid(u2)).to(x.dtype)
+
+
 class MLP(nn.Module):
     """Residual branch: LayerNorm -> Linear -> GELU (tanh, as GPT-2) -> Linear -> dropout."""
 
@@ -120,7 +137,7 @@ class MLP(nn.Module):
         F_ = cfg.mlp_ratio * cfg.d_model
         self.norm = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.fc = nn.Linear(cfg.d_model, F_, bias=cfg.bias)
-        self.act = nn.GELU(approximate="tanh")
+        self.act = TanhGELU()
         self.proj = nn.Linear(F_, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 

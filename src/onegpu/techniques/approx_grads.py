@@ -198,7 +198,7 @@ _HF_GELUS = {
 
 def gelu_form(module: nn.Module) -> str | None:
     """'tanh' or 'none' if `module` is a GELU whose forward F.gelu reproduces, else None."""
-    if type(module) is nn.GELU:
+    if isinstance(module, nn.GELU):  # onegpu's TanhGELU included
         return module.approximate
     return _HF_GELUS.get(type(module).__name__)
 
