@@ -9,6 +9,7 @@ equal to the last bit. Prints one row per mix; exits 1 if any differs.
 Usage:
   git worktree add /tmp/before HEAD~1
   python benchmarks/same_losses.py --before /tmp/before --after . [--json out.json]
+      [--extra '--model.attention sdpa']
 """
 
 from __future__ import annotations
@@ -75,12 +76,25 @@ def run(tree: str, args: list[str], workdir: Path) -> list[dict]:
     return [{k: r[k] for k in KEYS if k in r} | {"step": r["step"]} for r in rows]
 
 
+def _unless_set(extra: str, args: list[str]) -> list[str]:
+    """`extra`'s flag-value pairs that the mix does not set itself."""
+    words = extra.split()
+    pairs = zip(words[::2], words[1::2], strict=True)
+    return [w for flag, value in pairs if flag not in args for w in (flag, value)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--before", required=True, help="source tree (holding src/onegpu) before")
     ap.add_argument("--after", required=True, help="source tree after")
     ap.add_argument("--json", help="write the logged values of both trees here")
     ap.add_argument("--backends", default="torch,jax", help="whose mixes run (default: both)")
+    ap.add_argument(
+        "--extra",
+        default="",
+        help="flags added to every mix, e.g. '--model.attention sdpa': pins a choice whose "
+        "math a change alters by design, so that the rest can be checked bit for bit",
+    )
     a = ap.parse_args()
     mixes = {**(MIXES if "torch" in a.backends else {}),
              **(MIXES_JAX if "jax" in a.backends else {})}  # fmt: skip
@@ -89,7 +103,7 @@ def main() -> int:
         work = Path(tmp)
         llama = tiny_llama(work / "tiny-llama")
         for name, args in mixes.items():
-            args = [x.replace("{tiny_llama}", llama) for x in args]
+            args = [x.replace("{tiny_llama}", llama) for x in args] + _unless_set(a.extra, args)
             before, after = run(a.before, args, work), run(a.after, args, work)
             same = before == after
             bad += not same
