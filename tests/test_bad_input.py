@@ -184,6 +184,7 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("a template that does not parse", T + ["--data.template", "{{prompt"], "data.template"),
     ("max_len longer than the row", T + ["--data.max_len", "1000"], "data.max_len"),
     ("packed rows on the flash kernel", T + ["--model.attention", "flash", "--data.packing", "greedy"], "model.attention"),
+    ("blocked attention in fp16", T + ["--model.attention", "blocked", "--train.precision", "fp16"], "model.attention"),
     ("blocked attention with dropout", T + ["--model.attention", "blocked", "--model.dropout", "0.1"], "model.attention"),
     ("hf: blocked attention", T + ["--model.hf", "{llama}", "--model.attention", "blocked"], "model.attention"),
     ("jax: blocked attention", T + ["--train.backend", "jax", "--model.attention", "blocked"], "model.attention"),

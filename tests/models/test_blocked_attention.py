@@ -53,19 +53,35 @@ def test_blocked_attention_is_exact_in_fp32(T, masked):
     assert max(_errors(blocked_attention, q, k, v, dy, mask)) < 1e-5
 
 
-def test_blocked_attention_in_bf16_is_as_close_as_the_flash_kernel():
-    """In bf16 its scores are rounded to bf16 before the fp32 softmax (autocast's eager
-    attention); its errors stay within twice those of torch's flash kernel, which keeps fp32
-    scores, at the shape model B runs."""
+@pytest.mark.parametrize("logit_scale", [1.0, 4.0, 8.0])
+def test_blocked_attention_in_bf16_is_within_twice_the_flash_kernels_error(logit_scale):
+    """In bf16, at the shape model B runs, with queries scaled so that the logits spread 1x,
+    4x and 8x wider, each error (output, dq, dk, dv against fp64) stays within twice that of
+    torch's flash kernel. Checked: with the scores rounded to bf16 (one 16-bit product), the
+    4x case fails (output error 6.7x flash's)."""
     dy = torch.randn(4, 6, 256, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
 
     def flash(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    blocked = _errors(blocked_attention, *_qkv(4, 6, 256, 64, torch.bfloat16), dy)
-    fused = _errors(flash, *_qkv(4, 6, 256, 64, torch.bfloat16), dy)
+    def scaled():
+        q, k, v = _qkv(4, 6, 256, 64, torch.bfloat16)
+        return [(q.detach() * logit_scale).requires_grad_(), k, v]
+
+    blocked = _errors(blocked_attention, *scaled(), dy)
+    fused = _errors(flash, *scaled(), dy)
     assert all(b < 2 * f for b, f in zip(blocked, fused, strict=True)), (blocked, fused)
-    assert max(blocked) < 2e-2
+    assert max(blocked) < 3e-2
+
+
+def test_autocast_leaves_its_fp32_scores_fp32():
+    """Under bf16 autocast (how the model runs it) the output is the one without autocast, to
+    the bit: autocast would otherwise cast the fp32 score product back to bf16."""
+    q, k, v = _qkv(2, 3, 256, 16, torch.bfloat16)
+    plain = blocked_attention(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = blocked_attention(q, k, v)
+    assert torch.equal(plain, autocast)
 
 
 def test_the_masked_query_blocks_are_never_multiplied():

@@ -107,6 +107,12 @@ def _validate_shapes(cfg: Config) -> None:
         f"(model.dropout={m.dropout}); use sdpa or set model.dropout 0",
     )
     _require(
+        m.attention != "blocked" or t.precision != "fp16",
+        "model.attention",
+        "blocked attention runs its backward products in the compute dtype, where fp16 and "
+        "GradScaler's scaled gradients could overflow; use bf16 or fp32 precision, or sdpa",
+    )
+    _require(
         m.attention != "blocked" or not m.hf,
         "model.attention",
         "blocked is onegpu GPT's attention; a model.hf model runs transformers' kernels: use "

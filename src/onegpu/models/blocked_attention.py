@@ -7,14 +7,14 @@ products as whole batched matmuls run at the machine's bf16 peak (~2 ms each). T
 
 - splits the queries into up to `MAX_BLOCKS` row blocks; block i attends to keys [0, end_i) only,
   so the masked upper blocks are never computed (5/8 of the full products at 4 blocks);
-- computes each block's scores with one 16-bit batched matmul (fp32 accumulation), and the
-  scaled, masked softmax in fp32, as nanoGPT's and transformers' eager attention do under
-  autocast;
+- computes each block's scores with one batched matmul in fp32 (of the 16-bit values, so
+  exact products and fp32 sums, as flash keeps them) and the scaled, masked softmax in fp32;
 - saves the 16-bit probabilities for backward instead of recomputing them, which costs
   `saved_prob_bytes` of memory a layer (about T^2/2 per head) and saves a product and a softmax.
 
-Measured alone (`benchmarks/attention_kernels.py`), forward + backward a layer: ~21 ms vs
-flash's ~41 ms at 16 x 6 x 256 x 64, ~25 vs ~50-60 ms at 8 x 4 x 512 x 64. `auto` times it
+Measured alone (`benchmarks/attention_kernels.py`), forward + backward a layer: ~27 ms vs
+flash's ~43 ms at 16 x 6 x 256 x 64, ~26 vs ~53 ms at 8 x 4 x 512 x 64 (with 16-bit scores
+it was ~24 and ~25 ms, at several times flash's error for wider logits). `auto` times it
 against SDPA for the run's shape and picks it only where it wins and its probabilities are
 small beside the block's other activations. No dropout (the probabilities are saved undropped).
 
@@ -36,9 +36,14 @@ def _probabilities(
     start: int,
     mask_B1RS: torch.Tensor | None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(K) + mask) in fp32, returned in q's dtype for the next product."""
+    """softmax(q k^T / sqrt(K) + mask) in fp32, returned in q's dtype for the next product.
+
+    The scores are an fp32 product of the 16-bit values (exact products, fp32 sums), as flash
+    keeps them: rounded to bf16, at 4-8x wider logits than unit-variance ones the output's
+    error grew to 5-8x flash's. Autocast is off around it, or it would cast them back."""
     R, S = q_BHRK.shape[-2], k_BHSK.shape[-2]
-    scores_BHRS = torch.matmul(q_BHRK, k_BHSK.transpose(-1, -2))
+    with torch.autocast(q_BHRK.device.type, enabled=False):
+        scores_BHRS = torch.matmul(q_BHRK.float(), k_BHSK.float().transpose(-1, -2))
     scale = 1.0 / math.sqrt(q_BHRK.shape[-1])
     if mask_B1RS is None:  # causal: query start + r sees keys s <= start + r
         causal_RS = torch.full((R, S), float("-inf"), device=q_BHRK.device).triu_(start + 1)
@@ -101,6 +106,7 @@ def blocked_attention(
     v_BHTK: torch.Tensor,
     mask_B1TT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention (or within `mask_B1TT`, True where a query may attend), exact to
-    autocast's eager attention; the output is laid out [B, T, H, K] under its [B, H, T, K] view."""
+    """Causal attention, or within `mask_B1TT` (True where a query may attend; it must lie
+    within the causal mask, as packed documents' does: block i never reads keys past its end).
+    The output is laid out [B, T, H, K] under its [B, H, T, K] view."""
     return BlockedAttention.apply(q_BHTK, k_BHTK, v_BHTK, mask_B1TT)

@@ -95,7 +95,7 @@ def _kind(op: str, module: str, dtype: torch.dtype) -> str:
     if op in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"):
         return "matmul outputs"
     if module.endswith("attn") and op in ("aten._softmax", "aten._to_copy"):
-        return "attention probabilities (blocked)"
+        return "attention scores / probabilities"
     if op == "aten._to_copy":
         return "16-bit copies (autocast)"
     if op in ("aten.add", "aten.add_"):

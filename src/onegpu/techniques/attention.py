@@ -70,10 +70,13 @@ def measure_cpu_attention(
     return fastest if median[fastest] < MIN_GAIN * median["sdpa"] else "sdpa"
 
 
-def cpu_candidates(cfg: ModelConfig) -> tuple[str, ...]:
-    """The exact kernels `auto` may pick for this model on a CPU: blocked only without dropout
-    and where its probabilities are small beside the block's other saved activations."""
+def cpu_candidates(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
+    """The exact kernels `auto` may pick for this model on a CPU: blocked only in bf16 or fp32,
+    without dropout, and where its probabilities are small beside the block's other saved
+    activations."""
     names = ["sdpa", "plain"]
+    if dtype not in (torch.bfloat16, torch.float32):  # fp16 (config.validation says why)
+        return tuple(names)
     probs_per_token = saved_prob_bytes(1, cfg.n_head, cfg.seq_len, 1) / cfg.seq_len
     if cfg.dropout == 0 and probs_per_token <= MAX_PROBS_SHARE * block_values_per_token(cfg):
         names.append("blocked")
@@ -89,7 +92,7 @@ def resolve_attention(
     if device.type != "cpu" or cfg.softmax_dtype != "float32":
         return "sdpa"
     shape = (batch, cfg.n_head, cfg.seq_len, cfg.d_model // cfg.n_head)
-    candidates = cpu_candidates(cfg)
+    candidates = cpu_candidates(cfg, dtype)
     key = (
         f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}|{shape}"
         f"|{'+'.join(candidates)}"
