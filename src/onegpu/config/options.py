@@ -50,9 +50,9 @@ class ModelConfig:
     once and cached); 'sdpa': torch scaled_dot_product_attention, which picks its fastest
     kernel; 'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device
     has none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference;
-    'blocked': batched matmuls over query blocks that skip the masked ones, 16-bit scores and an
-    fp32 softmax whose probabilities are saved for backward (CPUs: about twice flash's speed,
-    T^2/2 more memory a head; no dropout)."""
+    'blocked': batched matmuls over query blocks that skip the masked ones, fp32 scores and
+    softmax, 16-bit probabilities saved for backward (CPUs: ~1.6x flash's speed, about T^2/2
+    more memory a head; no dropout, no fp16)."""
     softmax_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the attention scores and softmax in 'plain' attention (Lippe's tutorial keeps it fp32)."""
     init_std: float = 0.02

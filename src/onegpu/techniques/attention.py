@@ -3,10 +3,10 @@
 On CUDA, SDPA's own dispatcher already picks the fastest fused kernel (flash, then
 memory-efficient). On a CPU the fused flash kernel is not always the fastest: its forward is
 good, its backward recomputes the probabilities in small tiles. Measured on 2 Zen 4 cores
-(bf16, mimalloc, forward + backward a layer): flash ~41 ms and `blocked` (models/
-blocked_attention.py) ~21 ms at 16 x 6 heads x 256 x 64; flash ~50-60 ms and blocked ~25 ms at
-8 x 4 x 512 x 64. For tiny shapes the plain matmul attention wins. All are exact (fp32
-softmax), so `auto` times the candidates once for the configured shape, interleaved, and
+(bf16, mimalloc, forward + backward a layer): flash ~45 ms and `blocked` (models/
+blocked_attention.py) ~28 ms at 16 x 6 heads x 256 x 64; flash ~52 ms and blocked ~30 ms at
+8 x 4 x 512 x 64. For tiny shapes the plain matmul attention wins. All are exact (fp32 scores
+and softmax), so `auto` times the candidates once for the configured shape, interleaved, and
 caches the winner per CPU, threads, torch version, dtype, shape and candidates. Near-ties go
 to SDPA, which saves the least.
 """
