@@ -127,3 +127,5 @@ def test_auto_weighs_blocked_only_where_its_probabilities_are_small(tiny_cfg):
     assert "blocked" not in cpu_candidates(m)
     m.dropout = 0.0
     assert "blocked" not in cpu_candidates(m, torch.float16)  # fp16 backward products
+    # selective checkpointing would keep its fp32 scores (matmul outputs)
+    assert "blocked" not in cpu_candidates(m, keeps_products=True)

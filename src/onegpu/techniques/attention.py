@@ -70,12 +70,15 @@ def measure_cpu_attention(
     return fastest if median[fastest] < MIN_GAIN * median["sdpa"] else "sdpa"
 
 
-def cpu_candidates(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
+def cpu_candidates(
+    cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, *, keeps_products: bool = False
+) -> tuple[str, ...]:
     """The exact kernels `auto` may pick for this model on a CPU: blocked only in bf16 or fp32,
     without dropout, and where its probabilities are small beside the block's other saved
-    activations."""
+    activations. `keeps_products`: selective checkpointing keeps every matmul's output, which
+    for blocked would be its fp32 scores, twice the bytes of the probabilities it recomputes."""
     names = ["sdpa", "plain"]
-    if dtype not in (torch.bfloat16, torch.float32):  # fp16 (config.validation says why)
+    if dtype not in (torch.bfloat16, torch.float32) or keeps_products:  # fp16: see validation
         return tuple(names)
     probs_per_token = saved_prob_bytes(1, cfg.n_head, cfg.seq_len, 1) / cfg.seq_len
     if cfg.dropout == 0 and probs_per_token <= MAX_PROBS_SHARE * block_values_per_token(cfg):
@@ -84,7 +87,12 @@ def cpu_candidates(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> tup
 
 
 def resolve_attention(
-    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, batch: int
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: int,
+    *,
+    keeps_products: bool = False,
 ) -> str:
     """The implementation `auto` stands for here; any other setting is returned unchanged."""
     if cfg.attention != "auto":
@@ -92,7 +100,7 @@ def resolve_attention(
     if device.type != "cpu" or cfg.softmax_dtype != "float32":
         return "sdpa"
     shape = (batch, cfg.n_head, cfg.seq_len, cfg.d_model // cfg.n_head)
-    candidates = cpu_candidates(cfg, dtype)
+    candidates = cpu_candidates(cfg, dtype, keeps_products=keeps_products)
     key = (
         f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}|{shape}"
         f"|{'+'.join(candidates)}"

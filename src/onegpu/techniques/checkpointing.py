@@ -14,6 +14,8 @@
   selective   whole blocks, but matmul and attention outputs are saved and only the cheap
               element-wise ops (norms, GELU, dropout, casts) are recomputed: the analogue of
               JAX's `dots_saveable` policy, via PyTorch's selective checkpoint contexts
+              (with `blocked` attention that keeps its fp32 scores: `auto` picks it only
+              without selective checkpointing)
   dots        the same on this backend: the attention kernel's output is one fused op here,
               kept by `selective` already. On the JAX backend the two differ: selective is
               `dots_with_no_batch_dims_saveable` (attention's batched matmuls recomputed), dots

@@ -62,6 +62,10 @@ def _check_available(device: torch.device, name: str) -> None:
         )
 
 
+SAVES_PRODUCTS = ("selective", "dots", "budget")
+"""Checkpointing modes that may keep every matmul's output (config.checkpointing)."""
+
+
 def resolve(
     cfg: Config, device: torch.device, caps: DeviceCaps | None = None, *, timed: bool = True
 ) -> Resolved:
@@ -76,7 +80,12 @@ def resolve(
         attention = default_attention(cfg.model)
     else:
         attention = resolve_attention(
-            model_cfg, device, policy.compute_dtype, cfg.train.micro_batch_size
+            model_cfg,
+            device,
+            policy.compute_dtype,
+            cfg.train.micro_batch_size,
+            # selective checkpointing, alone, per block or as budget's choice
+            keeps_products=any(p in cfg.memory.checkpointing for p in SAVES_PRODUCTS),
         )
     model_cfg = dataclasses.replace(model_cfg, attention=attention)
     loss_chunk = resolve_loss_chunk(
