@@ -151,9 +151,13 @@ def test_recomputed_or_offloaded_blocked_attention_gives_the_same_gradients(over
 @pytest.mark.slow
 def test_compiled_blocked_attention_tracks_eager():
     """Inductor traces the autograd.Function (forward and backward) and may fuse its softmax:
-    the same loss and gradients to bf16 rounding."""
+    the same loss, and each gradient within 1% of eager's norm (bf16 rounding; measured
+    <= 0.4%, below SDPA's own compiled-vs-eager difference). The keys' biases are left out:
+    their gradient is zero but for rounding (a constant shift of each score row)."""
     ref_loss, ref_grads = _model_step()
     loss, grads = _model_step(**{"train.compile": "default"})
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=5e-2, atol=2e-3, msg=name)
+        if not name.endswith("attn.k.bias"):
+            error = (g.float() - ref_grads[name].float()).norm() / ref_grads[name].float().norm()
+            assert error < 1e-2, (name, error)
