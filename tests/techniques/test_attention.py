@@ -129,3 +129,26 @@ def test_auto_weighs_blocked_only_where_its_probabilities_are_small(tiny_cfg):
     assert "blocked" not in cpu_candidates(m, torch.float16)  # fp16 backward products
     # selective checkpointing would keep its fp32 scores (matmul outputs)
     assert "blocked" not in cpu_candidates(m, keeps_products=True)
+
+
+def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
+    """Under torchrun every process runs the kernel rank 0 timed: processes timing at once on a
+    shared machine could disagree, and a tensor-parallel layer must run one kernel everywhere.
+    Here rank 0 chose plain and a chunk of 32; this process times nothing and takes both."""
+    from onegpu.backends.torch.resolve import resolve_agreed
+    from onegpu.techniques import attention
+
+    class NotRankZero:
+        enabled = True
+
+        def on_main(self, fn):
+            return {"model.attention": "plain", "memory.loss_chunk": "32"}
+
+    def no_measuring(*a):
+        raise AssertionError("timed on a process other than rank 0")
+
+    monkeypatch.setattr(attention, "measure_cpu_attention", no_measuring)
+    tiny_cfg.model.attention = "auto"
+    resolved = resolve_agreed(tiny_cfg, torch.device("cpu"), None, NotRankZero(), timed=True)
+    assert resolved.attention == resolved.config.model.attention == "plain"
+    assert resolved.config.memory.loss_chunk == 32

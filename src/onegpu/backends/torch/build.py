@@ -24,7 +24,7 @@ import torch
 
 from onegpu.backends.torch.data import data_tokenizer, prepare_data
 from onegpu.backends.torch.model import Applied, apply_techniques, make_model, materialize
-from onegpu.backends.torch.resolve import Resolved, resolve, resolve_device
+from onegpu.backends.torch.resolve import Resolved, resolve, resolve_agreed, resolve_device
 from onegpu.backends.torch.step import TrainStep, reuses_casts
 from onegpu.config import LOW_RANK_OPTIMIZERS, Config, ConfigError, check_distributed
 from onegpu.config.data import PACKED
@@ -126,7 +126,7 @@ def build(
     """
     cfg, ctx = _processes(cfg, dist_ctx, fake)
     device = device or resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
-    asked, resolved = cfg, resolve(cfg, device, caps, timed=not fake)
+    asked, resolved = cfg, resolve_agreed(cfg, device, caps, ctx, timed=not fake)
     cfg = resolved.config
     check_distributed(cfg, ctx.strategy, ctx.world_size)
     data = prepare_data(cfg, ctx) if with_data else None

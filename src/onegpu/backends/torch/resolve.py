@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
+from onegpu.config.loading import with_overrides
+from onegpu.distributed import DistContext
 from onegpu.models.hf import chunkable_loss, default_attention, resolve_model_config
 from onegpu.perf.logits import vocab_shard
 from onegpu.techniques.attention import resolve_attention
@@ -111,3 +113,22 @@ def resolve(
         checkpointing=parse_checkpointing(cfg.memory.checkpointing),
         config=config,
     )
+
+
+def resolve_agreed(
+    cfg: Config, device: torch.device, caps: DeviceCaps | None, ctx: DistContext, *, timed: bool
+) -> Resolved:
+    """resolve(), with the timed `auto` choices (attention, loss chunk) made by rank 0 and taken
+    by every process: processes timing on their own, at once on a shared machine, can pick
+    different kernels, and a tensor-parallel layer must run one kernel on every rank."""
+    if not ctx.enabled or not timed:
+        return resolve(cfg, device, caps, timed=timed)
+
+    def choose() -> dict[str, str]:
+        chosen = resolve(cfg, device, caps).config
+        return {
+            "model.attention": chosen.model.attention,
+            "memory.loss_chunk": str(chosen.memory.loss_chunk),
+        }
+
+    return resolve(with_overrides(cfg, ctx.on_main(choose)), device, caps)
