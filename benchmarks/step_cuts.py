@@ -47,6 +47,10 @@ CUTS: dict[str, tuple[list[str], str]] = {
         ["--model.attention", "blocked", "--train.compile", "default"],
         "blocked attention, the whole forward + loss compiled",
     ),
+    "blocked+regional": (
+        ["--model.attention", "blocked", "--train.compile", "regional"],
+        "blocked attention, each block compiled, reused",
+    ),
     "loss-unchunked": (["--memory.loss_chunk", "0"], "the plain loss (full logits)"),
     "glibc": ([], "ONEGPU_ALLOCATOR=system: glibc malloc, tuned in-process"),
 }

@@ -91,25 +91,86 @@ def test_each_available_sdpa_backend_equals_the_plain_reference(tiny_cfg):
 
 def test_auto_attention_is_measured_once_then_cached(tiny_cfg, monkeypatch):
     from onegpu.techniques import attention
+    from onegpu.techniques.attention import AttentionCall
 
     cpu = torch.device("cpu")
     tiny_cfg.model.attention = "auto"
-    first = attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3)
+    call = AttentionCall(batch=3, heads=2, seq_len=tiny_cfg.model.seq_len, head_dim=16)
+    first = attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call)
     assert first in attention.cpu_candidates(tiny_cfg.model)
 
     def no_measuring(*a):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(attention, "measure_cpu_attention", no_measuring)
-    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3) == first
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == first
     assert (
-        attention.resolve_attention(tiny_cfg.model, torch.device("meta"), torch.float32, 3)
+        attention.resolve_attention(tiny_cfg.model, torch.device("meta"), torch.float32, call)
         == "sdpa"
     )
     tiny_cfg.model.softmax_dtype = "bfloat16"  # plain would no longer be exact: never chosen
-    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=5) == "sdpa"
+    five = AttentionCall(batch=5, heads=2, seq_len=tiny_cfg.model.seq_len, head_dim=16)
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, five) == "sdpa"
     tiny_cfg.model.attention = "math"
-    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, batch=3) == "math"
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == "math"
+
+
+def test_auto_times_the_call_each_process_makes(tiny_cfg, monkeypatch, tmp_path):
+    """Timed at the rows' length (data.seq_len, not the model's), at each process's heads
+    (1/tp), with packed documents' mask: each is a call of its own in the cache."""
+    from onegpu.backends.torch.resolve import attention_call, resolve
+    from onegpu.techniques import attention
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # nothing timed before this test
+    timed = []
+
+    def measure(call, dtype, candidates):
+        timed.append(call)
+        return "sdpa"
+
+    monkeypatch.setattr(attention, "measure_cpu_attention", measure)
+    m = tiny_cfg.model
+    m.attention, m.n_head, m.d_model, m.seq_len = "auto", 4, 64, 64
+    tiny_cfg.data.seq_len, tiny_cfg.dist.tp = 32, 2
+    call = attention_call(tiny_cfg, m)
+    assert (call.batch, call.heads, call.seq_len, call.head_dim, call.documents) == (
+        tiny_cfg.train.micro_batch_size,
+        2,
+        32,
+        16,
+        False,
+    )
+    tiny_cfg.dist.tp, tiny_cfg.data.packing = 1, "bfd"
+    resolve(tiny_cfg, torch.device("cpu"))
+    resolve(tiny_cfg, torch.device("cpu"))  # cached: timed once
+    tiny_cfg.data.packing = "stream"
+    resolve(tiny_cfg, torch.device("cpu"))
+    assert [(c.heads, c.seq_len, c.documents) for c in timed] == [(4, 32, True), (4, 32, False)]
+
+
+def test_packed_rows_are_timed_with_their_documents_mask():
+    """Every candidate runs on the block-diagonal mask (SDPA takes it instead of its causal
+    path), and the mask keeps each query inside its own document."""
+    from onegpu.techniques.attention import AttentionCall, _timing_mask, measure_cpu_attention
+
+    call = AttentionCall(batch=2, heads=2, seq_len=64, head_dim=16, documents=True)
+    mask = _timing_mask(call)
+    assert mask.shape == (2, 1, 64, 64)
+    assert mask[0, 0, 15].sum() == 16 and mask[0, 0, 16].sum() == 1  # a document starts at 16
+    assert not mask[0, 0].triu(1).any()
+    assert _timing_mask(AttentionCall(2, 2, 64, 16)) is None
+    candidates = ("sdpa", "plain", "blocked")
+    assert measure_cpu_attention(call, torch.bfloat16, candidates) in candidates
+
+
+def test_near_ties_go_to_the_kernel_that_saves_less():
+    """Each kernel that keeps more for backward must beat the leaner choice by MIN_GAIN."""
+    from onegpu.techniques.attention import pick
+
+    assert pick({"sdpa": 1.0, "plain": 0.95, "blocked": 0.93}) == "sdpa"
+    assert pick({"sdpa": 1.0, "plain": 0.80, "blocked": 0.85}) == "blocked"  # plain: 3x bytes
+    assert pick({"sdpa": 1.0, "plain": 0.70, "blocked": 0.85}) == "plain"
+    assert pick({"sdpa": 1.0, "plain": 0.85}) == "plain"
 
 
 def test_auto_weighs_blocked_only_where_its_probabilities_are_small(tiny_cfg):

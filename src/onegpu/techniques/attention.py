@@ -6,9 +6,10 @@ good, its backward recomputes the probabilities in small tiles. Measured on 2 Ze
 (bf16, mimalloc, forward + backward a layer): flash ~45 ms and `blocked` (models/
 blocked_attention.py) ~28 ms at 16 x 6 heads x 256 x 64; flash ~52 ms and blocked ~30 ms at
 8 x 4 x 512 x 64. For tiny shapes the plain matmul attention wins. All are exact (fp32 scores
-and softmax), so `auto` times the candidates once for the configured shape, interleaved, and
-caches the winner per CPU, threads, torch version, dtype, shape and candidates. Near-ties go
-to SDPA, which saves the least.
+and softmax), so `auto` times the candidates once for the call the run makes (its rows'
+length, its process's heads, packed documents' mask), interleaved, and caches the winner per
+CPU, threads, torch version, allocator, dtype, call and candidates. Near-ties go to the kernel
+that keeps fewer bytes for backward.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,9 @@ from torch.nn.attention import sdpa_kernel
 from onegpu.cache import cached
 from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.blocked_attention import blocked_attention
+from onegpu.models.documents import document_mask
 from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
+from onegpu.perf.allocator import active_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
@@ -33,54 +37,106 @@ from onegpu.perf.logits import block_values_per_token
 ROUNDS = 5
 """Interleaved rounds per candidate (after one warm-up each); the medians are compared."""
 MIN_GAIN = 0.9
-"""Another kernel replaces SDPA only at 0.9x its time or less: near-ties go to the fused one."""
+"""A kernel that saves more replaces a leaner one only at 0.9x its time or less: near-ties go to
+the kernel that keeps fewer bytes for backward."""
 MAX_PROBS_SHARE = 0.5
 """`blocked` is a candidate only where its saved probabilities add at most half to what a
 block saves anyway (T <~ 900 at head dim 64): beyond, its memory costs more than its speed."""
+BY_SAVED_BYTES = ("sdpa", "blocked", "plain")
+"""The candidates from the least they keep for backward to the most: SDPA its output and
+log-sum-exp, blocked the 16-bit probabilities of the causal blocks, plain the full square of
+fp32 scores and probabilities (~3x blocked's at model B's shape)."""
+DOCUMENT_LEN = 4
+"""A packed row is timed as this many equal documents: the mask, not its exact cuts, is what
+changes a kernel's speed (SDPA takes a dense mask instead of its causal path)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionCall:
+    """One layer's attention as the run makes it: per process (1/tp of the heads under tensor
+    parallelism), at the training rows' length, with packed documents' mask where rows hold
+    several."""
+
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    documents: bool = False
+
+    def key(self) -> str:
+        shape = (self.batch, self.heads, self.seq_len, self.head_dim)
+        return f"{shape}{'|documents' if self.documents else ''}"
+
 
 _KERNELS: dict[str, Callable[..., torch.Tensor]] = {
-    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-    "plain": plain_attention,
+    "sdpa": lambda q, k, v, mask: F.scaled_dot_product_attention(
+        q, k, v, is_causal=mask is None, attn_mask=mask
+    ),
+    "plain": lambda q, k, v, mask: plain_attention(q, k, v, mask_B1TT=mask),
     "blocked": blocked_attention,
 }
 
 
-def _fwd_bwd_s(kernel: Callable[..., torch.Tensor], q, k, v) -> float:
+def _fwd_bwd_s(kernel: Callable[..., torch.Tensor], q, k, v, mask) -> float:
     t0 = time.perf_counter()
-    kernel(q, k, v).sum().backward()
+    kernel(q, k, v, mask).sum().backward()
     return time.perf_counter() - t0
 
 
+def _timing_mask(call: AttentionCall) -> torch.Tensor | None:
+    """None (causal) for rows of one document, else DOCUMENT_LEN equal documents a row."""
+    if not call.documents:
+        return None
+    length = -(-call.seq_len // DOCUMENT_LEN)
+    positions_T = torch.arange(call.seq_len) % length
+    return document_mask(positions_T.expand(call.batch, -1))
+
+
+def pick(median: dict[str, float]) -> str:
+    """The leanest kernel (BY_SAVED_BYTES) that no more saving one beats by MIN_GAIN."""
+    names = [n for n in BY_SAVED_BYTES if n in median]
+    choice = names[0]
+    for name in names[1:]:
+        if median[name] < MIN_GAIN * median[choice]:
+            choice = name
+    return choice
+
+
 def measure_cpu_attention(
-    shape: tuple[int, int, int, int], dtype: torch.dtype, candidates: tuple[str, ...]
+    call: AttentionCall, dtype: torch.dtype, candidates: tuple[str, ...]
 ) -> str:
-    """The candidate that runs forward+backward of causal attention fastest, SDPA on a near-tie."""
-    B, H, T, K = shape  # laid out as the model makes them: [B, T, H, K] seen as [B, H, T, K]
-    q, k, v = (
+    """The candidate that runs forward+backward of the run's attention fastest (`pick`)."""
+    B, H, T, K = call.batch, call.heads, call.seq_len, call.head_dim
+    q, k, v = (  # laid out as the model makes them: [B, T, H, K] seen as [B, H, T, K]
         torch.randn(B, T, H, K, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3)
     )
+    mask = _timing_mask(call)
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for name in candidates:  # warm-up: kernel selection, page faults
-        _fwd_bwd_s(_KERNELS[name], q, k, v)
+        _fwd_bwd_s(_KERNELS[name], q, k, v, mask)
     for _ in range(ROUNDS):  # interleaved: a busy moment of a shared machine hits all alike
         for name in candidates:
-            times[name].append(_fwd_bwd_s(_KERNELS[name], q, k, v))
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    fastest = min(median, key=median.__getitem__)
-    return fastest if median[fastest] < MIN_GAIN * median["sdpa"] else "sdpa"
+            times[name].append(_fwd_bwd_s(_KERNELS[name], q, k, v, mask))
+    return pick({name: statistics.median(ts) for name, ts in times.items()})
 
 
 def cpu_candidates(
-    cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, *, keeps_products: bool = False
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    seq_len: int | None = None,
+    keeps_products: bool = False,
 ) -> tuple[str, ...]:
     """The exact kernels `auto` may pick for this model on a CPU: blocked only in bf16 or fp32,
-    without dropout, and where its probabilities are small beside the block's other saved
-    activations. `keeps_products`: selective checkpointing keeps every matmul's output, which
-    for blocked would be its fp32 scores, twice the bytes of the probabilities it recomputes."""
+    without dropout, and where its probabilities (at `seq_len`, the rows' length, default the
+    model's) are small beside the block's other saved activations. `keeps_products`: selective
+    checkpointing keeps every matmul's output, which for blocked would be its fp32 scores,
+    twice the bytes of the probabilities it recomputes."""
     names = ["sdpa", "plain"]
     if dtype not in (torch.bfloat16, torch.float32) or keeps_products:  # fp16: see validation
         return tuple(names)
-    probs_per_token = saved_prob_bytes(1, cfg.n_head, cfg.seq_len, 1) / cfg.seq_len
+    T = seq_len or cfg.seq_len
+    probs_per_token = saved_prob_bytes(1, cfg.n_head, T, 1) / T
     if cfg.dropout == 0 and probs_per_token <= MAX_PROBS_SHARE * block_values_per_token(cfg):
         names.append("blocked")
     return tuple(names)
@@ -90,25 +146,26 @@ def resolve_attention(
     cfg: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
-    batch: int,
+    call: AttentionCall,
     *,
     keeps_products: bool = False,
 ) -> str:
-    """The implementation `auto` stands for here; any other setting is returned unchanged."""
+    """The implementation `auto` stands for here, timed at `call`; any other setting is
+    returned unchanged. Cached per CPU, threads, torch, allocator (kernels time differently
+    under each: docs/cpu-notes.md), dtype, call and candidates."""
     if cfg.attention != "auto":
         return cfg.attention
     if device.type != "cpu" or cfg.softmax_dtype != "float32":
         return "sdpa"
-    shape = (batch, cfg.n_head, cfg.seq_len, cfg.d_model // cfg.n_head)
-    candidates = cpu_candidates(cfg, dtype, keeps_products=keeps_products)
+    candidates = cpu_candidates(cfg, dtype, seq_len=call.seq_len, keeps_products=keeps_products)
     key = (
-        f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}|{shape}"
-        f"|{'+'.join(candidates)}"
+        f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+        f"|allocator={active_allocator()}|{dtype}|{call.key()}|{'+'.join(candidates)}"
     )
     return cached(
         "attention.json",
         key,
-        lambda: measure_cpu_attention(shape, dtype, candidates),
+        lambda: measure_cpu_attention(call, dtype, candidates),
         valid=lambda v: v in candidates,
     )
 

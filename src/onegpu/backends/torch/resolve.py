@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from onegpu.config import Checkpointing, Config, ConfigError, parse_checkpointing
+from onegpu.config import Checkpointing, Config, ConfigError, ModelConfig, parse_checkpointing
+from onegpu.config.data import PACKED
 from onegpu.config.loading import with_overrides
 from onegpu.distributed import DistContext
 from onegpu.models.hf import chunkable_loss, default_attention, resolve_model_config
 from onegpu.perf.logits import vocab_shard
-from onegpu.techniques.attention import resolve_attention
+from onegpu.techniques.attention import AttentionCall, resolve_attention
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
 
@@ -68,6 +69,19 @@ SAVES_PRODUCTS = ("selective", "dots", "budget")
 """Checkpointing modes that may keep every matmul's output (config.checkpointing)."""
 
 
+def attention_call(cfg: Config, model_cfg: ModelConfig) -> AttentionCall:
+    """The attention call each process makes: its micro-batch, its share of the heads under
+    tensor parallelism, the training rows' length, packed documents' mask where rows hold
+    several."""
+    return AttentionCall(
+        batch=cfg.train.micro_batch_size,
+        heads=model_cfg.n_head // cfg.dist.tp,
+        seq_len=cfg.train_seq_len,
+        head_dim=model_cfg.d_model // model_cfg.n_head,
+        documents=cfg.data.packing in PACKED,
+    )
+
+
 def resolve(
     cfg: Config, device: torch.device, caps: DeviceCaps | None = None, *, timed: bool = True
 ) -> Resolved:
@@ -85,7 +99,7 @@ def resolve(
             model_cfg,
             device,
             policy.compute_dtype,
-            cfg.train.micro_batch_size,
+            attention_call(cfg, model_cfg),
             # selective checkpointing, alone, per block or as budget's choice
             keeps_products=any(p in cfg.memory.checkpointing for p in SAVES_PRODUCTS),
         )
