@@ -238,6 +238,8 @@ def _cli(out, backend, *args):
     cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--train.backend",
            backend, "--train.precision", "fp32", "--out.progress", "false",
            "--train.eval_every", "0", "--train.log_every", "1000", "--out", str(out), *args]  # fmt: skip
+    if backend == "jax":  # a long run would time XLA's settings first (xla_flags auto)
+        cmd += ["--train.xla_flags", "none"]
     env = {**os.environ, "ONEGPU_ALLOCATOR": "system"}
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip

@@ -17,6 +17,32 @@ def _refuse(cond: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+XLA_CPU_SETTINGS = {
+    "none": "",
+    "onednn": "--xla_cpu_use_onednn=true",
+    "ynn-dot": "--xla_cpu_experimental_ynn_fusion_type=dot",
+}
+"""train.xla_flags by name: XLA's defaults, its oneDNN path for dots and convolutions, and
+YNNPACK's dot fusion (the CPU paths jaxlib 0.10 offers; `auto` times them)."""
+
+
+def xla_flags_of(value: str) -> str:
+    """The XLA_FLAGS a train.xla_flags setting other than auto stands for."""
+    return XLA_CPU_SETTINGS.get(value, value)
+
+
+def _check_xla_flags(value: str) -> None:
+    """auto, a name of XLA_CPU_SETTINGS, or flags XLA reads ('--xla_...', space-separated)."""
+    flags = value.split()
+    named = value == "auto" or value in XLA_CPU_SETTINGS
+    _refuse(
+        not named and (not flags or any(not f.startswith("--xla_") for f in flags)),
+        "train.xla_flags",
+        f"{value!r} is not auto, {', '.join(XLA_CPU_SETTINGS)} or XLA flags; give flags as "
+        "--train.xla_flags=--xla_cpu_use_onednn=true (space-separated, each starting --xla_)",
+    )
+
+
 def validate_backend(cfg: Config) -> None:
     _refuse(
         bool(cfg.model.hf and cfg.model.init_from),
@@ -24,7 +50,14 @@ def validate_backend(cfg: Config) -> None:
         "starts onegpu's GPT from a model.safetensors; a model.hf folder brings its own "
         "weights (its model.safetensors): leave one of them empty",
     )
+    _check_xla_flags(cfg.train.xla_flags)
     if cfg.train.backend == "torch":
+        _refuse(
+            cfg.train.xla_flags != "auto",
+            "train.xla_flags",
+            "sets XLA's options for the JAX backend only; leave it auto on torch, or use "
+            "--train.backend jax",
+        )
         _refuse(
             cfg.model.scan_layers,
             "model.scan_layers",

@@ -128,6 +128,14 @@ class TrainConfig:
     backend: Literal["torch", "jax"] = "torch"
     """'torch' (PyTorch) or 'jax' (JAX/Flax with optax: the same config, data order and run
     folder; install with `pip install onegpu[jax]`; docs/jax.md lists what it supports)."""
+    xla_flags: str = "auto"
+    """JAX backend: XLA's CPU options, set in XLA_FLAGS before XLA starts. 'none' (XLA's
+    defaults), 'onednn' (--xla_cpu_use_onednn=true), 'ynn-dot' (YNNPACK's dot fusion), or the
+    flags themselves (--train.xla_flags=--xla_...). 'auto': on a CPU, a run of at least 1,000
+    steps times a few steps under none, onednn and ynn-dot, each in a process of its own, once
+    per machine, jax version and run shape (cached), and keeps the fastest where it gains 3%
+    over the defaults; shorter runs take a cached choice or the defaults; flags already in
+    XLA_FLAGS are left as they are (docs/jax.md)."""
     max_consecutive_skips: int = 20
     """Stop the run (with a checkpoint from before the divergence) after this many updates in a
     row were skipped for non-finite loss or gradients."""

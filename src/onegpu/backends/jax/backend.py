@@ -6,6 +6,7 @@ No torch import."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,7 +62,7 @@ class JaxBackend:
         self.built.step = lower(self.built).compile()
         self._compile_s = time.perf_counter() - t0  # before the meter's clock starts
         check_fits(self.built)
-        return cfg
+        return self.built.cfg  # every auto decided: config.toml and checkpoints hold the choices
 
     def data_fingerprint(self) -> str | None:
         return self.built.data.fingerprint()
@@ -111,7 +112,8 @@ class JaxBackend:
             f"onegpu: {b.n_params:,} parameters | jax {jax.__version__} on "
             f"{jax.devices()[0].platform} | {b.precision.name}{scan} | batch "
             f"{cfg.train.batch_size}x{cfg.train_seq_len} tokens in {b.n_micro} "
-            f"micro-batch(es) | data {b.data.description}{b.data.rows_note()} | run folder {out_dir}{resumed}"
+            f"micro-batch(es) | {b.xla.line()} | data {b.data.description}{b.data.rows_note()} "
+            f"| run folder {out_dir}{resumed}"
         )
 
     def seed(self, checkpoint: Checkpoint | None) -> None:
@@ -175,6 +177,7 @@ class JaxBackend:
             if xla
             else None,
             "precision": b.precision.name,
+            "xla_flags": b.xla.as_dict() | {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
             "device": jax.default_backend(),
             "device_name": str(jax.devices()[0].device_kind),
             "config": to_dict(b.cfg),

@@ -17,6 +17,7 @@ from onegpu.backends.jax.loss_chunk import resolve_loss_chunk
 from onegpu.backends.jax.model import GPT, Precision, precision_for
 from onegpu.backends.jax.precision import bf16_pays
 from onegpu.backends.jax.step import make_eval_step, make_optimizer, make_train_step
+from onegpu.backends.jax.xla_flags import XlaFlags, apply_xla_flags
 from onegpu.config import Config
 from onegpu.config.data_checks import check_data_sizes
 from onegpu.data.splits import TokenSplits
@@ -37,6 +38,7 @@ class JaxBuilt:
     evaluate: Any
     n_params: int
     flops_per_token: int
+    xla: XlaFlags
 
     @property
     def n_micro(self) -> int:
@@ -81,6 +83,7 @@ def count_params(params: Any, cfg: Config) -> int:
 
 
 def build(cfg: Config) -> JaxBuilt:
+    cfg, xla = apply_xla_flags(cfg)  # first: XLA reads its flags when it starts
     data = prepare_tokens(cfg.data, cfg.model.vocab_size)
     data.cut(cfg.data, cfg.train_seq_len)
     check_data_sizes(cfg, len(data.train_rows), len(data.val_rows))
@@ -108,4 +111,5 @@ def build(cfg: Config) -> JaxBuilt:
         evaluate=make_eval_step(loss),
         n_params=count_params(params, cfg),
         flops_per_token=flops_per_token(cfg),
+        xla=xla,
     )
