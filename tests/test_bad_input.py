@@ -190,7 +190,7 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("jax: blocked attention", T + ["--train.backend", "jax", "--model.attention", "blocked"], "model.attention"),
     ("XLA flags on the torch backend", T + ["--train.xla_flags", "onednn"], "train.xla_flags"),
     ("jax: xla_flags neither a setting nor flags", T + ["--train.backend", "jax", "--train.xla_flags", "fast"], "train.xla_flags"),
-    ("jax: a flag XLA does not know", T + ["--train.backend", "jax", "--train.xla_flags=--xla_cpu_no_such_flag=true"], "train.xla_flags"),
+    ("jax: a flag XLA does not know", T + ["--train.backend", "jax", "--train.xla_flags=--xla_cpu_no_such_flag=true"], "train.xla_flags: Unknown flag"),
     ("an over-long example under overlong error", T + ["--data.source", "{dsdict}", "--data.max_len", "8", "--data.overlong", "error"], "data.overlong"),
     ("packed rows under pipeline parallelism", ["plan", "--preset", "tiny", "--world-size", "2", "--dist.pp", "2", "--model.tie_embeddings", "false", "--data.packing", "bfd"], "data.packing"),
     ("train_on assistant for prompt-response", T + ["--data.source", "{dsdict}", "--data.train_on", "assistant"], "data.train_on"),

@@ -50,6 +50,13 @@ def test_a_jax_run_imports_no_torch_and_writes_the_run_folder(tmp_path):
     assert summary["backend"] == "jax" and summary["steps"] == 3
     assert summary["xla_memory"]["argument_bytes"] > 0
     assert set(_losses(out)) == {1, 2, 3}
+    # config.toml holds what ran, every auto decided (a resume continues it)
+    import tomllib
+
+    ran = tomllib.loads((out / "config.toml").read_text())
+    assert ran["train"]["precision"] in ("fp32", "bf16")
+    assert ran["memory"]["loss_chunk"] != "auto"
+    assert ran["train"]["xla_flags"] == summary["xla_flags"]["setting"] == "none"  # 3 steps
     assert (out / "model.safetensors").is_file() and (
         out / "checkpoints" / "step-00000003.jax"
     ).is_file()

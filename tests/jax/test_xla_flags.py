@@ -23,20 +23,20 @@ def _cfg(**over):
 @pytest.mark.parametrize(
     ("step_s", "choice"),
     [
-        ({"none": 1.0, "onednn": 0.96, "ynn-dot": 1.5}, "onednn"),
-        ({"none": 1.0, "onednn": 0.98, "ynn-dot": 1.5}, "none"),  # under MIN_GAIN: defaults
+        ({"none": 1.0, "onednn": 0.94, "ynn-dot": 1.5}, "onednn"),
+        ({"none": 1.0, "onednn": 0.97, "ynn-dot": 1.5}, "none"),  # under MIN_GAIN: defaults
         ({"none": 1.0, "onednn": None, "ynn-dot": 0.90}, "ynn-dot"),  # a failed trial is out
         ({"none": None, "onednn": 0.5, "ynn-dot": 0.5}, "none"),  # nothing to compare with
     ],
 )
-def test_a_setting_replaces_xlas_defaults_only_where_its_step_is_3_percent_faster(step_s, choice):
+def test_a_setting_replaces_xlas_defaults_only_where_its_step_is_5_percent_faster(step_s, choice):
     assert xla_flags.choose(step_s) == choice
 
 
 def test_auto_times_long_runs_once_and_short_runs_take_the_cached_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    monkeypatch.setattr(xla_flags, "_gpu_plugin", lambda: False)
+    monkeypatch.setattr(xla_flags, "_accelerator_plugin", lambda: False)
     monkeypatch.setattr(xla_flags, "xla_started", lambda: False)  # as in a new `onegpu train`
     timed = []
 
@@ -44,9 +44,17 @@ def test_auto_times_long_runs_once_and_short_runs_take_the_cached_choice(monkeyp
         timed.append(cfg.train.max_steps)
         return {"choice": "onednn", "step_s": {"none": 1.0, "onednn": 0.9, "ynn-dot": 1.2}}
 
-    monkeypatch.setattr(xla_flags, "measure_settings", measure)
+    def failed(cfg):  # XLA's defaults failed to run: not kept, timed again next time
+        timed.append(-1)
+        return {"choice": "none", "step_s": {"none": None, "onednn": None, "ynn-dot": None}}
+
+    monkeypatch.setattr(xla_flags, "measure_settings", failed)
     short = xla_flags.decide(_cfg(**{"train.max_steps": "50"}))
     assert (short.setting, timed) == ("none", [])  # nothing cached yet: XLA's defaults, untimed
+    long = xla_flags.decide(_cfg(**{"train.max_steps": str(xla_flags.MIN_STEPS)}))
+    assert (long.setting, timed) == ("none", [-1])
+    timed.clear()
+    monkeypatch.setattr(xla_flags, "measure_settings", measure)
     long = xla_flags.decide(_cfg(**{"train.max_steps": str(xla_flags.MIN_STEPS)}))
     assert (long.setting, long.reason, timed) == ("onednn", "auto: timed", [xla_flags.MIN_STEPS])
     again = xla_flags.decide(_cfg(**{"train.max_steps": "50"}))
@@ -56,7 +64,7 @@ def test_auto_times_long_runs_once_and_short_runs_take_the_cached_choice(monkeyp
     assert other_shape.setting == "none"  # another shape: its own entry, not timed yet
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
     mine = xla_flags.decide(_cfg(**{"train.max_steps": "50"}))
-    assert (mine.setting, mine.reason) == ("none", "XLA_FLAGS set by the user")
+    assert (mine.setting, mine.reason) == ("none", "XLA_FLAGS set before the run")
     assert timed == [xla_flags.MIN_STEPS]
     assert xla_flags.decide(_cfg(**{"train.xla_flags": "ynn-dot"})).setting == "ynn-dot"
 
@@ -85,6 +93,11 @@ def test_flags_are_set_before_xla_starts_and_refused_after(monkeypatch):
     with pytest.raises(ConfigError, match="train.xla_flags"):
         xla_flags.apply_xla_flags(_cfg(**{"train.xla_flags": "onednn"}))
     assert "XLA_FLAGS" not in os.environ
+    # a second run in the process, whose flags XLA already has (a resume keeps the setting)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_onednn=true")
+    cfg, _ = xla_flags.apply_xla_flags(_cfg(**{"train.xla_flags": "onednn"}))
+    assert (cfg.train.xla_flags, os.environ["XLA_FLAGS"]) == ("onednn", "--xla_cpu_use_onednn=true")
+    monkeypatch.delenv("XLA_FLAGS")
     cfg, decided = xla_flags.apply_xla_flags(_cfg(**{"train.xla_flags": "none"}))
     assert (cfg.train.xla_flags, decided.reason) == ("none", "set")
     # auto neither times nor fails where it is too late: XLA's flags stay as they are

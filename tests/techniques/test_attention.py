@@ -148,19 +148,32 @@ def test_auto_times_the_call_each_process_makes(tiny_cfg, monkeypatch, tmp_path)
     assert [(c.heads, c.seq_len, c.documents) for c in timed] == [(4, 32, True), (4, 32, False)]
 
 
-def test_packed_rows_are_timed_with_their_documents_mask():
+def test_packed_rows_are_timed_with_their_documents_mask(monkeypatch):
     """Every candidate runs on the block-diagonal mask (SDPA takes it instead of its causal
     path), and the mask keeps each query inside its own document."""
-    from onegpu.techniques.attention import AttentionCall, _timing_mask, measure_cpu_attention
+    from onegpu.techniques import attention
+    from onegpu.techniques.attention import AttentionCall, measure_cpu_attention
 
     call = AttentionCall(batch=2, heads=2, seq_len=64, head_dim=16, documents=True)
-    mask = _timing_mask(call)
-    assert mask.shape == (2, 1, 64, 64)
-    assert mask[0, 0, 15].sum() == 16 and mask[0, 0, 16].sum() == 1  # a document starts at 16
-    assert not mask[0, 0].triu(1).any()
-    assert _timing_mask(AttentionCall(2, 2, 64, 16)) is None
+    seen: dict[str, list] = {}
+    for name, kernel in dict(attention._KERNELS).items():
+
+        def recorded(q, k, v, mask, kernel=kernel, name=name):
+            seen.setdefault(name, []).append(mask)
+            return kernel(q, k, v, mask)
+
+        monkeypatch.setitem(attention._KERNELS, name, recorded)
     candidates = ("sdpa", "plain", "blocked")
     assert measure_cpu_attention(call, torch.bfloat16, candidates) in candidates
+    assert set(seen) == set(candidates)
+    for masks in seen.values():
+        mask = masks[0]
+        assert mask.shape == (2, 1, 64, 64) and all(m is mask for m in masks)
+        assert mask[0, 0, 31].sum() == 32 and mask[0, 0, 32].sum() == 1  # a document at 32
+        assert not mask[0, 0].triu(1).any()
+    seen.clear()
+    measure_cpu_attention(AttentionCall(2, 2, 64, 16), torch.bfloat16, candidates)
+    assert all(m is None for masks in seen.values() for m in masks)  # one document: causal
 
 
 def test_near_ties_go_to_the_kernel_that_saves_less():
@@ -171,6 +184,9 @@ def test_near_ties_go_to_the_kernel_that_saves_less():
     assert pick({"sdpa": 1.0, "plain": 0.80, "blocked": 0.85}) == "blocked"  # plain: 3x bytes
     assert pick({"sdpa": 1.0, "plain": 0.70, "blocked": 0.85}) == "plain"
     assert pick({"sdpa": 1.0, "plain": 0.85}) == "plain"
+    # plain beats sdpa by 0.9 but not blocked, which keeps ~3x less than plain: blocked would
+    # be no pick either (0.95 of sdpa), so sdpa stays
+    assert pick({"sdpa": 1.0, "blocked": 0.95, "plain": 0.88}) == "sdpa"
 
 
 def test_auto_weighs_blocked_only_where_its_probabilities_are_small(tiny_cfg):

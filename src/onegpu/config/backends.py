@@ -53,10 +53,10 @@ def validate_backend(cfg: Config) -> None:
     _check_xla_flags(cfg.train.xla_flags)
     if cfg.train.backend == "torch":
         _refuse(
-            cfg.train.xla_flags != "auto",
+            cfg.train.xla_flags not in ("auto", "none"),  # none: a JAX run's config.toml
             "train.xla_flags",
-            "sets XLA's options for the JAX backend only; leave it auto on torch, or use "
-            "--train.backend jax",
+            "sets XLA's options for the JAX backend only; leave it auto (or none) on torch, "
+            "or use --train.backend jax",
         )
         _refuse(
             cfg.model.scan_layers,

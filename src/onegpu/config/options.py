@@ -133,7 +133,7 @@ class TrainConfig:
     defaults), 'onednn' (--xla_cpu_use_onednn=true), 'ynn-dot' (YNNPACK's dot fusion), or the
     flags themselves (--train.xla_flags=--xla_...). 'auto': on a CPU, a run of at least 1,000
     steps times a few steps under none, onednn and ynn-dot, each in a process of its own, once
-    per machine, jax version and run shape (cached), and keeps the fastest where it gains 3%
+    per machine, jax version and run shape (cached), and keeps the fastest where it gains 5%
     over the defaults; shorter runs take a cached choice or the defaults; flags already in
     XLA_FLAGS are left as they are (docs/jax.md)."""
     max_consecutive_skips: int = 20

@@ -24,6 +24,18 @@ def document_ids(positions_BT: torch.Tensor) -> torch.Tensor:
     return (torch.diff(positions_BT, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
+def placeholder_positions(packing: str, batch: int, seq_len: int) -> torch.Tensor | None:
+    """Positions in a step's shapes where rows are packed (`data.packing` greedy or bfd: two
+    documents a row, so the model takes its packed path), None where rows hold one each."""
+    from onegpu.config.data import PACKED
+
+    if packing not in PACKED:
+        return None
+    half = seq_len // 2
+    row = torch.cat([torch.arange(half), torch.arange(seq_len - half)])
+    return row.repeat(batch, 1)
+
+
 def document_mask(positions_BT: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, T] bool, True where query i may attend to key j: j <= i in i's document (a
     block-diagonal causal mask, SDPA's boolean `attn_mask`)."""

@@ -27,7 +27,7 @@ from torch.nn.attention import sdpa_kernel
 from onegpu.cache import cached
 from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.blocked_attention import blocked_attention
-from onegpu.models.documents import document_mask
+from onegpu.models.documents import document_mask, placeholder_positions
 from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
@@ -46,9 +46,6 @@ BY_SAVED_BYTES = ("sdpa", "blocked", "plain")
 """The candidates from the least they keep for backward to the most: SDPA its output and
 log-sum-exp, blocked the 16-bit probabilities of the causal blocks, plain the full square of
 fp32 scores and probabilities (~3x blocked's at model B's shape)."""
-DOCUMENT_LEN = 4
-"""A packed row is timed as this many equal documents: the mask, not its exact cuts, is what
-changes a kernel's speed (SDPA takes a dense mask instead of its causal path)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +81,21 @@ def _fwd_bwd_s(kernel: Callable[..., torch.Tensor], q, k, v, mask) -> float:
 
 
 def _timing_mask(call: AttentionCall) -> torch.Tensor | None:
-    """None (causal) for rows of one document, else DOCUMENT_LEN equal documents a row."""
+    """None (causal) for rows of one document, else the placeholder packed rows the planner
+    and the memory check use (models/documents.py): the mask, not its exact cuts, is what
+    changes a kernel's speed (SDPA takes a dense mask instead of its causal path)."""
     if not call.documents:
         return None
-    length = -(-call.seq_len // DOCUMENT_LEN)
-    positions_T = torch.arange(call.seq_len) % length
-    return document_mask(positions_T.expand(call.batch, -1))
+    return document_mask(placeholder_positions("bfd", call.batch, call.seq_len))
 
 
 def pick(median: dict[str, float]) -> str:
-    """The leanest kernel (BY_SAVED_BYTES) that no more saving one beats by MIN_GAIN."""
+    """The leanest kernel (BY_SAVED_BYTES) unless a more saving one beats every leaner one by
+    MIN_GAIN: a near-tie anywhere goes to the kernel that keeps less."""
     names = [n for n in BY_SAVED_BYTES if n in median]
     choice = names[0]
-    for name in names[1:]:
-        if median[name] < MIN_GAIN * median[choice]:
+    for i, name in enumerate(names[1:], start=1):
+        if median[name] < MIN_GAIN * min(median[n] for n in names[:i]):
             choice = name
     return choice
 
@@ -152,7 +150,8 @@ def resolve_attention(
 ) -> str:
     """The implementation `auto` stands for here, timed at `call`; any other setting is
     returned unchanged. Cached per CPU, threads, torch, allocator (kernels time differently
-    under each: docs/cpu-notes.md), dtype, call and candidates."""
+    under each: docs/cpu-notes.md), dtype, call and candidates. Plans time it too: the
+    kernel decides what a block saves, so a plan must follow the run's choice."""
     if cfg.attention != "auto":
         return cfg.attention
     if device.type != "cpu" or cfg.softmax_dtype != "float32":

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from onegpu.backends.jax.loss import chunked_loss_sum, token_loss_sum
+from onegpu.backends.jax.xla_flags import machine_key
 from onegpu.cache import cached
 from onegpu.config import ModelConfig
 from onegpu.perf.logits import (
@@ -33,8 +34,10 @@ def resolve_loss_chunk(value: int | str, m: ModelConfig, tokens: int, compute: A
         return 0
     vocab = padded_vocab(m)
     device = jax.devices()[0]
+    # on a CPU the time depends on the CPU, its threads and XLA_FLAGS, not just "cpu"
+    where = machine_key() if device.platform == "cpu" else device.device_kind
     key = (
-        f"jax|{device.platform}|{device.device_kind}|{jnp.dtype(compute).name}|"
+        f"jax|{device.platform}|{where}|{jnp.dtype(compute).name}|"
         f"tokens={tokens}|d={m.d_model}|vocab={vocab}"
     )
     found = cached(

@@ -10,16 +10,15 @@ jax version, XLA_FLAGS and shape (cached), and takes bf16 only where it is clear
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from onegpu.backends.jax.xla_flags import machine_key
 from onegpu.cache import cached, has
 from onegpu.config import Config
-from onegpu.perf.cpu import hardware_key, read_cpuinfo
 
 BF16_MARGIN = 1.1
 """bf16 must run the products this much faster than fp32: the rest of a bf16 step (casts,
@@ -57,10 +56,7 @@ def bf16_pays(cfg: Config) -> bool:
     if jax.default_backend() != "cpu":
         return True
     shape = products_shape(cfg)
-    key = (
-        f"{hardware_key(read_cpuinfo())}|threads={os.cpu_count()}|jax={jax.__version__}"
-        f"|XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}|{list(shape)}"
-    )
+    key = f"{machine_key()}|{list(shape)}"
     found = cached(
         "jax-precision.json", key, lambda: measure_products(shape), valid=has("fp32_s", "bf16_s")
     )

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from onegpu.config.data import PACKED
 from onegpu.data import windows
 from onegpu.data.windows import IGNORE_INDEX, sample_indices
+from onegpu.models.documents import placeholder_positions  # noqa: F401 - re-exported
 
 """Target value excluded from the loss (padding); torch's cross_entropy default."""
 
@@ -39,16 +39,6 @@ def placeholder_batch(
     tokens = torch.zeros(batch, seq_len + 1, dtype=torch.long)
     x, y = tokens[:, :-1], tokens[:, 1:]
     return x, classification_targets(x, classes) if classes else y
-
-
-def placeholder_positions(packing: str, batch: int, seq_len: int) -> torch.Tensor | None:
-    """Positions in a step's shapes where rows are packed (`data.packing` greedy or bfd: two
-    documents a row, so the model takes its packed path), None where rows hold one each."""
-    if packing not in PACKED:
-        return None
-    half = seq_len // 2
-    row = torch.cat([torch.arange(half), torch.arange(seq_len - half)])
-    return row.repeat(batch, 1)
 
 
 def classification_example(
