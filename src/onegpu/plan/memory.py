@@ -24,13 +24,14 @@ import torch
 from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
-from onegpu.backends.torch.loader import placeholder_batch, placeholder_positions
+from onegpu.backends.torch.loader import placeholder_batch
 from onegpu.config import Config, ConfigError, OptimConfig
 from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.distributed.shares import ParamShape
 from onegpu.memory.breakdown import GROUPS
 from onegpu.memory.tracker import holder, storage_id
+from onegpu.models.documents import placeholder_positions
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim.factory import rule_state_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes

@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from onegpu.data import windows
 from onegpu.data.windows import IGNORE_INDEX, sample_indices
-from onegpu.models.documents import placeholder_positions  # noqa: F401 - re-exported
 
 """Target value excluded from the loss (padding); torch's cross_entropy default."""
 

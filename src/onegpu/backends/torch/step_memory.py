@@ -13,15 +13,12 @@ from typing import Any
 import torch
 
 from onegpu.backends.torch.build import Built, build
-from onegpu.backends.torch.loader import (
-    classification_targets,
-    count_targets,
-    placeholder_positions,
-)
+from onegpu.backends.torch.loader import classification_targets, count_targets
 from onegpu.backends.torch.step import StepOutput
 from onegpu.config import Config
 from onegpu.distributed.parallelize import local_tensor
 from onegpu.memory.breakdown import profile_step_memory, with_exact_optimizer_bytes
+from onegpu.models.documents import placeholder_positions
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.allocator import release_free_memory
 
