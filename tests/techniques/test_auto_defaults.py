@@ -190,7 +190,9 @@ def test_build_follows_the_trial(monkeypatch, compiled_s, want):
     trial = CompileTrial(1.0, compiled_s, 1.0)
     monkeypatch.setattr(compile, "time_compile", lambda *a: trial)
     monkeypatch.setattr(compile, "_eager_s", lambda *a: 1.0)  # a step slow enough to time
-    over = {"train.max_steps": "500", "model.init_std": compiled_s / 100}  # a key per case
+    # a key per case, and none a real trial of the session could have made (0.02, the
+    # default, was one: a tiny run of 100+ steps elsewhere had cached its own timing under it)
+    over = {"train.max_steps": "500", "model.init_std": 0.01 + compiled_s / 1000}
     built = build(_cfg(**over), CPU, with_data=False)
     assert built.cfg.train.compile == want
     assert (built.compile_trial.eager_s, built.compile_trial.compiled_s) == (1.0, compiled_s)

@@ -109,11 +109,18 @@ def _trial(cfg_toml: Path, setting: str, folder: Path) -> tuple[float | None, st
     """(steady step seconds of a short run under `setting`, or None where it failed: a flag
     this jaxlib does not know aborts XLA at start; the last line it printed)."""
     run = folder / setting
-    cmd = [sys.executable, "-m", "onegpu", "train", "--config", str(cfg_toml),
-           "--train.xla_flags", setting, "--train.max_steps", str(TRIAL_STEPS),
-           "--train.log_every", "1", "--train.eval_every", "0", "--out.dir", str(run),
-           "--out.progress", "false", "--out.save_checkpoint", "false",
-           "--out.tensorboard", "false"]  # fmt: skip
+    options = {
+        "--config": str(cfg_toml),
+        "--train.xla_flags": setting,
+        "--train.max_steps": str(TRIAL_STEPS),
+        "--train.log_every": "1",
+        "--train.eval_every": "0",
+        "--out.dir": str(run),
+        "--out.progress": "false",
+        "--out.save_checkpoint": "false",
+        "--out.tensorboard": "false",
+    }
+    cmd = [sys.executable, "-m", "onegpu", "train", *(x for kv in options.items() for x in kv)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TRIAL_TIMEOUT_S)
