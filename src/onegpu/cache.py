@@ -9,6 +9,7 @@ cached figure is reused only where it still holds. This module sits at the botto
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -92,3 +93,8 @@ def cached(
             tmp.write_text(json.dumps(cache, indent=1))
             os.replace(tmp, path)  # atomic: concurrent runs never read half a file
     return cache[key]
+
+
+def digest(what: Any) -> str:
+    """A short stable name for a JSON-able description (a run's shape in a cache key)."""
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from onegpu.config.data import PACKED
+
 
 def document_ids(positions_BT: torch.Tensor) -> torch.Tensor:
     """Which document of its row each position is in: [B, T], from 0."""
@@ -27,8 +29,6 @@ def document_ids(positions_BT: torch.Tensor) -> torch.Tensor:
 def placeholder_positions(packing: str, batch: int, seq_len: int) -> torch.Tensor | None:
     """Positions in a step's shapes where rows are packed (`data.packing` greedy or bfd: two
     documents a row, so the model takes its packed path), None where rows hold one each."""
-    from onegpu.config.data import PACKED
-
     if packing not in PACKED:
         return None
     half = seq_len // 2

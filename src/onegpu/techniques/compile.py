@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from onegpu.cache import cached, entries, has, peek
+from onegpu.cache import cached, digest, entries, has, peek
 from onegpu.config import Config, to_dict
 from onegpu.models.protocol import LossFn
 from onegpu.perf.devices import device_key, sync
@@ -289,7 +287,7 @@ def step_fingerprint(cfg: Config) -> str:
         "precision": cfg.train.precision,
         "batch": [cfg.train.micro_batch_size, cfg.train_seq_len],
     }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(what)
 
 
 def trial_batch(cfg: Config, out_vocab: int, device: torch.device):

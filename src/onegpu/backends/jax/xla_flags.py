@@ -19,7 +19,6 @@ Flags the user put in XLA_FLAGS are theirs: `auto` leaves them alone.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from onegpu.cache import cached, has, peek
+from onegpu.cache import cached, digest, has, peek
 from onegpu.config import Config, ConfigError, to_dict
 from onegpu.config.backends import XLA_CPU_SETTINGS, xla_flags_of
 from onegpu.config.loading import to_toml
@@ -101,8 +100,7 @@ def run_key(cfg: Config) -> str:
         "memory": d["memory"],
         "optim": d["optim"],
     }
-    digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{machine_key()}|allocator={active_allocator()}|{digest}"
+    return f"{machine_key()}|allocator={active_allocator()}|{digest(what)}"
 
 
 def _trial(cfg_toml: Path, setting: str, folder: Path) -> tuple[float | None, str]:
