@@ -29,9 +29,12 @@ from onegpu.perf.devices import cpu_identity
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_peers import MODELS, RESULTS, _new_stem  # noqa: E402
 
-BASE = ["--train.compile", "none", "--model.attention", "sdpa"]
+BASE = ["--train.compile", "none", "--model.attention", "sdpa", "--train.loss_kernel", "eager"]
 CUTS: dict[str, tuple[list[str], str]] = {
-    "base": ([], "eager, CPU flash attention (sdpa), auto loss chunk, onegpu's allocator"),
+    "base": (
+        [],
+        "eager, CPU flash attention (sdpa), auto loss chunk (ATen's kernels), onegpu's allocator",
+    ),
     "compile-default": (["--train.compile", "default"], "the whole forward + loss compiled"),
     "compile-regional": (["--train.compile", "regional"], "each block compiled, reused"),
     "compile-max-autotune": (
@@ -52,6 +55,25 @@ CUTS: dict[str, tuple[list[str], str]] = {
         "blocked attention, each block compiled, reused",
     ),
     "loss-unchunked": (["--memory.loss_chunk", "0"], "the plain loss (full logits)"),
+    "loss-compiled": (
+        ["--train.loss_kernel", "compiled"],
+        "the chunked loss's per-chunk softmax and weight-gradient sum as inductor kernels",
+    ),
+    "blocked+loss-compiled": (
+        ["--model.attention", "blocked", "--train.loss_kernel", "compiled"],
+        "blocked attention, the chunked loss's kernels compiled",
+    ),
+    "blocked+regional+loss-compiled": (
+        [
+            "--model.attention",
+            "blocked",
+            "--train.compile",
+            "regional",
+            "--train.loss_kernel",
+            "compiled",
+        ],
+        "blocked attention, each block compiled, the chunked loss's kernels compiled",
+    ),
     "glibc": ([], "ONEGPU_ALLOCATOR=system: glibc malloc, tuned in-process"),
 }
 

@@ -58,6 +58,7 @@ def validate_backend(cfg: Config) -> None:
             "sets XLA's options for the JAX backend only; leave it auto (or none) on torch, "
             "or use --train.backend jax",
         )
+        _refuse_loss_kernel(cfg)
         _refuse(
             cfg.model.scan_layers,
             "model.scan_layers",
@@ -80,6 +81,12 @@ def validate_backend(cfg: Config) -> None:
         f"{t.precision} {none_yet} (bf16, bf16-pure and fp32 run on JAX)",
     )
     _refuse(
+        t.loss_kernel != "auto",
+        "train.loss_kernel",
+        "picks the torch backend's chunked-loss kernels; XLA fuses the JAX chunked loss "
+        "already: leave it auto",
+    )
+    _refuse(
         t.compile not in ("auto", "none"),
         "train.compile",
         "XLA compiles every JAX step already; use auto, and --model.scan_layers true for "
@@ -92,6 +99,23 @@ def validate_backend(cfg: Config) -> None:
         f"(several processes) {none_yet}; the JAX backend trains on one process",
     )
     _refuse_mesh(cfg, none_yet)
+
+
+def _refuse_loss_kernel(cfg: Config) -> None:
+    """`train.loss_kernel compiled` where no chunked loss could take it."""
+    compiled = cfg.train.loss_kernel == "compiled"
+    _refuse(
+        compiled and cfg.memory.loss_chunk == 0,
+        "train.loss_kernel",
+        "compiled runs the chunked loss's kernels, and memory.loss_chunk is 0 (the plain "
+        "loss): set --memory.loss_chunk auto (or a chunk size), or leave train.loss_kernel auto",
+    )
+    _refuse(
+        compiled and cfg.dist.tp > 1,
+        "train.loss_kernel",
+        "compiled fuses a chunk's softmax over the whole vocabulary, which tensor parallelism "
+        "splits (its loss all-reduces between ATen's kernels): leave it auto or set eager",
+    )
 
 
 def _refuse_torch_memory_techniques(cfg: Config, none_yet: str) -> None:

@@ -109,6 +109,15 @@ class TrainConfig:
     100 steps times one micro-batch eager and compiled ('default') once per device, model and
     settings (cached) and compiles if the saving over max_steps outweighs the compile time;
     otherwise 'none' (docs/auto-defaults.md). Compile time is reported apart."""
+    loss_kernel: Literal["auto", "eager", "compiled"] = "auto"
+    """The chunked loss's per-chunk math (memory.loss_chunk above 0): 'compiled' runs each
+    chunk's softmax, log-sum-exp and one-hot gradient as one inductor kernel that reads the
+    [chunk, vocab] logits in the matmul's dtype and writes the gradient once (no fp32 copy of
+    the block), and adds the output weight's gradient in one pass; 'eager': ATen's kernels.
+    'auto': a run of at least 100 micro-batches times both once per shape and device (cached)
+    and compiles where the saving over the run outweighs the compile time; shorter runs, a
+    vocabulary split by tensor parallelism and a head with a bias stay eager
+    (docs/auto-defaults.md)."""
     measure_memory: bool = False
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'). Off by default: the

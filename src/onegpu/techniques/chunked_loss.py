@@ -39,6 +39,7 @@ from onegpu.perf.logits import (  # noqa: F401 - the rule, shared with the JAX b
     worth_chunking,
 )
 from onegpu.techniques.loss import with_auxiliary
+from onegpu.techniques.loss_kernels import LossKernels, add_product
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,16 +97,55 @@ autocast): the 16-bit product and its fp32 copy stay this many rows, not the who
 (3 GiB for Llama-3's 128k x 4096 head)."""
 
 
-def _add_weight_grad(grad_w_VD: torch.Tensor, g_cV: torch.Tensor, h_cD: torch.Tensor) -> None:
+def _add_weight_grad(
+    grad_w_VD: torch.Tensor, g_cV: torch.Tensor, h_cD: torch.Tensor, kernels: LossKernels | None
+) -> None:
     """grad_w += g^T h without a [vocab, d_model] temporary: straight into the gradient where
     it has the matmul's dtype (fp32; 16-bit weights, whose gradient is summed in their own
     dtype over the chunks, as autograd sums a chunked loss's), else a block of rows at a
-    time."""
+    time (by the compiled kernel where there is one: product and sum in one pass)."""
     if grad_w_VD.dtype == g_cV.dtype:
         grad_w_VD.addmm_(g_cV.T, h_cD)
         return
+    add = kernels.add_product if kernels is not None else add_product
     for v in range(0, grad_w_VD.shape[0], VOCAB_BLOCK):
-        grad_w_VD[v : v + VOCAB_BLOCK] += (g_cV[:, v : v + VOCAB_BLOCK].T @ h_cD).float()
+        add(grad_w_VD[v : v + VOCAB_BLOCK], g_cV[:, v : v + VOCAB_BLOCK].T, h_cD)
+
+
+@dataclass(slots=True)
+class _Chunks:
+    """What every chunk of one forward shares: the vocabulary's extent, the kernels, and the
+    bias's fp32 gradient being summed."""
+
+    padding: int  # this process's first padding column (the vocabulary's end on its columns)
+    compute_dtype: torch.dtype
+    shard: VocabShard | None
+    kernels: LossKernels | None
+    bias_V: torch.Tensor | None
+    grad_b_V: torch.Tensor | None
+
+    def loss_and_grad(
+        self, h_cD: torch.Tensor, w_VD: torch.Tensor, safe_t: torch.Tensor, valid_c1: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chunk's summed loss, d loss / d logits in the compute dtype), by the fused
+        kernel where it applies (the whole vocabulary here, no bias), else by ATen's (the
+        16-bit logits freed as soon as their fp32 copy exists)."""
+        if self.kernels is not None and self.shard is None and self.bias_V is None:
+            return self.kernels.softmax_grad(
+                h_cD @ w_VD.T, safe_t, valid_c1, self.padding, self.compute_dtype
+            )
+        logits_cV = (h_cD @ w_VD.T).float()
+        if self.bias_V is not None:
+            logits_cV += self.bias_V.float()
+        logits_cV[:, max(self.padding, 0) :] = float("-inf")  # vocabulary padding: p = 0
+        if self.shard is None:
+            loss_c, g_cV = _softmax_grad(logits_cV, safe_t, valid_c1)
+        else:
+            loss_c, g_cV = _sharded_softmax_grad(logits_cV, safe_t, valid_c1, self.shard)
+        del logits_cV
+        if self.grad_b_V is not None:
+            self.grad_b_V += g_cV.T @ valid_c1.squeeze(1).to(g_cV.dtype)
+        return loss_c, g_cV.to(self.compute_dtype)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -120,6 +160,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         compute_dtype: torch.dtype,
         n_valid: int,
         shard: VocabShard | None = None,
+        kernels: LossKernels | None = None,
     ):
         with torch.autocast(h_ND.device.type, enabled=False), torch.no_grad():
             w_VD = weight_VD.to(compute_dtype)
@@ -136,6 +177,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
             fp32 = compute_dtype == torch.float32 == h_ND.dtype
             padding = n_valid - (shard.first if shard else 0)  # this process's first padding
+            chunks = _Chunks(padding, compute_dtype, shard, kernels, bias_V, grad_b_V)
             for s in range(0, h_ND.shape[0], chunk):
                 t_c = targets_N[s : s + chunk]
                 valid_c1 = (t_c != IGNORE_INDEX).unsqueeze(1)
@@ -144,24 +186,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 # their rows of the hidden-state gradient below
                 h_cD = h_ND[s : s + chunk].to(compute_dtype) * valid_c1
                 safe_t = t_c.clamp(min=0).unsqueeze(1)
-                logits_cV = (h_cD @ w_VD.T).float()
-                if bias_V is not None:
-                    logits_cV += bias_V.float()
-                logits_cV[:, max(padding, 0) :] = float("-inf")  # vocabulary padding: p = 0
-                if shard is None:
-                    loss_c, g_cV = _softmax_grad(logits_cV, safe_t, valid_c1)
-                else:
-                    loss_c, g_cV = _sharded_softmax_grad(logits_cV, safe_t, valid_c1, shard)
+                loss_c, g_cV = chunks.loss_and_grad(h_cD, w_VD, safe_t, valid_c1)
                 loss += loss_c
-                del logits_cV
-                if grad_b_V is not None:
-                    grad_b_V += g_cV.T @ valid_c1.squeeze(1).to(g_cV.dtype)
-                g_cV = g_cV.to(compute_dtype)
                 if fp32:  # straight into the hidden states' gradient: no temporary
                     torch.mm(g_cV, w_VD, out=grad_h_ND[s : s + chunk])
                 else:
                     grad_h_ND[s : s + chunk] = g_cV @ w_VD
-                _add_weight_grad(grad_w_VD, g_cV, h_cD)
+                _add_weight_grad(grad_w_VD, g_cV, h_cD, kernels)
                 grad_h_ND[s : s + chunk] *= valid_c1
                 del g_cV
         ctx.save_for_backward(grad_h_ND, grad_w_VD, grad_b_V)
@@ -176,11 +207,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h_ND, grad_w_VD, grad_b_V = ctx.saved_tensors
         gw = grad_w_VD.mul_(grad_loss).to(ctx.weight_dtype)  # a no-op cast where it matches
         gb = (grad_b_V * grad_loss).to(ctx.weight_dtype) if grad_b_V is not None else None
-        return grad_h_ND * grad_loss.to(grad_h_ND.dtype), gw, gb, None, None, None, None, None
+        grad_h = grad_h_ND * grad_loss.to(grad_h_ND.dtype)
+        return grad_h, gw, gb, None, None, None, None, None, None
 
 
-def chunked_token_loss_sum(chunk: int) -> LossFn:
-    """A loss function like `token_loss_sum`, with the output layer applied chunk by chunk."""
+def chunked_token_loss_sum(chunk: int, kernels: LossKernels | None = None) -> LossFn:
+    """A loss function like `token_loss_sum`, with the output layer applied chunk by chunk (each
+    chunk's math by `kernels`, or ATen's)."""
 
     def loss_fn(model: nn.Module, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         h_ND = model.hidden(idx_BT).flatten(0, 1)
@@ -193,6 +226,8 @@ def chunked_token_loss_sum(chunk: int) -> LossFn:
             chunk,
             compute_dtype(h_ND),
             model.vocab_size,
+            None,
+            kernels,
         )
         return with_auxiliary(model, loss, targets_BT)
 

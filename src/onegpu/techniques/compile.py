@@ -285,6 +285,7 @@ def step_fingerprint(cfg: Config) -> str:
         "model": d["model"],
         "memory": d["memory"],
         "precision": cfg.train.precision,
+        "loss_kernel": cfg.train.loss_kernel,
         "batch": [cfg.train.micro_batch_size, cfg.train_seq_len],
     }
     return digest(what)

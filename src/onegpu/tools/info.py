@@ -21,6 +21,7 @@ CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AUTO_CACHES = {
     "attention": "attention.json",
     "loss chunk": "loss_chunk.json",
+    "loss kernel": "loss_kernel.json",
     "compile": "compile.json",
 }
 

@@ -48,6 +48,7 @@ from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum, vocab_parallel_chunked_loss
 from onegpu.techniques.loss import classification_loss_sum, logits_loss_sum, token_loss_sum
+from onegpu.techniques.loss_kernels import LossKernels, kernels_for
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ def apply_techniques(
     model = apply_checkpointing(model, resolved.checkpointing)
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for (under tensor
     #    parallelism on vocabulary-sharded logits, never gathered).
-    loss_fn, loss_context = split_loss(model, mem.loss_chunk, ctx)
+    loss_fn, loss_context = split_loss(model, mem.loss_chunk, ctx, cfg.train.loss_kernel)
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
     #    the eager loss too, and times both once the weights exist (8.).
@@ -189,12 +190,14 @@ def split_tensors(model: LanguageModel, ctx: DistContext) -> LanguageModel:
 
 
 def split_loss(
-    model: LanguageModel, loss_chunk: int, ctx: DistContext
+    model: LanguageModel, loss_chunk: int, ctx: DistContext, loss_kernel: str = "eager"
 ) -> tuple[LossFn, Callable[[], contextlib.AbstractContextManager]]:
     """The loss and the context its forward and backward run in: under tensor parallelism
     cross-entropy on vocabulary-sharded logits (`loss_parallel`), or, chunked, on each
-    process's vocabulary rows a chunk at a time."""
-    loss_fn = choose_loss(model, loss_chunk)
+    process's vocabulary rows a chunk at a time. `loss_kernel`: the chunked loss's per-chunk
+    kernels, compiled or ATen's (a plan's fake tensors take ATen's)."""
+    kernels = None if planning() else kernels_for(loss_kernel)
+    loss_fn = choose_loss(model, loss_chunk, kernels)
     if ctx.submesh("tp") is None:
         return loss_fn, contextlib.nullcontext
     if loss_chunk and not model.is_classifier:
@@ -280,7 +283,9 @@ def reference_template(model: LanguageModel, cfg: Config) -> LanguageModel:
         return make_model(cfg.model)
 
 
-def choose_loss(model: LanguageModel, loss_chunk: int) -> LossFn:
+def choose_loss(
+    model: LanguageModel, loss_chunk: int, kernels: LossKernels | None = None
+) -> LossFn:
     """The model's loss: next-token cross-entropy (chunked through the head's weight if asked
     for), or a classifier's cross-entropy over its labels."""
     if model.is_classifier:
@@ -298,7 +303,7 @@ def choose_loss(model: LanguageModel, loss_chunk: int) -> LossFn:
             f"the model changes its logits after the output layer ({transform} in its "
             "config.json), which the chunked loss would skip; set it to 0",
         )
-    return chunked_token_loss_sum(loss_chunk)
+    return chunked_token_loss_sum(loss_chunk, kernels)
 
 
 def materialize(

@@ -68,6 +68,8 @@ def describe_auto(built: Built) -> str:
     cfg, parts = built.cfg, []
     if built.asked and built.asked.memory.loss_chunk == "auto":
         parts.append(f"loss chunk {cfg.memory.loss_chunk or 'off'}")
+    if timing := built.resolved.loss_kernel_timing:
+        parts.append(f"loss kernel {cfg.train.loss_kernel} ({describe_loss_timing(timing)})")
     if (trial := built.compile_trial) and trial.skipped:
         parts.append(f"compile none (not timed: {trial.skipped})")
     elif trial:
@@ -81,6 +83,23 @@ def describe_auto(built: Built) -> str:
             f"micro-batches (a micro-batch: eager {trial.eager_s * 1e3:,.0f} ms, {timed})"
         )
     return "auto: " + ", ".join(parts) + " | " if parts else ""
+
+
+def loss_kernel_record(built: Built) -> dict[str, Any] | None:
+    """summary.json's record of `train.loss_kernel auto`: its timing and choice (None: not
+    timed)."""
+    timing = built.resolved.loss_kernel_timing
+    return timing | {"chosen": built.cfg.train.loss_kernel} if timing else None
+
+
+def describe_loss_timing(timing: dict[str, Any]) -> str:
+    """The chunked loss's timing, eager against compiled, as the first line shows it."""
+    if "failed" in timing:
+        return f"compile failed: {timing['failed']}"
+    return (
+        f"a micro-batch's loss: eager {timing['eager_s'] * 1e3:,.0f} ms, compiled "
+        f"{timing['compiled_s'] * 1e3:,.0f} ms, +{timing['compile_s']:.0f} s to compile"
+    )
 
 
 def run_floor(built: Built, step_s: float | None) -> float | None:
@@ -124,6 +143,7 @@ def torch_summary(
         # compiled before the loop when `auto` timed it in this run
         "compile_before_s": trials_compile_s(trial),
         "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
+        "loss_kernel_auto": loss_kernel_record(built),
         "floor_s": None if interrupted else run_floor(built, step_s),
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),

@@ -1,11 +1,12 @@
 """What actually runs, decided once: the device, then every `auto` (precision, attention, loss
-chunk), each decided by its own technique module. `train.compile auto` is decided later, in
+chunk and its kernels), each decided by its own technique module. `train.compile auto` is decided later, in
 `build.model.apply_techniques`, because it times the materialised model."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from onegpu.models.hf import chunkable_loss, default_attention, resolve_model_co
 from onegpu.perf.logits import vocab_shard
 from onegpu.techniques.attention import AttentionCall, resolve_attention
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
+from onegpu.techniques.loss_kernel_auto import LossShape, resolve_loss_kernel
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
 
 
@@ -30,6 +32,8 @@ class Resolved:
     attention: str
     checkpointing: Checkpointing
     config: Config
+    loss_kernel_timing: dict[str, Any] | None = None
+    """The eager-vs-compiled timing `train.loss_kernel auto` decided from (None: not timed)."""
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -114,10 +118,13 @@ def resolve(
         chunkable=(chunkable_loss(model_cfg) if cfg.model.hf else True) and cfg.dist.pp == 1,
         timed=timed and caps_given is None,
     )
+    loss_kernel, timing = _loss_kernel(
+        cfg, model_cfg, policy, loss_chunk, device, timed=timed and caps_given is None
+    )
     config = dataclasses.replace(
         cfg,
         model=model_cfg,
-        train=dataclasses.replace(cfg.train, precision=policy.name),
+        train=dataclasses.replace(cfg.train, precision=policy.name, loss_kernel=loss_kernel),
         memory=dataclasses.replace(cfg.memory, loss_chunk=loss_chunk),
     )
     return Resolved(
@@ -126,13 +133,48 @@ def resolve(
         attention=attention,
         checkpointing=parse_checkpointing(cfg.memory.checkpointing),
         config=config,
+        loss_kernel_timing=timing,
     )
+
+
+def _loss_kernel(
+    cfg: Config,
+    m: ModelConfig,
+    policy: PrecisionPolicy,
+    loss_chunk: int,
+    device: torch.device,
+    *,
+    timed: bool,
+) -> tuple[str, dict[str, Any] | None]:
+    """`train.loss_kernel` for the chunked loss this run makes, and the timing behind it."""
+    shape = LossShape(
+        tokens=cfg.train.micro_batch_size * cfg.train_seq_len,
+        d_model=m.d_model,
+        vocab=m.padded_vocab,
+        chunk=loss_chunk,
+        compute_dtype=policy.compute_dtype,
+        param_dtype=policy.param_dtype,
+    )
+    return resolve_loss_kernel(
+        cfg.train.loss_kernel,
+        shape,
+        device,
+        cfg.train.max_steps * cfg.grad_accum_steps,
+        fusable=cfg.dist.tp == 1 and not head_bias(m),
+        timed=timed,
+    )
+
+
+def head_bias(m: ModelConfig) -> bool:
+    """Whether onegpu's GPT gives its output layer a bias (the fused loss kernel takes none;
+    a Hugging Face head's bias is found when the model is built, and runs ATen's kernels)."""
+    return bool(m.bias and not m.tie_embeddings and not m.hf)
 
 
 def resolve_agreed(
     cfg: Config, device: torch.device, caps: DeviceCaps | None, ctx: DistContext, *, timed: bool
 ) -> Resolved:
-    """resolve(), with the timed `auto` choices (attention, loss chunk) made by rank 0 and taken
+    """resolve(), with the timed `auto` choices (attention, loss chunk and kernels) made by rank 0 and taken
     by every process: processes timing on their own, at once on a shared machine, can pick
     different kernels, and a tensor-parallel layer must run one kernel on every rank."""
     if not ctx.enabled or not timed:
@@ -143,6 +185,7 @@ def resolve_agreed(
         return {
             "model.attention": chosen.model.attention,
             "memory.loss_chunk": str(chosen.memory.loss_chunk),
+            "train.loss_kernel": chosen.train.loss_kernel,
         }
 
     return resolve(with_overrides(cfg, ctx.on_main(choose)), device, caps)

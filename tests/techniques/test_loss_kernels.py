@@ -1,0 +1,167 @@
+"""`train.loss_kernel`: the chunked loss's compiled per-chunk kernels compute what ATen's do
+(same loss and gradients, fp32 rounding apart), are used only where they apply, and `auto`
+compiles only where a timing says the run wins the compile back."""
+
+import json
+
+import pytest
+import torch
+
+from onegpu.backends.torch.build import build
+from onegpu.cache import cache_root
+from onegpu.config import load_config
+from onegpu.techniques import loss_kernel_auto, loss_kernels
+from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
+from onegpu.techniques.loss_kernel_auto import LossShape, choose, resolve_loss_kernel
+from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels
+
+CPU = torch.device("cpu")
+IGNORE = -100
+
+
+def _inputs(param_dtype: torch.dtype, bias: bool = False):
+    """100 tokens (chunks of 32: the last one 4), a vocabulary of 120 padded to 128, every
+    seventh target ignored."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(100, 24, generator=g).to(param_dtype).requires_grad_()
+    w = (torch.randn(128, 24, generator=g) * 0.5).to(param_dtype).requires_grad_()
+    b = (torch.randn(128, generator=g) * 0.1).to(param_dtype).requires_grad_() if bias else None
+    t = torch.randint(0, 120, (100,), generator=g)
+    t[::7] = IGNORE
+    return h, w, b, t
+
+
+def _loss_and_grads(kernels, param_dtype, compute_dtype, bias=False):
+    h, w, b, t = _inputs(param_dtype, bias)
+    loss = ChunkedLinearCrossEntropy.apply(h, w, b, t, 32, compute_dtype, 120, None, kernels)
+    loss.backward()
+    grads = [h.grad, w.grad] + ([b.grad] if bias else [])
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "compute_dtype", "rtol"),
+    [
+        (torch.float32, torch.float32, 1e-5),  # fp32
+        (torch.float32, torch.bfloat16, 1e-2),  # bf16 autocast: fp32 weights, bf16 matmuls
+        (torch.bfloat16, torch.bfloat16, 1e-2),  # bf16-pure: bf16 weights and gradients
+    ],
+)
+def test_compiled_kernels_compute_what_aten_computes(param_dtype, compute_dtype, rtol):
+    """Loss and gradients through the compiled kernels equal ATen's, with a shorter last chunk,
+    vocabulary padding and ignored tokens; and the compiled kernels did run (dynamo compiled
+    callables for every chunk). The loss is fp32 math on the same logits: equal to 1e-5 in
+    every precision; 16-bit gradients may round a value the other way."""
+    compiled, calls = compiled_kernels(), []
+
+    def counted(fn):
+        return lambda *a: calls.append(fn) or fn(*a)
+
+    kernels = LossKernels(counted(compiled.softmax_grad), counted(compiled.add_product))
+    loss_c, grads_c = _loss_and_grads(kernels, param_dtype, compute_dtype)
+    assert calls.count(compiled.softmax_grad) == 4  # chunks of 32, 32, 32, 4
+    assert hasattr(compiled.softmax_grad, "_torchdynamo_orig_callable")  # torch.compile's
+    loss_e, grads_e = _loss_and_grads(None, param_dtype, compute_dtype)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for c, e in zip(grads_c, grads_e, strict=True):
+        assert c.dtype == e.dtype == param_dtype
+        torch.testing.assert_close(c.float(), e.float(), rtol=rtol, atol=rtol * e.abs().max())
+
+
+def _refuse(*_a, **_k):
+    raise AssertionError("a compiled kernel ran where it does not apply")
+
+
+def test_a_head_with_a_bias_runs_atens_softmax():
+    """The fused kernel takes no bias: a biased head computes each chunk with ATen's softmax,
+    bit for bit the eager result (the bias's fp32 gradient is summed from fp32 probabilities);
+    only the weight gradient's sum goes through the kernels."""
+    from onegpu.techniques.loss_kernels import add_product
+
+    kernels = LossKernels(softmax_grad=_refuse, add_product=add_product)
+    loss_k, grads_k = _loss_and_grads(kernels, torch.float32, torch.bfloat16, bias=True)
+    loss_e, grads_e = _loss_and_grads(None, torch.float32, torch.bfloat16, bias=True)
+    assert torch.equal(loss_k, loss_e)
+    assert all(torch.equal(k, e) for k, e in zip(grads_k, grads_e, strict=True))
+
+
+# ---------------------------------------------------------------------------- auto
+
+
+def _shape(chunk: int = 1024) -> LossShape:
+    return LossShape(4096, 256, 50304, chunk, torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("timing", "micro_steps", "want"),
+    [
+        ({"eager_s": 1.0, "compiled_s": 0.9, "compile_s": 5.0}, 200, "compiled"),  # saves 15 s
+        ({"eager_s": 1.0, "compiled_s": 0.9, "compile_s": 5.0}, 40, "eager"),  # saves -1 s
+        ({"eager_s": 1.0, "compiled_s": 0.99, "compile_s": 0.0}, 10**6, "eager"),  # < MIN_GAIN
+        ({"eager_s": 1.0, "compiled_s": 1.1, "compile_s": 0.0}, 10**6, "eager"),  # slower
+        ({"failed": "CppCompileError: no compiler"}, 10**6, "eager"),
+    ],
+)
+def test_compiled_only_where_the_run_wins_the_compile_back(timing, micro_steps, want):
+    assert choose(timing, micro_steps) == want
+
+
+def test_short_runs_unchunked_losses_and_split_vocabularies_are_never_timed(monkeypatch):
+    monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", _refuse)
+    assert resolve_loss_kernel("auto", _shape(), CPU, 99) == ("eager", None)
+    assert resolve_loss_kernel("auto", _shape(chunk=0), CPU, 10**4) == ("eager", None)
+    assert resolve_loss_kernel("auto", _shape(), CPU, 10**4, fusable=False) == ("eager", None)
+    assert resolve_loss_kernel("compiled", _shape(), CPU, 1) == ("compiled", None)
+
+
+def test_auto_times_once_per_shape_then_reads_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    timing = {"eager_s": 1.0, "compiled_s": 0.8, "compile_s": 5.0}
+    calls = []
+    monkeypatch.setattr(
+        loss_kernel_auto, "measure_loss_kernel", lambda *a: calls.append(a) or dict(timing)
+    )
+    assert resolve_loss_kernel("auto", _shape(), CPU, 1000) == ("compiled", timing)
+    assert resolve_loss_kernel("auto", _shape(), CPU, 1000) == ("compiled", timing)
+    assert resolve_loss_kernel("auto", _shape(), CPU, 20) == ("eager", None)  # short: untimed
+    assert len(calls) == 1
+    # a plan reads what a run cached, and never times a shape nobody ran
+    assert resolve_loss_kernel("auto", _shape(), CPU, 1000, timed=False)[0] == "compiled"
+    assert resolve_loss_kernel("auto", _shape(2048), CPU, 1000, timed=False) == ("eager", None)
+    assert len(calls) == 1
+    stored = json.loads((tmp_path / "loss_kernel.json").read_text())
+    assert list(stored.values()) == [timing]
+
+
+def test_measure_times_both_kernels_on_the_shape():
+    """The real timing, at a small shape: both kernels ran and the compiled one's first call
+    (its compile) is counted apart."""
+    shape = LossShape(64, 16, 96, 32, torch.float32, torch.float32)
+    found = loss_kernel_auto.measure_loss_kernel(shape, CPU)
+    assert found["eager_s"] > 0 and found["compiled_s"] > 0 and found["compile_s"] >= 0
+
+
+def _cfg(**over):
+    base = {"train.device": "cpu", "train.precision": "fp32", "model.dropout": "0.0",
+            "out.progress": "false", "memory.loss_chunk": "64"}  # fmt: skip
+    return load_config("tiny", overrides=base | {k: str(v) for k, v in over.items()})
+
+
+def test_a_run_follows_the_cached_timing_and_says_so(monkeypatch, tmp_path):
+    """A long run takes the cached choice: its loss function runs the compiled kernels, its
+    config.toml says compiled, the first line and summary.json give the timing."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    timing = {"eager_s": 0.5, "compiled_s": 0.25, "compile_s": 3.0}
+    monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", lambda *a: dict(timing))
+    monkeypatch.setattr(loss_kernels, "compiled_kernels", lambda: LossKernels(_refuse, _refuse))
+    built = build(_cfg(**{"train.max_steps": "300", "train.compile": "none"}), CPU, with_data=False)
+    assert built.cfg.train.loss_kernel == "compiled"
+    with pytest.raises(AssertionError, match="compiled kernel ran"):  # the kernels are the run's
+        x = torch.zeros(1, 16, dtype=torch.long)
+        built.loss_fn(built.model, x, x)
+    from onegpu.backends.torch.report import describe_auto, loss_kernel_record
+
+    line = describe_auto(built)
+    assert "loss kernel compiled (a micro-batch's loss: eager 500 ms, compiled 250 ms, " in line
+    assert loss_kernel_record(built) == timing | {"chosen": "compiled"}
+    assert (cache_root() / "loss_kernel.json").exists()
