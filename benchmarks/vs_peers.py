@@ -201,8 +201,9 @@ def run_onegpu(model: str, steps: int, env: dict[str, str], backend: str = "torc
     return {"times": times, "peak_rss_bytes": summary["peak_mem_bytes"],
             "allocator": summary.get("allocator") or summary["environment"].get("allocator", "?"), "precision": summary["precision"],
             "compile_time_s": summary.get("compile_time_s"),
-            "chosen": f"loss_chunk {cfg['memory']['loss_chunk']}, compile {cfg['train']['compile']}, "
-                      f"attention {cfg['model']['attention']}"}  # fmt: skip
+            "chosen": f"loss_chunk {cfg['memory']['loss_chunk']}, "
+                      f"loss_kernel {cfg['train'].get('loss_kernel', 'eager')}, "
+                      f"compile {cfg['train']['compile']}, attention {cfg['model']['attention']}"}  # fmt: skip
 
 
 def worker(name: str, model: str, steps: int) -> dict:

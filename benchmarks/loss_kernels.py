@@ -1,0 +1,138 @@
+"""The chunked loss's compiled kernels against ATen's, on the real model's forward + backward,
+paired step by step in one process.
+
+    LD_PRELOAD=$(python -c "from onegpu.perf.allocator import find_mimalloc as f; print(f())") \\
+        MIMALLOC_PURGE_DELAY=-1 python benchmarks/loss_kernels.py [--models A,B] [--rounds 12]
+
+Each model (benchmarks/vs_peers.py's A and B) is built once by onegpu (its `auto` attention and
+loss chunk, bf16 where the CPU has it); then one micro-batch's forward + backward runs with the
+loss's ATen kernels and with the compiled ones, alternately, `--rounds` times each. Alternating
+in one process cancels what drifts on a shared machine (two fresh processes of one setting
+differed by up to 7% here), which is why this, not fresh runs, measures a cut of ~5%. Also
+checks that both give the same loss (fp32 rounding apart). Writes
+results/loss-kernels-<date>.{md,json} (never over an earlier file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from onegpu.backends.torch.build import build
+from onegpu.config import load_config
+from onegpu.perf.allocator import active_allocator
+from onegpu.perf.devices import cpu_identity
+from onegpu.techniques.chunked_loss import chunked_token_loss_sum
+from onegpu.techniques.loss_kernels import compiled_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vs_peers import MODELS, RESULTS, _new_stem  # noqa: E402
+
+
+def _model(name: str):
+    over = dict(MODELS[name]["over"])
+    args = MODELS[name]["args"]
+    over |= {a[2:]: b for a, b in zip(args[::2], args[1::2]) if a != "--preset"}
+    over |= {"train.compile": "none", "train.loss_kernel": "eager", "out.progress": "false"}
+    cfg = load_config(MODELS[name]["preset"], overrides=over)
+    return build(cfg, torch.device("cpu"), with_data=False)
+
+
+def measure(name: str, rounds: int) -> dict:
+    built = _model(name)
+    cfg, model = built.cfg, built.model
+    chunk = cfg.memory.loss_chunk
+    if not chunk:
+        return {"model": name, "chunk": 0}
+    g = torch.Generator().manual_seed(0)
+    shape = (cfg.train.micro_batch_size, cfg.train_seq_len)
+    x = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
+    y = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
+    losses = {
+        "eager": chunked_token_loss_sum(chunk),
+        "compiled": chunked_token_loss_sum(chunk, compiled_kernels()),
+    }
+    values: dict[str, float] = {}
+
+    def step(kind: str) -> float:
+        t0 = time.perf_counter()
+        with built.policy.autocast(built.device):
+            loss = losses[kind](model, x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        values[kind] = loss.item()
+        return time.perf_counter() - t0
+
+    first = {k: step(k) for k in losses}  # the compiled one compiles
+    step("eager")
+    times: dict[str, list[float]] = {k: [] for k in losses}
+    for _ in range(rounds):
+        for k in losses:
+            times[k].append(step(k))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "model": name,
+        "chunk": chunk,
+        "precision": cfg.train.precision,
+        "attention": cfg.model.attention,
+        "tokens": shape[0] * shape[1],
+        "median_s": med,
+        "min_s": {k: min(v) for k, v in times.items()},
+        "times_s": times,
+        "compile_s": first["compiled"] - med["compiled"],
+        "loss": values,
+    }
+
+
+def table(rows: list[dict], a: argparse.Namespace) -> str:
+    lines = [
+        "# The chunked loss's compiled kernels against ATen's, in the real model's step",
+        "",
+        f"`python benchmarks/loss_kernels.py --models {a.models} --rounds {a.rounds}`; "
+        f"{os.cpu_count()} cores ({cpu_identity()}), torch {torch.__version__}, allocator "
+        f"{active_allocator()}; {time.strftime('%Y-%m-%d')}. One micro-batch's forward + "
+        f"backward, ATen's loss kernels and the compiled ones alternately in one process, "
+        f"{a.rounds} times each; medians (min in brackets).",
+        "",
+        "| model | precision | attention | loss chunk | ATen kernels | compiled | saved | "
+        "x | first compile | loss (ATen / compiled) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["chunk"]:
+            lines.append(f"| {r['model']} | - | - | off: nothing to compile | | | | | | |")
+            continue
+        e, c = r["median_s"]["eager"], r["median_s"]["compiled"]
+        lines.append(
+            f"| {r['model']} | {r['precision']} | {r['attention']} | {r['chunk']} "
+            f"| {e * 1e3:,.0f} ms ({r['min_s']['eager'] * 1e3:,.0f}) "
+            f"| {c * 1e3:,.0f} ms ({r['min_s']['compiled'] * 1e3:,.0f}) "
+            f"| {(e - c) * 1e3:,.0f} ms | {e / c:.3f} | {r['compile_s']:.1f} s "
+            f"| {r['loss']['eager']:.6f} / {r['loss']['compiled']:.6f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="A,B")
+    ap.add_argument("--rounds", type=int, default=12)
+    a = ap.parse_args()
+    rows = [measure(m, a.rounds) for m in a.models.split(",")]
+    text = table(rows, a)
+    print(text)
+    stem = _new_stem(f"loss-kernels-{time.strftime('%Y-%m-%d')}")
+    (RESULTS / f"{stem}.md").write_text(text)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {RESULTS / stem}.md")
+
+
+if __name__ == "__main__":
+    main()
