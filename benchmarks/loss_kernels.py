@@ -9,8 +9,10 @@ loss chunk, bf16 where the CPU has it); then one micro-batch's forward + backwar
 loss's ATen kernels and with the compiled ones, alternately, `--rounds` times each. Alternating
 in one process cancels what drifts on a shared machine (two fresh processes of one setting
 differed by up to 7% here), which is why this, not fresh runs, measures a cut of ~5%. Also
-checks that both give the same loss (fp32 rounding apart). Writes
-results/loss-kernels-<date>.{md,json} (never over an earlier file).
+checks that both give the same loss (fp32 rounding apart). With `--softmax`, also the
+softmax-gradient kernel alone at each model's chunk shape: ATen's passes, the compiled kernel,
+and the compiled kernel written with the padding masked in every pass instead (what it was
+first). Writes results/loss-kernels-<date>.{md,json} (never over an earlier file).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from onegpu.backends.torch.build import build
 from onegpu.config import load_config
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import cpu_identity
-from onegpu.techniques.chunked_loss import chunked_token_loss_sum
-from onegpu.techniques.loss_kernels import compiled_kernels
+from onegpu.techniques.chunked_loss import _softmax_grad, chunked_token_loss_sum
+from onegpu.techniques.loss_kernels import compiled_kernels, softmax_grad
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_peers import MODELS, RESULTS, _new_stem  # noqa: E402
@@ -91,11 +93,77 @@ def measure(name: str, rounds: int) -> dict:
     }
 
 
+def masked_softmax_grad(logits_cV, safe_t, valid_c1, n_valid: int, out_dtype):
+    """The compiled kernel's first form: padding masked to -inf in every pass."""
+    x_cV = logits_cV.float()
+    cols_V = torch.arange(x_cV.shape[1], device=x_cV.device)
+    if n_valid < x_cV.shape[1]:
+        x_cV = x_cV.masked_fill(cols_V >= n_valid, float("-inf"))
+    max_c1 = x_cV.amax(dim=1, keepdim=True)
+    exp_cV = (x_cV - max_c1).exp()
+    sum_c1 = exp_cV.sum(dim=1, keepdim=True)
+    valid_c1 = valid_c1.to(torch.float32)
+    loss = ((max_c1 + sum_c1.log() - x_cV.gather(1, safe_t)) * valid_c1).sum()
+    g_cV = exp_cV / sum_c1 - (cols_V == safe_t).to(torch.float32) * valid_c1
+    return loss, g_cV.to(out_dtype)
+
+
+def aten_softmax_grad(logits_cV, safe_t, valid_c1, n_valid: int, out_dtype):
+    """The eager path's chunk math (chunked_loss.py): fp32 copy, padding filled, ATen's softmax."""
+    x_cV = logits_cV.float()
+    x_cV[:, n_valid:] = float("-inf")
+    loss, g_cV = _softmax_grad(x_cV, safe_t, valid_c1)
+    return loss, g_cV.to(out_dtype)
+
+
+def softmax_kernels(name: str, rounds: int) -> dict:
+    """The chunk's softmax gradient alone at the model's chunk shape, interleaved, medians."""
+    built = _model(name)
+    cfg = built.cfg
+    chunk, vocab, n_valid = cfg.memory.loss_chunk, cfg.model.padded_vocab, cfg.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(chunk, vocab, generator=g).to(built.policy.compute_dtype)
+    t = torch.randint(0, n_valid, (chunk, 1), generator=g)
+    valid = torch.ones(chunk, 1, dtype=torch.bool)
+    kernels = {
+        "aten": aten_softmax_grad,
+        "compiled": torch.compile(softmax_grad, dynamic=False),
+        "compiled, padding masked every pass": torch.compile(masked_softmax_grad, dynamic=False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for r in range(rounds + 2):  # two warm-up rounds (the compiled ones compile)
+        for k, fn in kernels.items():
+            t0 = time.perf_counter()
+            fn(logits, t, valid, n_valid, built.policy.compute_dtype)
+            if r >= 2:
+                times[k].append(time.perf_counter() - t0)
+    return {"model": name, "chunk": chunk, "vocab": vocab, "n_valid": n_valid,
+            "median_s": {k: statistics.median(v) for k, v in times.items()}}  # fmt: skip
+
+
+def softmax_table(rows: list[dict]) -> str:
+    lines = [
+        "",
+        "The chunk's softmax gradient alone (forward of the chunk math, logits given), "
+        "interleaved, medians:",
+        "",
+        "| model | chunk x padded vocab (valid) | " + " | ".join(rows[0]["median_s"]) + " |",
+        "|---|---|" + "---|" * len(rows[0]["median_s"]),
+    ]
+    for r in rows:
+        cells = " | ".join(f"{s * 1e3:.1f} ms" for s in r["median_s"].values())
+        lines.append(
+            f"| {r['model']} | {r['chunk']} x {r['vocab']:,} ({r['n_valid']:,}) | {cells} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def table(rows: list[dict], a: argparse.Namespace) -> str:
     lines = [
         "# The chunked loss's compiled kernels against ATen's, in the real model's step",
         "",
-        f"`python benchmarks/loss_kernels.py --models {a.models} --rounds {a.rounds}`; "
+        f"`python benchmarks/loss_kernels.py --models {a.models} --rounds {a.rounds}"
+        f"{' --softmax' if a.softmax else ''}`; "
         f"{os.cpu_count()} cores ({cpu_identity()}), torch {torch.__version__}, allocator "
         f"{active_allocator()}; {time.strftime('%Y-%m-%d')}. One micro-batch's forward + "
         f"backward, ATen's loss kernels and the compiled ones alternately in one process, "
@@ -124,9 +192,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", default="A,B")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--softmax", action="store_true", help="also the softmax kernel alone")
     a = ap.parse_args()
     rows = [measure(m, a.rounds) for m in a.models.split(",")]
     text = table(rows, a)
+    if a.softmax:
+        kernels = [softmax_kernels(m, a.rounds) for m in a.models.split(",")]
+        text += softmax_table(kernels)
+        rows += kernels
     print(text)
     stem = _new_stem(f"loss-kernels-{time.strftime('%Y-%m-%d')}")
     (RESULTS / f"{stem}.md").write_text(text)

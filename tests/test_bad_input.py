@@ -190,6 +190,7 @@ CASES = [  # (name, argv with {placeholders}, the field the message must name)
     ("jax: blocked attention", T + ["--train.backend", "jax", "--model.attention", "blocked"], "model.attention"),
     ("compiled loss kernels with the plain loss", T + ["--memory.loss_chunk", "0", "--train.loss_kernel", "compiled"], "train.loss_kernel"),
     ("compiled loss kernels on a split vocabulary", ["plan", "--preset", "tiny", "--world-size", "2", "--dist.tp", "2", "--train.loss_kernel", "compiled"], "train.loss_kernel"),
+    ("compiled loss kernels on a biased head", T + ["--model.bias", "true", "--model.tie_embeddings", "false", "--memory.loss_chunk", "64", "--train.loss_kernel", "compiled"], "train.loss_kernel"),
     ("jax: the torch loss kernels", T + ["--train.backend", "jax", "--train.loss_kernel", "eager"], "train.loss_kernel"),
     ("XLA flags on the torch backend", T + ["--train.xla_flags", "onednn"], "train.xla_flags"),
     ("jax: xla_flags neither a setting nor flags", T + ["--train.backend", "jax", "--train.xla_flags", "fast"], "train.xla_flags"),

@@ -9,7 +9,7 @@ import torch
 
 from onegpu.backends.torch.build import build
 from onegpu.cache import cache_root
-from onegpu.config import load_config
+from onegpu.config import ConfigError, load_config
 from onegpu.techniques import loss_kernel_auto, loss_kernels
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
 from onegpu.techniques.loss_kernel_auto import LossShape, choose, resolve_loss_kernel
@@ -40,14 +40,14 @@ def _loss_and_grads(kernels, param_dtype, compute_dtype, bias=False):
 
 
 @pytest.mark.parametrize(
-    ("param_dtype", "compute_dtype", "rtol"),
+    ("param_dtype", "compute_dtype", "rtol", "sums"),
     [
-        (torch.float32, torch.float32, 1e-5),  # fp32
-        (torch.float32, torch.bfloat16, 1e-2),  # bf16 autocast: fp32 weights, bf16 matmuls
-        (torch.bfloat16, torch.bfloat16, 1e-2),  # bf16-pure: bf16 weights and gradients
+        (torch.float32, torch.float32, 1e-5, 0),  # fp32: the padding masked in every pass
+        (torch.float32, torch.bfloat16, 1e-2, 4),  # bf16 autocast: fp32 weights, bf16 matmuls
+        (torch.bfloat16, torch.bfloat16, 1e-2, 0),  # bf16-pure: bf16 weights and gradients
     ],
 )
-def test_compiled_kernels_compute_what_aten_computes(param_dtype, compute_dtype, rtol):
+def test_compiled_kernels_compute_what_aten_computes(param_dtype, compute_dtype, rtol, sums):
     """Loss and gradients through the compiled kernels equal ATen's, with a shorter last chunk,
     vocabulary padding and ignored tokens; and the compiled kernels did run (dynamo compiled
     callables for every chunk). The loss is fp32 math on the same logits: equal to 1e-5 in
@@ -60,6 +60,9 @@ def test_compiled_kernels_compute_what_aten_computes(param_dtype, compute_dtype,
     kernels = LossKernels(counted(compiled.softmax_grad), counted(compiled.add_product))
     loss_c, grads_c = _loss_and_grads(kernels, param_dtype, compute_dtype)
     assert calls.count(compiled.softmax_grad) == 4  # chunks of 32, 32, 32, 4
+    # fp32 gradients of 16-bit products: summed by the compiled kernel, once a chunk (the
+    # others add the product in the matmul's dtype, by addmm_)
+    assert calls.count(compiled.add_product) == sums
     assert hasattr(compiled.softmax_grad, "_torchdynamo_orig_callable")  # torch.compile's
     loss_e, grads_e = _loss_and_grads(None, param_dtype, compute_dtype)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
@@ -73,14 +76,18 @@ def _refuse(*_a, **_k):
 
 
 def test_a_head_with_a_bias_runs_atens_softmax():
-    """The fused kernel takes no bias: a biased head computes each chunk with ATen's softmax,
-    bit for bit the eager result (the bias's fp32 gradient is summed from fp32 probabilities);
-    only the weight gradient's sum goes through the kernels."""
+    """The fused kernel takes no bias: a biased head computes each chunk with ATen's softmax
+    (the kernel given here would fail the test if called), and the bias gets its gradient; the
+    weight gradient's sum still goes through the kernels given."""
     from onegpu.techniques.loss_kernels import add_product
 
-    kernels = LossKernels(softmax_grad=_refuse, add_product=add_product)
+    added = []
+    kernels = LossKernels(
+        softmax_grad=_refuse, add_product=lambda *a: added.append(1) or add_product(*a)
+    )
     loss_k, grads_k = _loss_and_grads(kernels, torch.float32, torch.bfloat16, bias=True)
     loss_e, grads_e = _loss_and_grads(None, torch.float32, torch.bfloat16, bias=True)
+    assert len(added) == 4 and grads_k[2].abs().sum() > 0
     assert torch.equal(loss_k, loss_e)
     assert all(torch.equal(k, e) for k, e in zip(grads_k, grads_e, strict=True))
 
@@ -89,7 +96,7 @@ def test_a_head_with_a_bias_runs_atens_softmax():
 
 
 def _shape(chunk: int = 1024) -> LossShape:
-    return LossShape(4096, 256, 50304, chunk, torch.bfloat16, torch.float32)
+    return LossShape(4096, 256, 50304, 50257, chunk, torch.bfloat16, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -108,10 +115,28 @@ def test_compiled_only_where_the_run_wins_the_compile_back(timing, micro_steps, 
 
 def test_short_runs_unchunked_losses_and_split_vocabularies_are_never_timed(monkeypatch):
     monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", _refuse)
-    assert resolve_loss_kernel("auto", _shape(), CPU, 99) == ("eager", None)
+    assert resolve_loss_kernel("auto", _shape(), CPU, 99) == (
+        "eager",
+        {"skipped": "a run of 99 micro-batches, under 100"},
+    )
     assert resolve_loss_kernel("auto", _shape(chunk=0), CPU, 10**4) == ("eager", None)
-    assert resolve_loss_kernel("auto", _shape(), CPU, 10**4, fusable=False) == ("eager", None)
+    kernel, why = resolve_loss_kernel("auto", _shape(), CPU, 10**4, fusable=False)
+    assert kernel == "eager" and "split over processes" in why["skipped"]
     assert resolve_loss_kernel("compiled", _shape(), CPU, 1) == ("compiled", None)
+
+
+def test_without_a_compiler_auto_stays_eager_and_compiled_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    monkeypatch.setattr(loss_kernel_auto, "missing_compiler", lambda device: "no C++ compiler")
+    monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", _refuse)
+    assert resolve_loss_kernel("auto", _shape(), CPU, 10**4) == (
+        "eager",
+        {"skipped": "no C++ compiler"},
+    )
+    with pytest.raises(ConfigError, match="train.loss_kernel: compiled needs inductor"):
+        resolve_loss_kernel("compiled", _shape(), CPU, 10**4)
+    # a plan for another machine is not refused for what this one lacks
+    assert resolve_loss_kernel("compiled", _shape(), CPU, 10**4, timed=False)[0] == "compiled"
 
 
 def test_auto_times_once_per_shape_then_reads_the_cache(monkeypatch, tmp_path):
@@ -121,22 +146,30 @@ def test_auto_times_once_per_shape_then_reads_the_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(
         loss_kernel_auto, "measure_loss_kernel", lambda *a: calls.append(a) or dict(timing)
     )
-    assert resolve_loss_kernel("auto", _shape(), CPU, 1000) == ("compiled", timing)
-    assert resolve_loss_kernel("auto", _shape(), CPU, 1000) == ("compiled", timing)
-    assert resolve_loss_kernel("auto", _shape(), CPU, 20) == ("eager", None)  # short: untimed
+    assert resolve_loss_kernel("auto", _shape(), CPU, 1000) == (
+        "compiled",
+        timing | {"cached": False},
+    )
+    assert resolve_loss_kernel("auto", _shape(), CPU, 1000) == (
+        "compiled",
+        timing | {"cached": True},
+    )
+    assert resolve_loss_kernel("auto", _shape(), CPU, 20)[0] == "eager"  # short: untimed
     assert len(calls) == 1
     # a plan reads what a run cached, and never times a shape nobody ran
     assert resolve_loss_kernel("auto", _shape(), CPU, 1000, timed=False)[0] == "compiled"
-    assert resolve_loss_kernel("auto", _shape(2048), CPU, 1000, timed=False) == ("eager", None)
+    kernel, why = resolve_loss_kernel("auto", _shape(2048), CPU, 1000, timed=False)
+    assert kernel == "eager" and "a plan times nothing" in why["skipped"]
     assert len(calls) == 1
     stored = json.loads((tmp_path / "loss_kernel.json").read_text())
     assert list(stored.values()) == [timing]
+    assert "|valid=50257|" in next(iter(stored))  # the padding is part of the shape
 
 
 def test_measure_times_both_kernels_on_the_shape():
     """The real timing, at a small shape: both kernels ran and the compiled one's first call
     (its compile) is counted apart."""
-    shape = LossShape(64, 16, 96, 32, torch.float32, torch.float32)
+    shape = LossShape(64, 16, 96, 90, 32, torch.bfloat16, torch.float32)
     found = loss_kernel_auto.measure_loss_kernel(shape, CPU)
     assert found["eager_s"] > 0 and found["compiled_s"] > 0 and found["compile_s"] >= 0
 
@@ -162,6 +195,21 @@ def test_a_run_follows_the_cached_timing_and_says_so(monkeypatch, tmp_path):
     from onegpu.backends.torch.report import describe_auto, loss_kernel_record
 
     line = describe_auto(built)
-    assert "loss kernel compiled (a micro-batch's loss: eager 500 ms, compiled 250 ms, " in line
-    assert loss_kernel_record(built) == timing | {"chosen": "compiled"}
+    assert (
+        "loss kernel compiled (a micro-batch's loss: eager 500 ms, compiled 250 ms, "
+        "+3.0 s to compile)" in line
+    )
+    assert loss_kernel_record(built) == timing | {"cached": False, "chosen": "compiled"}
     assert (cache_root() / "loss_kernel.json").exists()
+
+
+def test_a_short_run_says_why_its_chunked_loss_was_not_timed(monkeypatch, tmp_path):
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", _refuse)
+    built = build(_cfg(**{"train.max_steps": "10", "train.compile": "none"}), CPU, with_data=False)
+    from onegpu.backends.torch.report import describe_auto
+
+    assert built.cfg.train.loss_kernel == "eager"
+    line = describe_auto(built)
+    n = 10 * built.cfg.grad_accum_steps
+    assert f"loss kernel eager (not timed: a run of {n} micro-batches, under 100)" in line

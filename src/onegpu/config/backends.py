@@ -111,6 +111,12 @@ def _refuse_loss_kernel(cfg: Config) -> None:
         "loss): set --memory.loss_chunk auto (or a chunk size), or leave train.loss_kernel auto",
     )
     _refuse(
+        compiled and cfg.model.head_bias and not cfg.model.hf,
+        "train.loss_kernel",
+        "compiled fuses a chunk's softmax without a bias, and this model's untied output layer "
+        "has one (model.bias true): leave it auto or set eager, or set --model.bias false",
+    )
+    _refuse(
         compiled and cfg.dist.tp > 1,
         "train.loss_kernel",
         "compiled fuses a chunk's softmax over the whole vocabulary, which tensor parallelism "

@@ -74,6 +74,11 @@ class ModelConfig:
     ...ForSequenceClassification is a classifier, anything else a causal LM)."""
 
     @property
+    def head_bias(self) -> bool:
+        """Whether onegpu's GPT's output layer has a bias (untied, as in Lippe's tutorial)."""
+        return self.bias and not self.tie_embeddings
+
+    @property
     def padded_vocab(self) -> int:
         """The vocabulary rounded up to pad_vocab_to (the padding rows' logits are -inf)."""
         step = max(1, self.pad_vocab_to)
@@ -112,12 +117,12 @@ class TrainConfig:
     loss_kernel: Literal["auto", "eager", "compiled"] = "auto"
     """The chunked loss's per-chunk math (memory.loss_chunk above 0): 'compiled' runs each
     chunk's softmax, log-sum-exp and one-hot gradient as one inductor kernel that reads the
-    [chunk, vocab] logits in the matmul's dtype and writes the gradient once (no fp32 copy of
-    the block), and adds the output weight's gradient in one pass; 'eager': ATen's kernels.
-    'auto': a run of at least 100 micro-batches times both once per shape and device (cached)
-    and compiles where the saving over the run outweighs the compile time; shorter runs, a
-    vocabulary split by tensor parallelism and a head with a bias stay eager
-    (docs/auto-defaults.md)."""
+    [chunk, vocab] logits in the matmul's dtype and writes the gradient once in it (at most one
+    fp32 block where ATen's path keeps two), and adds the output weight's gradient in one pass
+    (needs a C++ compiler on CPUs, Triton on GPUs); 'eager': ATen's kernels.
+    'auto': a run of 100+ micro-batches times both once per shape and device (cached) and
+    compiles where the saving over the run outweighs the compile time; shorter runs, tensor
+    parallelism and a biased head stay eager (docs/auto-defaults.md)."""
     measure_memory: bool = False
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'). Off by default: the

@@ -175,9 +175,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         # GPT-2's output layer has no bias; an untied one may (Lippe's tutorial).
-        self.lm_head = nn.Linear(
-            cfg.d_model, self.padded_vocab, bias=cfg.bias and not cfg.tie_embeddings
-        )
+        self.lm_head = nn.Linear(cfg.d_model, self.padded_vocab, bias=cfg.head_bias)
         self.tie_weights()
         self.register_load_state_dict_pre_hook(_split_fused_qkv_on_load)
 

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 from onegpu.cache import cached, peek
+from onegpu.config import ConfigError
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
-from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels
+from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels, missing_compiler
 
 MIN_STEPS = 100
 """Runs of fewer micro-batches keep the eager kernels without timing: a first compile of the two
@@ -33,7 +35,8 @@ class LossShape:
 
     tokens: int
     d_model: int
-    vocab: int
+    vocab: int  # the output layer's rows, padding included
+    n_valid: int  # the vocabulary's own size: columns from it on are padding
     chunk: int
     compute_dtype: torch.dtype
     param_dtype: torch.dtype  # the hidden states' and the output weight's (fp32 under autocast)
@@ -41,7 +44,8 @@ class LossShape:
     def key(self, device: torch.device) -> str:
         return (
             f"{device_key(device)}|{active_allocator()}|{self.compute_dtype}|{self.param_dtype}"
-            f"|tokens={self.tokens}|d={self.d_model}|vocab={self.vocab}|chunk={self.chunk}"
+            f"|tokens={self.tokens}|d={self.d_model}|vocab={self.vocab}|valid={self.n_valid}"
+            f"|chunk={self.chunk}"
         )
 
 
@@ -54,13 +58,13 @@ def measure_loss_kernel(shape: LossShape, device: torch.device) -> dict[str, Any
     w_VD = torch.randn(shape.vocab, shape.d_model, generator=g) * 0.02
     h_ND = h_ND.to(device, shape.param_dtype).requires_grad_()
     w_VD = w_VD.to(device, shape.param_dtype).requires_grad_()
-    t_N = torch.randint(0, shape.vocab, (shape.tokens,), generator=g).to(device)
+    t_N = torch.randint(0, shape.n_valid, (shape.tokens,), generator=g).to(device)
 
     def run(kernels: LossKernels | None) -> float:
         sync(device)
         t0 = time.perf_counter()
         ChunkedLinearCrossEntropy.apply(
-            h_ND, w_VD, None, t_N, shape.chunk, shape.compute_dtype, shape.vocab, None, kernels
+            h_ND, w_VD, None, t_N, shape.chunk, shape.compute_dtype, shape.n_valid, None, kernels
         ).backward()
         sync(device)
         h_ND.grad = w_VD.grad = None
@@ -71,8 +75,9 @@ def measure_loss_kernel(shape: LossShape, device: torch.device) -> dict[str, Any
         times["eager"].append(run(None))
         try:
             times["compiled"].append(run(compiled_kernels()))
-        except Exception as e:  # noqa: BLE001 - inductor missing its compiler: stay eager
-            return {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        except BackendCompilerFailed as e:  # inductor could not build them: stay eager
+            first = (str(e).splitlines() or [""])[0]
+            return {"failed": f"{type(e).__name__}: {first[:200]}"}
     eager_s, compiled_s = min(times["eager"][1:]), min(times["compiled"][1:])
     return {
         "eager_s": round(eager_s, 5),
@@ -110,20 +115,38 @@ def resolve_loss_kernel(
     fusable: bool = True,
     timed: bool = True,
 ) -> tuple[str, dict[str, Any] | None]:
-    """(what `train.loss_kernel` stands for, the timing it was decided by, if any): itself
-    unless 'auto'. `fusable`: the chunked loss is on and runs on one process's whole vocabulary
-    (a vocabulary-sharded loss keeps ATen's kernels between its all-reduces). `timed` False (a
-    plan): what a run here cached, if any."""
+    """(what `train.loss_kernel` stands for, what it was decided by): itself unless 'auto',
+    then the timing (`cached` True where it was read, not run), or why nothing was timed
+    (`skipped`), or None where the loss is not chunked. `fusable`: the chunked loss runs on one
+    process's whole vocabulary with no bias (a vocabulary-sharded loss keeps ATen's kernels
+    between its all-reduces; the fused kernel takes no bias). `timed` False (a plan): what a
+    run here cached, if any."""
+    if value == "compiled" and timed and (why := missing_compiler(device)):
+        raise ConfigError("train.loss_kernel", f"compiled needs inductor: {why}; or set eager")
     if value != "auto":
         return value, None
-    short = micro_steps < MIN_STEPS
-    if not (fusable and shape.chunk) or short or device.type not in ("cpu", "cuda"):
+    if not shape.chunk:
         return "eager", None
+    if why := _not_timed(shape, micro_steps, fusable):
+        return "eager", {"skipped": why}
     key = shape.key(device)
-    if timed:
-        found = cached(
-            "loss_kernel.json", key, lambda: measure_loss_kernel(shape, device), valid=_valid
-        )
-    else:
-        found = peek("loss_kernel.json", key, valid=_valid)
-    return (choose(found, micro_steps), found) if found else ("eager", None)
+    found = peek("loss_kernel.json", key, valid=_valid)
+    if found is not None:
+        return choose(found, micro_steps), found | {"cached": True}
+    if not timed:
+        return "eager", {"skipped": "a plan times nothing, and no run here has timed this shape"}
+    if why := missing_compiler(device):
+        return "eager", {"skipped": why}
+    found = cached(
+        "loss_kernel.json", key, lambda: measure_loss_kernel(shape, device), valid=_valid
+    )
+    return choose(found, micro_steps), found | {"cached": False}
+
+
+def _not_timed(shape: LossShape, micro_steps: int, fusable: bool) -> str:
+    """Why `auto` keeps ATen's kernels without timing ('' where it times)."""
+    if not fusable:
+        return "a vocabulary split over processes, or a head with a bias"
+    if micro_steps < MIN_STEPS:
+        return f"a run of {micro_steps} micro-batches, under {MIN_STEPS}"
+    return ""

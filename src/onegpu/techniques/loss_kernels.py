@@ -36,29 +36,45 @@ def softmax_grad(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, d loss / d logits = softmax - onehot in `out_dtype`) of a chunk, written
-    for inductor: the logits read in their own dtype, the softmax over the first `n_valid`
-    columns (the rest is vocabulary padding, probability 0: its gradient written as zeros),
-    ignored tokens (`valid_c1` False) adding nothing. With padding, inductor keeps the valid
-    columns' fp32 exponentials (one fp32 block where ATen's path keeps two) and computes each
-    once: 25 ms a 1,024 x 50,304 chunk, against 32 ms masking the padding in every pass with
-    no fp32 block, and 45 ms for ATen's kernels (benchmarks/results/loss-kernels-*.md)."""
-    x_cV = logits_cV[:, :n_valid].float()
+    for inductor: the logits read in their own dtype, columns from `n_valid` on (vocabulary
+    padding) at probability 0, ignored tokens (`valid_c1` False) adding nothing.
+
+    Padding, 16-bit logits: the softmax over the valid columns, the padding's gradient written
+    as zeros; inductor then keeps the valid columns' fp32 exponentials (one fp32 block, where
+    ATen's path keeps two) and computes each once, which beats masking the padding in every
+    pass (benchmarks/loss_kernels.py --softmax). fp32 logits are a block of that size already:
+    there the padding is masked in every pass, so no second fp32 block is added to them."""
+    width = logits_cV.shape[1]
+    if n_valid < width and logits_cV.element_size() < 4:
+        loss, g_cV = _valid_softmax_grad(logits_cV[:, :n_valid], safe_t, valid_c1)
+        return loss, F.pad(g_cV, (0, width - n_valid)).to(out_dtype)
+    if n_valid < width:
+        cols_V = torch.arange(width, device=logits_cV.device)
+        logits_cV = logits_cV.masked_fill(cols_V >= n_valid, float("-inf"))
+    loss, g_cV = _valid_softmax_grad(logits_cV, safe_t, valid_c1)
+    return loss, g_cV.to(out_dtype)
+
+
+def _valid_softmax_grad(
+    logits_cV: torch.Tensor, safe_t: torch.Tensor, valid_c1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 math over every column given: max, sum of exponentials, log-sum-exp, the
+    target's logit and softmax - onehot, left to inductor to fuse."""
+    x_cV = logits_cV.float()
     max_c1 = x_cV.amax(dim=1, keepdim=True)
     exp_cV = (x_cV - max_c1).exp()
     sum_c1 = exp_cV.sum(dim=1, keepdim=True)
     valid_c1 = valid_c1.to(torch.float32)
     loss = ((max_c1 + sum_c1.log() - x_cV.gather(1, safe_t)) * valid_c1).sum()
-    cols_V = torch.arange(n_valid, device=x_cV.device)
-    g_cV = exp_cV / sum_c1 - (cols_V == safe_t).to(torch.float32) * valid_c1
-    if n_valid < logits_cV.shape[1]:
-        g_cV = F.pad(g_cV, (0, logits_cV.shape[1] - n_valid))
-    return loss, g_cV.to(out_dtype)
+    cols_V = torch.arange(x_cV.shape[1], device=x_cV.device)
+    return loss, exp_cV / sum_c1 - (cols_V == safe_t).to(torch.float32) * valid_c1
 
 
 def add_product(acc_VD: torch.Tensor, a_VC: torch.Tensor, b_CD: torch.Tensor) -> None:
-    """acc += a @ b, the product made in the inputs' dtype and added into `acc`'s (fp32): one
-    pass where eager makes the 16-bit product, an fp32 copy of it, then the sum."""
-    acc_VD.add_((a_VC @ b_CD).to(acc_VD.dtype))
+    """acc += a @ b, the product made in the inputs' dtype and added in the promoted one (a
+    16-bit product into fp32 gradients): one pass where eager makes the 16-bit product, an fp32
+    copy of it, then the sum."""
+    acc_VD.add_(a_VC @ b_CD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +90,13 @@ _COMPILED: list[LossKernels] = []
 
 
 def compiled_kernels() -> LossKernels:
+    """The kernels compiled (lazily: on their first call), whole graphs or an error: a graph
+    break would run part of them eagerly without a word."""
     if not _COMPILED:
         _COMPILED.append(
             LossKernels(
-                softmax_grad=torch.compile(softmax_grad, dynamic=False),
-                add_product=torch.compile(add_product, dynamic=False),
+                softmax_grad=torch.compile(softmax_grad, dynamic=False, fullgraph=True),
+                add_product=torch.compile(add_product, dynamic=False, fullgraph=True),
             )
         )
     return _COMPILED[0]
@@ -87,3 +105,23 @@ def compiled_kernels() -> LossKernels:
 def kernels_for(name: str) -> LossKernels | None:
     """`train.loss_kernel` as resolved: the compiled kernels, or None (ATen's, eagerly)."""
     return compiled_kernels() if name == "compiled" else None
+
+
+def missing_compiler(device: torch.device) -> str:
+    """Why inductor cannot build kernels for `device` here ('' where it can): no C++ compiler
+    on a CPU, no Triton on a GPU."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed (pip install triton)"
+        return ""
+    if device.type != "cpu":
+        return f"inductor builds no kernels for {device.type}"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - any failure to find one means the same
+        return f"no C++ compiler for inductor ({type(e).__name__}; install g++ or set CXX)"
+    return ""

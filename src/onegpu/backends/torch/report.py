@@ -94,11 +94,14 @@ def loss_kernel_record(built: Built) -> dict[str, Any] | None:
 
 def describe_loss_timing(timing: dict[str, Any]) -> str:
     """The chunked loss's timing, eager against compiled, as the first line shows it."""
+    if "skipped" in timing:
+        return f"not timed: {timing['skipped']}"
     if "failed" in timing:
         return f"compile failed: {timing['failed']}"
+    compile_ = "cached" if timing.get("cached") else f"+{timing['compile_s']:.1f} s to compile"
     return (
         f"a micro-batch's loss: eager {timing['eager_s'] * 1e3:,.0f} ms, compiled "
-        f"{timing['compiled_s'] * 1e3:,.0f} ms, +{timing['compile_s']:.0f} s to compile"
+        f"{timing['compiled_s'] * 1e3:,.0f} ms, {compile_}"
     )
 
 

@@ -151,6 +151,7 @@ def _loss_kernel(
         tokens=cfg.train.micro_batch_size * cfg.train_seq_len,
         d_model=m.d_model,
         vocab=m.padded_vocab,
+        n_valid=m.vocab_size,
         chunk=loss_chunk,
         compute_dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
@@ -160,15 +161,11 @@ def _loss_kernel(
         shape,
         device,
         cfg.train.max_steps * cfg.grad_accum_steps,
-        fusable=cfg.dist.tp == 1 and not head_bias(m),
+        # the fused kernel takes no bias (a Hugging Face head's is found when it is built,
+        # and runs ATen's softmax)
+        fusable=cfg.dist.tp == 1 and not (m.head_bias and not m.hf),
         timed=timed,
     )
-
-
-def head_bias(m: ModelConfig) -> bool:
-    """Whether onegpu's GPT gives its output layer a bias (the fused loss kernel takes none;
-    a Hugging Face head's bias is found when the model is built, and runs ATen's kernels)."""
-    return bool(m.bias and not m.tie_embeddings and not m.hf)
 
 
 def resolve_agreed(
@@ -180,12 +177,16 @@ def resolve_agreed(
     if not ctx.enabled or not timed:
         return resolve(cfg, device, caps, timed=timed)
 
-    def choose() -> dict[str, str]:
-        chosen = resolve(cfg, device, caps).config
-        return {
+    def choose() -> tuple[dict[str, str], dict[str, Any] | None]:
+        resolved = resolve(cfg, device, caps)
+        chosen = resolved.config
+        overrides = {
             "model.attention": chosen.model.attention,
             "memory.loss_chunk": str(chosen.memory.loss_chunk),
             "train.loss_kernel": chosen.train.loss_kernel,
         }
+        return overrides, resolved.loss_kernel_timing
 
-    return resolve(with_overrides(cfg, ctx.on_main(choose)), device, caps)
+    overrides, timing = ctx.on_main(choose)
+    agreed = resolve(with_overrides(cfg, overrides), device, caps)
+    return dataclasses.replace(agreed, loss_kernel_timing=timing)  # for every first line
