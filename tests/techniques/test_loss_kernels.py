@@ -19,20 +19,24 @@ CPU = torch.device("cpu")
 IGNORE = -100
 
 
-def _inputs(param_dtype: torch.dtype, bias: bool = False):
+def _inputs(param_dtype: torch.dtype, bias: bool = False, device: torch.device = CPU):
     """100 tokens (chunks of 32: the last one 4), a vocabulary of 120 padded to 128, every
     seventh target ignored."""
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(100, 24, generator=g).to(param_dtype).requires_grad_()
-    w = (torch.randn(128, 24, generator=g) * 0.5).to(param_dtype).requires_grad_()
-    b = (torch.randn(128, generator=g) * 0.1).to(param_dtype).requires_grad_() if bias else None
+
+    def leaf(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device, param_dtype).requires_grad_()
+
+    h = leaf(torch.randn(100, 24, generator=g))
+    w = leaf(torch.randn(128, 24, generator=g) * 0.5)
+    b = leaf(torch.randn(128, generator=g) * 0.1) if bias else None
     t = torch.randint(0, 120, (100,), generator=g)
     t[::7] = IGNORE
-    return h, w, b, t
+    return h, w, b, t.to(device)
 
 
-def _loss_and_grads(kernels, param_dtype, compute_dtype, bias=False):
-    h, w, b, t = _inputs(param_dtype, bias)
+def _loss_and_grads(kernels, param_dtype, compute_dtype, bias=False, device=CPU):
+    h, w, b, t = _inputs(param_dtype, bias, device)
     loss = ChunkedLinearCrossEntropy.apply(h, w, b, t, 32, compute_dtype, 120, None, kernels)
     loss.backward()
     grads = [h.grad, w.grad] + ([b.grad] if bias else [])
@@ -69,6 +73,20 @@ def test_compiled_kernels_compute_what_aten_computes(param_dtype, compute_dtype,
     for c, e in zip(grads_c, grads_e, strict=True):
         assert c.dtype == e.dtype == param_dtype
         torch.testing.assert_close(c.float(), e.float(), rtol=rtol, atol=rtol * e.abs().max())
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_on_a_gpu_compute_what_aten_computes():
+    """The same kernels built by inductor as Triton kernels: loss and gradients equal ATen's
+    on the GPU (bf16 autocast: fp32 weights, bf16 matmuls)."""
+    cuda = torch.device("cuda")
+    loss_c, grads_c = _loss_and_grads(
+        compiled_kernels(), torch.float32, torch.bfloat16, device=cuda
+    )
+    loss_e, grads_e = _loss_and_grads(None, torch.float32, torch.bfloat16, device=cuda)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for c, e in zip(grads_c, grads_e, strict=True):
+        torch.testing.assert_close(c, e, rtol=1e-2, atol=1e-2 * e.abs().max())
 
 
 def _refuse(*_a, **_k):
