@@ -115,6 +115,39 @@ def test_auto_attention_is_measured_once_then_cached(tiny_cfg, monkeypatch):
     assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == "math"
 
 
+def test_a_plan_takes_what_a_run_chose_under_the_runs_allocator(tiny_cfg, monkeypatch, tmp_path):
+    """`onegpu train` re-executes itself under tcmalloc or mimalloc; `onegpu plan` (and an
+    in-process plan) runs under glibc. A plan first reads the choice a run made under the
+    run's allocator, so it predicts the kernel the run uses; a run reads only its own."""
+    from onegpu.techniques import attention
+    from onegpu.techniques.attention import AttentionCall
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    monkeypatch.setattr(attention, "active_allocator", lambda: "system")
+    monkeypatch.setattr(attention, "run_allocator", lambda: "mimalloc")
+    timed = []
+    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: timed.append(a) or "sdpa")
+    tiny_cfg.model.attention = "auto"
+    call = AttentionCall(batch=3, heads=2, seq_len=tiny_cfg.model.seq_len, head_dim=16)
+    cpu = torch.device("cpu")
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == "sdpa"
+    assert len(timed) == 1  # a run under glibc timed under its own key
+    monkeypatch.setattr(attention, "active_allocator", lambda: "mimalloc")  # a run of `train`
+    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: "plain")
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == "plain"
+    monkeypatch.setattr(attention, "active_allocator", lambda: "system")  # a plan again
+    monkeypatch.setattr(attention, "measure_cpu_attention", _refuse_timing)
+    assert (
+        attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call, timed=False)
+        == "plain"
+    )
+    assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == "sdpa"
+
+
+def _refuse_timing(*a):
+    raise AssertionError("timed although a run's choice was cached")
+
+
 def test_auto_times_the_call_each_process_makes(tiny_cfg, monkeypatch, tmp_path):
     """Timed at the rows' length (data.seq_len, not the model's), at each process's heads
     (1/tp), with packed documents' mask: each is a call of its own in the cache."""
@@ -219,7 +252,8 @@ def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
         enabled = True
 
         def on_main(self, fn):
-            return {"model.attention": "plain", "memory.loss_chunk": "32"}
+            chosen = {"model.attention": "plain", "memory.loss_chunk": "32"}
+            return chosen | {"train.loss_kernel": "eager"}, {"skipped": "rank 0's reason"}
 
     def no_measuring(*a):
         raise AssertionError("timed on a process other than rank 0")
@@ -229,3 +263,6 @@ def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
     resolved = resolve_agreed(tiny_cfg, torch.device("cpu"), None, NotRankZero(), timed=True)
     assert resolved.attention == resolved.config.model.attention == "plain"
     assert resolved.config.memory.loss_chunk == 32
+    # the loss kernel's choice and rank 0's figures, for every process's first line
+    assert resolved.config.train.loss_kernel == "eager"
+    assert resolved.loss_kernel_timing == {"skipped": "rank 0's reason"}

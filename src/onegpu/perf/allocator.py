@@ -121,19 +121,36 @@ def apply() -> str:
     return active_allocator()
 
 
+def _preload() -> tuple[str, str] | None:
+    """(name, library) of the allocator `onegpu train` would preload into this process, or
+    None where it would not (one is preloaded already, it does not apply, none is found)."""
+    choice = _choice()
+    if not _applies() or choice == "glibc-tuned" or os.environ.get(_REEXECED):
+        return None
+    if active_allocator() in ("tcmalloc", "mimalloc"):  # the user preloaded one already
+        return None
+    found = {"tcmalloc": find_tcmalloc, "mimalloc": find_mimalloc}
+    order = [choice] if choice in found else list(found)
+    return next(((name, path) for name in order if (path := found[name]())), None)
+
+
+def run_allocator() -> str:
+    """The allocator `onegpu train` runs under on this machine: the one it would preload, else
+    this process's (a plan, run under glibc, reads the timings a run made under its own)."""
+    preload = _preload()
+    if preload is not None:
+        return preload[0]
+    active = active_allocator()
+    return "glibc-tuned" if active == "system" and _applies() else active
+
+
 def maybe_reexec_with_fast_allocator(argv: list[str]) -> None:
     """Replace this process by the same command with tcmalloc (else the wheel's mimalloc)
     preloaded, when it applies."""
-    choice = _choice()
-    if not _applies() or choice == "glibc-tuned" or os.environ.get(_REEXECED):
+    preload = _preload()
+    if preload is None:
         return
-    if active_allocator() in ("tcmalloc", "mimalloc"):  # the user preloaded one already
-        return
-    found = {"tcmalloc": find_tcmalloc, "mimalloc": find_mimalloc}
-    order = [choice] if choice in found else list(found)
-    lib = next((path for name in order if (path := found[name]())), None)
-    if lib is None:
-        return
+    lib = preload[1]
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
     if lib == find_mimalloc():

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from onegpu.cache import cached
+from onegpu.cache import cached, peek
 from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.blocked_attention import blocked_attention
 from onegpu.models.documents import document_mask, placeholder_positions
 from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
-from onegpu.perf.allocator import active_allocator
+from onegpu.perf.allocator import active_allocator, run_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
@@ -147,25 +147,33 @@ def resolve_attention(
     call: AttentionCall,
     *,
     keeps_products: bool = False,
+    timed: bool = True,
 ) -> str:
     """The implementation `auto` stands for here, timed at `call`; any other setting is
     returned unchanged. Cached per CPU, threads, torch, allocator (kernels time differently
-    under each: docs/cpu-notes.md), dtype, call and candidates. Plans time it too: the
-    kernel decides what a block saves, so a plan must follow the run's choice."""
+    under each: docs/cpu-notes.md), dtype, call and candidates. Plans (`timed` False) time it
+    too, the kernel deciding what a block saves, but first take what a run here chose under
+    the allocator `onegpu train` runs with: a plan must follow the run's choice."""
     if cfg.attention != "auto":
         return cfg.attention
     if device.type != "cpu" or cfg.softmax_dtype != "float32":
         return "sdpa"
     candidates = cpu_candidates(cfg, dtype, seq_len=call.seq_len, keeps_products=keeps_products)
-    key = (
-        f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-        f"|allocator={active_allocator()}|{dtype}|{call.key()}|{'+'.join(candidates)}"
-    )
+
+    def key(allocator: str) -> str:
+        return (
+            f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|allocator={allocator}|{dtype}|{call.key()}|{'+'.join(candidates)}"
+        )
+
+    valid = lambda v: v in candidates  # noqa: E731
+    if not timed and (run_choice := peek("attention.json", key(run_allocator()), valid=valid)):
+        return run_choice
     return cached(
         "attention.json",
-        key,
+        key(active_allocator()),
         lambda: measure_cpu_attention(call, dtype, candidates),
-        valid=lambda v: v in candidates,
+        valid=valid,
     )
 
 

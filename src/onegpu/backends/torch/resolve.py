@@ -106,6 +106,7 @@ def resolve(
             attention_call(cfg, model_cfg),
             # selective checkpointing, alone, per block or as budget's choice
             keeps_products=any(p in cfg.memory.checkpointing for p in SAVES_PRODUCTS),
+            timed=timed and caps_given is None,
         )
     model_cfg = dataclasses.replace(model_cfg, attention=attention)
     loss_chunk = resolve_loss_chunk(
