@@ -111,7 +111,7 @@ def _refuse_loss_kernel(cfg: Config) -> None:
         "loss): set --memory.loss_chunk auto (or a chunk size), or leave train.loss_kernel auto",
     )
     _refuse(
-        compiled and cfg.model.head_bias and not cfg.model.hf,
+        compiled and cfg.model.head_bias,
         "train.loss_kernel",
         "compiled fuses a chunk's softmax without a bias, and this model's untied output layer "
         "has one (model.bias true): leave it auto or set eager, or set --model.bias false",

@@ -75,8 +75,8 @@ class ModelConfig:
 
     @property
     def head_bias(self) -> bool:
-        """Whether onegpu's GPT's output layer has a bias (untied, as in Lippe's tutorial)."""
-        return self.bias and not self.tie_embeddings
+        """Whether onegpu's GPT's output layer has a bias (untied; a model.hf head's is its own)."""
+        return self.bias and not self.tie_embeddings and not self.hf
 
     @property
     def padded_vocab(self) -> int:

@@ -164,7 +164,7 @@ def _loss_kernel(
         cfg.train.max_steps * cfg.grad_accum_steps,
         # the fused kernel takes no bias (a Hugging Face head's is found when it is built,
         # and runs ATen's softmax)
-        fusable=cfg.dist.tp == 1 and not (m.head_bias and not m.hf),
+        fusable=cfg.dist.tp == 1 and not m.head_bias,
         timed=timed,
     )
 
