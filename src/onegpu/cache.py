@@ -79,14 +79,20 @@ def cached(
     *,
     refresh: bool = False,
     valid: Callable[[Any], bool] | None = None,
+    keep: Callable[[Any], bool] | None = None,
 ) -> Any:
     """The value stored under `key` in cache file `name`, measuring (and storing) it if absent
-    or if `valid` rejects what is stored."""
+    or if `valid` rejects what is stored; a measured value `keep` rejects is returned, not
+    stored."""
     path = cache_root() / name
     cache = entries(name)
     stale = key in cache and valid is not None and not valid(cache[key])
     if refresh or key not in cache or stale:
-        cache[key] = measure()
+        value = measure()
+        if keep is not None and not keep(value):
+            return value
+        cache = entries(name)  # what other runs stored while this one measured stays
+        cache[key] = value
         with writing():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

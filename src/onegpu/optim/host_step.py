@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from onegpu.cache import cached, has
+from onegpu.cache import has
+from onegpu.perf.contention import timed_cached
 from onegpu.perf.devices import cpu_peak_key
 
 MEASURED = ("adamw", "sgd", "adamw8bit", "adamw4bit")
@@ -98,10 +99,11 @@ def host_step_rate(
         when = datetime.datetime.now().isoformat(timespec="seconds")
         return {"params_per_s": _measure(name, dtype), "measured": when}
 
-    entry = cached(
+    entry = timed_cached(
         "host-step.json",
         f"{cpu_peak_key(dtype)}|{name}",
         measure,
+        what=f"the host's {name} step",
         refresh=refresh,
         valid=has("params_per_s", text=("measured",)),
     )

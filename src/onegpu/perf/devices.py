@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from onegpu.cache import cached, has
+from onegpu.cache import has
+from onegpu.perf.contention import timed_cached
 from onegpu.perf.cpu import RATE_FLAGS, hardware_key, read_cpuinfo  # noqa: F401 - RATE_FLAGS: API
 from onegpu.perf.peaks import Peak
 
@@ -159,8 +160,13 @@ def cpu_peak(dtype: torch.dtype, *, refresh: bool = False, n: int = 4096) -> Cpu
         return {"flops": flops, "measured": when}
 
     key = cpu_peak_key(dtype)
-    entry = cached(
-        "cpu-peaks.json", key, measure, refresh=refresh, valid=has("flops", text=("measured",))
+    entry = timed_cached(
+        "cpu-peaks.json",
+        key,
+        measure,
+        what=f"the CPU's {dtype} matmul peak",
+        refresh=refresh,
+        valid=has("flops", text=("measured",)),
     )
     return CpuPeak(float(entry["flops"]), key, str(entry["measured"]))
 

@@ -16,6 +16,7 @@ limit"). On a GPU the same calls are timed with the device synchronised around e
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from onegpu.cache import cached, has
+from onegpu.cache import has
+from onegpu.perf.contention import disturbed_message, timed_cached
 from onegpu.perf.devices import device_key, sync
 
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_addmm_activation")
@@ -195,16 +197,22 @@ def matmul_floor(
     `repeat` times (its micro-batches)."""
     counts = Counter(gemms)
     calls: list[tuple[Gemm, int, float]] = []
+    disturbed: list[float] = []
     for gemm, n in counts.items():
         key = f"{timing_key(device)}|{gemm.key()}"
-        entry = cached(
+        entry = timed_cached(
             CACHE_FILE,
             key,
             lambda g=gemm: {"seconds": time_gemm(g, device)},
+            what="the matmul floor",
             refresh=refresh,
             valid=has("seconds"),
+            on_disturbed=disturbed.append,
         )
         seconds = float(entry["seconds"]) * gemm.share
         calls.append((gemm, n * repeat, seconds))
+    if disturbed:
+        what = f"the matmul floor ({len(disturbed)} of its {len(counts)} products)"
+        warnings.warn(disturbed_message(what, CACHE_FILE, max(disturbed)), stacklevel=2)
     total = sum(n * s for _, n, s in calls)
     return Floor(total, sum(g.flops * n for g, n, _ in calls), calls)

@@ -24,13 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from onegpu.cache import cached, peek
+from onegpu.cache import peek
 from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.blocked_attention import blocked_attention
 from onegpu.models.documents import document_mask, placeholder_positions
 from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
 from onegpu.perf.allocator import active_allocator, run_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
+from onegpu.perf.contention import timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
 
@@ -169,10 +170,11 @@ def resolve_attention(
     valid = lambda v: v in candidates  # noqa: E731
     if not timed and (run_choice := peek("attention.json", key(run_allocator()), valid=valid)):
         return run_choice
-    return cached(
+    return timed_cached(
         "attention.json",
         key(active_allocator()),
         lambda: measure_cpu_attention(call, dtype, candidates),
+        what="attention (model.attention auto)",
         valid=valid,
     )
 

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onegpu.cache import cached, peek
+from onegpu.cache import peek
 from onegpu.config import ModelConfig
 from onegpu.data.windows import IGNORE_INDEX
 from onegpu.models.protocol import LossFn
+from onegpu.perf.contention import timed_cached
 from onegpu.perf.devices import device_key, sync
 from onegpu.perf.logits import (  # noqa: F401 - the rule, shared with the JAX backend
     CHUNK_SIZES,
@@ -339,10 +340,11 @@ def resolve_loss_chunk(
     if not timed:  # a plan: what a run here chose, if one did
         found = peek("loss_chunk.json", key, valid=valid_timings)
         return chosen_chunk(found, tokens) if found else UNTIMED_CHUNK
-    found = cached(
+    found = timed_cached(
         "loss_chunk.json",
         key,
         lambda: measure_loss_chunk(tokens, m.d_model, vocab, dtype, device),
+        what="the loss chunk (memory.loss_chunk auto)",
         valid=valid_timings,
     )
     return chosen_chunk(found, tokens)

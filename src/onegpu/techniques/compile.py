@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from onegpu.cache import cached, digest, entries, has, peek
+from onegpu.cache import digest, entries, has, peek
 from onegpu.config import Config, to_dict
 from onegpu.models.protocol import LossFn
+from onegpu.perf.contention import timed_cached
 from onegpu.perf.devices import device_key, sync
 
 
@@ -176,8 +177,12 @@ def _trial(key: str, mode: str, measure: Callable[[], CompileTrial]) -> CompileT
         ran.append(measure())
         return {k: v for k, v in ran[0].as_dict().items() if k not in ("cached", "mode")}
 
-    found = cached(
-        "compile.json", key, run, valid=has("eager_step_s", "compiled_step_s", "compile_s")
+    found = timed_cached(
+        "compile.json",
+        key,
+        run,
+        what=f"compile {mode} (train.compile auto)",
+        valid=has("eager_step_s", "compiled_step_s", "compile_s"),
     )
     if ran:
         return dataclasses.replace(ran[0], mode=mode)

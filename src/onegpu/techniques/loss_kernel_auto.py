@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
-from onegpu.cache import cached, peek
+from onegpu.cache import peek
 from onegpu.config import ConfigError
 from onegpu.perf.allocator import active_allocator
+from onegpu.perf.contention import timed_cached
 from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
 from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels, missing_compiler
@@ -137,8 +138,12 @@ def resolve_loss_kernel(
         return "eager", {"skipped": "a plan times nothing, and no run here has timed this shape"}
     if why := missing_compiler(device):
         return "eager", {"skipped": why}
-    found = cached(
-        "loss_kernel.json", key, lambda: measure_loss_kernel(shape, device), valid=_valid
+    found = timed_cached(
+        "loss_kernel.json",
+        key,
+        lambda: measure_loss_kernel(shape, device),
+        what="the loss kernels (train.loss_kernel auto)",
+        valid=_valid,
     )
     return choose(found, micro_steps), found | {"cached": False}
 

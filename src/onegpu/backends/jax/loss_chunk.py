@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from onegpu.backends.jax.loss import chunked_loss_sum, token_loss_sum
 from onegpu.backends.jax.xla_flags import machine_key
-from onegpu.cache import cached
 from onegpu.config import ModelConfig
+from onegpu.perf.contention import timed_cached
 from onegpu.perf.logits import (
     CHUNK_SIZES,
     chosen_chunk,
@@ -40,10 +40,11 @@ def resolve_loss_chunk(value: int | str, m: ModelConfig, tokens: int, compute: A
         f"jax|{device.platform}|{where}|{jnp.dtype(compute).name}|"
         f"tokens={tokens}|d={m.d_model}|vocab={vocab}"
     )
-    found = cached(
+    found = timed_cached(
         "loss_chunk.json",
         key,
         lambda: measure_loss_chunk(tokens, m.d_model, vocab, compute),
+        what="the loss chunk (jax)",
         valid=valid_timings,
     )
     return chosen_chunk(found, tokens)

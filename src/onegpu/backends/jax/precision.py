@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from onegpu.backends.jax.xla_flags import machine_key
-from onegpu.cache import cached, has
+from onegpu.cache import has
 from onegpu.config import Config
+from onegpu.perf.contention import timed_cached
 
 BF16_MARGIN = 1.1
 """bf16 must run the products this much faster than fp32: the rest of a bf16 step (casts,
@@ -57,7 +58,11 @@ def bf16_pays(cfg: Config) -> bool:
         return True
     shape = products_shape(cfg)
     key = f"{machine_key()}|{list(shape)}"
-    found = cached(
-        "jax-precision.json", key, lambda: measure_products(shape), valid=has("fp32_s", "bf16_s")
+    found = timed_cached(
+        "jax-precision.json",
+        key,
+        lambda: measure_products(shape),
+        what="fp32 against bf16 products (jax precision auto)",
+        valid=has("fp32_s", "bf16_s"),
     )
     return found["fp32_s"] >= BF16_MARGIN * found["bf16_s"]
