@@ -250,6 +250,7 @@ def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
 
     class NotRankZero:
         enabled = True
+        dp_size = 2
 
         def on_main(self, fn):
             chosen = {"model.attention": "plain", "memory.loss_chunk": "32"}

@@ -231,3 +231,45 @@ def test_a_short_run_says_why_its_chunked_loss_was_not_timed(monkeypatch, tmp_pa
     line = describe_auto(built)
     n = 10 * built.cfg.grad_accum_steps
     assert f"loss kernel eager (not timed: a run of {n} micro-batches, under 100)" in line
+
+
+def test_each_data_parallel_process_weighs_the_micro_batches_it_runs(monkeypatch, tmp_path):
+    """Under data parallelism every process compiles the kernels once and runs 1/dp of the
+    run's micro-batches: the compile must pay for itself over those."""
+    from onegpu.backends.torch.resolve import resolve
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    timing = {"eager_s": 0.5, "compiled_s": 0.25, "compile_s": 3.0}
+    monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", lambda *a: dict(timing))
+    cfg = _cfg(**{"train.max_steps": "60", "train.batch_size": "8", "train.micro_batch_size": "4"})
+    assert cfg.train.max_steps * cfg.grad_accum_steps == 120
+    alone = resolve(cfg, CPU)
+    assert alone.config.train.loss_kernel == "compiled"
+    shared = resolve(cfg, CPU, dp=2)
+    assert shared.config.train.loss_kernel == "eager"
+    assert shared.loss_kernel_timing == {"skipped": "a run of 60 micro-batches, under 100"}
+
+
+def test_a_hugging_face_head_with_a_bias_keeps_atens_kernels(monkeypatch, tmp_path, hf_folder):
+    """Phi's output layer has a bias, which the fused kernels do not take: `auto` does not
+    time them and says why, `compiled` is refused in one line; Llama's head has none."""
+    from conftest import hf_overrides
+
+    from onegpu.backends.torch.resolve import resolve
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    timing = {"eager_s": 0.5, "compiled_s": 0.25, "compile_s": 3.0}
+    monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", lambda *a: dict(timing))
+
+    def cfg(arch: str, kernel: str):
+        over = {"memory.loss_chunk": "64", "train.max_steps": "300", "train.loss_kernel": kernel}
+        return load_config(overrides=hf_overrides(hf_folder(arch, weights=False), **over))
+
+    phi = resolve(cfg("phi", "auto"), CPU)
+    assert phi.config.train.loss_kernel == "eager"
+    assert "a head with a bias" in phi.loss_kernel_timing["skipped"]
+    with pytest.raises(ConfigError, match="train.loss_kernel: compiled: the model's output layer"):
+        resolve(cfg("phi", "compiled"), CPU)
+    llama = resolve(cfg("llama", "auto"), CPU)
+    assert llama.config.train.loss_kernel == "compiled"
+    assert llama.loss_kernel_timing == timing | {"cached": False}

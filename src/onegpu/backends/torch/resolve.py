@@ -14,7 +14,7 @@ from onegpu.config import Checkpointing, Config, ConfigError, ModelConfig, parse
 from onegpu.config.data import PACKED
 from onegpu.config.loading import with_overrides
 from onegpu.distributed import DistContext
-from onegpu.models.hf import chunkable_loss, default_attention, resolve_model_config
+from onegpu.models.hf import chunkable_loss, default_attention, hf_head_bias, resolve_model_config
 from onegpu.perf.logits import vocab_shard
 from onegpu.techniques.attention import AttentionCall, resolve_attention
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
@@ -87,11 +87,17 @@ def attention_call(cfg: Config, model_cfg: ModelConfig) -> AttentionCall:
 
 
 def resolve(
-    cfg: Config, device: torch.device, caps: DeviceCaps | None = None, *, timed: bool = True
+    cfg: Config,
+    device: torch.device,
+    caps: DeviceCaps | None = None,
+    *,
+    timed: bool = True,
+    dp: int = 1,
 ) -> Resolved:
     """Precision, attention and the loss chunk for `device` (whose capabilities are `caps`: read
     from the device by default, or from the GPU table when planning for a GPU that is not here).
-    `timed` False (a plan): choices that time kernels take what a run here cached, if any."""
+    `timed` False (a plan): choices that time kernels take what a run here cached, if any.
+    `dp`: the processes that split the batch (each runs 1/dp of the micro-batches)."""
     caps_given, caps = caps, caps or device_caps(device)
     policy = resolve_precision(cfg.train.precision, caps)
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
@@ -120,7 +126,7 @@ def resolve(
         timed=timed and caps_given is None,
     )
     loss_kernel, timing = _loss_kernel(
-        cfg, model_cfg, policy, loss_chunk, device, timed=timed and caps_given is None
+        cfg, model_cfg, policy, loss_chunk, device, timed=timed and caps_given is None, dp=dp
     )
     config = dataclasses.replace(
         cfg,
@@ -146,8 +152,10 @@ def _loss_kernel(
     device: torch.device,
     *,
     timed: bool,
+    dp: int,
 ) -> tuple[str, dict[str, Any] | None]:
-    """`train.loss_kernel` for the chunked loss this run makes, and the timing behind it."""
+    """`train.loss_kernel` for the chunked loss this run makes, and the timing behind it: the
+    compile is paid once per process, for the micro-batches it runs."""
     shape = LossShape(
         tokens=cfg.train.micro_batch_size * cfg.train_seq_len,
         d_model=m.d_model,
@@ -157,14 +165,21 @@ def _loss_kernel(
         compute_dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
     )
+    value, biased = cfg.train.loss_kernel, False
+    if loss_chunk and value != "eager":  # the fused kernels take no bias
+        biased = hf_head_bias(m) if m.hf else m.head_bias
+    if value == "compiled" and biased:  # our GPT's is refused with the config (backends.py)
+        raise ConfigError(
+            "train.loss_kernel",
+            "compiled: the model's output layer has a bias, which the fused kernels do not "
+            "take; use eager or auto",
+        )
     return resolve_loss_kernel(
-        cfg.train.loss_kernel,
+        value,
         shape,
         device,
-        cfg.train.max_steps * cfg.grad_accum_steps,
-        # the fused kernel takes no bias (a Hugging Face head's is found when it is built,
-        # and runs ATen's softmax)
-        fusable=cfg.dist.tp == 1 and not m.head_bias,
+        cfg.train.max_steps * cfg.grad_accum_steps // dp,
+        fusable=cfg.dist.tp == 1 and not biased,
         timed=timed,
     )
 
@@ -175,11 +190,12 @@ def resolve_agreed(
     """resolve(), with the timed `auto` choices (attention, loss chunk and kernels) made by rank 0 and taken
     by every process: processes timing on their own, at once on a shared machine, can pick
     different kernels, and a tensor-parallel layer must run one kernel on every rank."""
+    dp = ctx.dp_size  # 1 without a process group
     if not ctx.enabled or not timed:
-        return resolve(cfg, device, caps, timed=timed)
+        return resolve(cfg, device, caps, timed=timed, dp=dp)
 
     def choose() -> tuple[dict[str, str], dict[str, Any] | None]:
-        resolved = resolve(cfg, device, caps)
+        resolved = resolve(cfg, device, caps, dp=dp)
         chosen = resolved.config
         overrides = {
             "model.attention": chosen.model.attention,
@@ -189,5 +205,5 @@ def resolve_agreed(
         return overrides, resolved.loss_kernel_timing
 
     overrides, timing = ctx.on_main(choose)
-    agreed = resolve(with_overrides(cfg, overrides), device, caps)
+    agreed = resolve(with_overrides(cfg, overrides), device, caps, dp=dp)
     return dataclasses.replace(agreed, loss_kernel_timing=timing)  # for every first line

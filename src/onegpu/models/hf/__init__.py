@@ -8,7 +8,13 @@ from a local folder, through the same build, techniques and step as our GPT.
 - patches.py: the one workaround applied to transformers, isolated and tested
 """
 
-from onegpu.models.hf.adapter import HFModel, build_hf_model, check_head, find_blocks
+from onegpu.models.hf.adapter import (
+    HFModel,
+    build_hf_model,
+    check_head,
+    find_blocks,
+    hf_head_bias,
+)
 from onegpu.models.hf.folder import (
     HFFolder,
     folder_eos_id,
@@ -28,6 +34,7 @@ __all__ = [
     "default_attention",
     "find_blocks",
     "folder_eos_id",
+    "hf_head_bias",
     "load_safetensors_into",
     "open_hf_folder",
     "packaged_models",

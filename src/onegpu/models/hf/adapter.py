@@ -236,6 +236,20 @@ def build_hf_model(cfg: ModelConfig) -> HFModel:
     return model
 
 
+_HEAD_BIAS: dict[tuple[str, str], bool] = {}
+
+
+def hf_head_bias(cfg: ModelConfig) -> bool:
+    """Whether the folder's output layer has a bias (Phi's has; the fused loss kernels take
+    none), read from its architecture built on the meta device: nothing is allocated, and
+    config.json has no field that says it for every architecture. Once per folder."""
+    key = (cfg.hf, cfg.hf_head)
+    if key not in _HEAD_BIAS:
+        with torch.device("meta"):
+            _HEAD_BIAS[key] = build_hf_model(cfg).output_layer().bias is not None
+    return _HEAD_BIAS[key]
+
+
 def check_head(model: HFModel) -> None:
     """Refuse output layers the loss cannot use."""
     out = model.output_layer()
