@@ -126,14 +126,16 @@ def test_a_plan_takes_what_a_run_chose_under_the_runs_allocator(tiny_cfg, monkey
     monkeypatch.setattr(attention, "active_allocator", lambda: "system")
     monkeypatch.setattr(attention, "run_allocator", lambda: "mimalloc")
     timed = []
-    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: timed.append(a) or "sdpa")
+    monkeypatch.setattr(
+        attention, "measure_cpu_attention", lambda *a: timed.append(a) or _timed_as("sdpa")
+    )
     tiny_cfg.model.attention = "auto"
     call = AttentionCall(batch=3, heads=2, seq_len=tiny_cfg.model.seq_len, head_dim=16)
     cpu = torch.device("cpu")
     assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == "sdpa"
     assert len(timed) == 1  # a run under glibc timed under its own key
     monkeypatch.setattr(attention, "active_allocator", lambda: "mimalloc")  # a run of `train`
-    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: "plain")
+    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: _timed_as("plain"))
     assert attention.resolve_attention(tiny_cfg.model, cpu, torch.bfloat16, call) == "plain"
     monkeypatch.setattr(attention, "active_allocator", lambda: "system")  # a plan again
     monkeypatch.setattr(attention, "measure_cpu_attention", _refuse_timing)
@@ -148,6 +150,11 @@ def _refuse_timing(*a):
     raise AssertionError("timed although a run's choice was cached")
 
 
+def _timed_as(name: str) -> dict:
+    """What measure_cpu_attention returns where `name` won."""
+    return {"choice": name, "ms": {"sdpa": 2.0, name: 1.0}}
+
+
 def test_auto_times_the_call_each_process_makes(tiny_cfg, monkeypatch, tmp_path):
     """Timed at the rows' length (data.seq_len, not the model's), at each process's heads
     (1/tp), with packed documents' mask: each is a call of its own in the cache."""
@@ -159,7 +166,7 @@ def test_auto_times_the_call_each_process_makes(tiny_cfg, monkeypatch, tmp_path)
 
     def measure(call, dtype, candidates):
         timed.append(call)
-        return "sdpa"
+        return _timed_as("sdpa")
 
     monkeypatch.setattr(attention, "measure_cpu_attention", measure)
     m = tiny_cfg.model
@@ -197,7 +204,8 @@ def test_packed_rows_are_timed_with_their_documents_mask(monkeypatch):
 
         monkeypatch.setitem(attention._KERNELS, name, recorded)
     candidates = ("sdpa", "plain", "blocked")
-    assert measure_cpu_attention(call, torch.bfloat16, candidates) in candidates
+    found = measure_cpu_attention(call, torch.bfloat16, candidates)
+    assert found["choice"] in candidates and set(found["ms"]) == set(candidates)
     assert set(seen) == set(candidates)
     for masks in seen.values():
         mask = masks[0]
@@ -254,7 +262,11 @@ def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
 
         def on_main(self, fn):
             chosen = {"model.attention": "plain", "memory.loss_chunk": "32"}
-            return chosen | {"train.loss_kernel": "eager"}, {"skipped": "rank 0's reason"}
+            timings = {
+                "loss_kernel_timing": {"skipped": "rank 0's reason"},
+                "attention_timing": _timed_as("plain") | {"cached": False},
+            }
+            return chosen | {"train.loss_kernel": "eager"}, timings
 
     def no_measuring(*a):
         raise AssertionError("timed on a process other than rank 0")
@@ -267,3 +279,25 @@ def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
     # the loss kernel's choice and rank 0's figures, for every process's first line
     assert resolved.config.train.loss_kernel == "eager"
     assert resolved.loss_kernel_timing == {"skipped": "rank 0's reason"}
+    assert resolved.attention_timing == _timed_as("plain") | {"cached": False}
+
+
+def test_the_first_line_gives_the_attention_timing(tiny_cfg, monkeypatch, tmp_path):
+    """The candidates' times behind `auto`'s choice, then `cached` where a run read them."""
+    from onegpu.backends.torch.build import build
+    from onegpu.backends.torch.report import describe_auto
+    from onegpu.techniques import attention
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: _timed_as("plain"))
+    tiny_cfg.model.attention = "auto"
+    built = build(tiny_cfg, torch.device("cpu"), with_data=False)
+    assert built.cfg.model.attention == "plain"
+    timing = "a layer's forward + backward: sdpa 2.0 ms, plain 1.0 ms"
+    assert f"attention plain ({timing})" in describe_auto(built)
+    assert built.resolved.attention_timing == _timed_as("plain") | {"cached": False}
+    monkeypatch.setattr(attention, "measure_cpu_attention", _refuse_timing)
+    again = build(tiny_cfg, torch.device("cpu"), with_data=False)
+    assert f"attention plain ({timing}, cached)" in describe_auto(again)
+    tiny_cfg.model.attention = "sdpa"  # set by hand: nothing to say
+    assert "attention" not in describe_auto(build(tiny_cfg, torch.device("cpu"), with_data=False))

@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,8 +104,9 @@ def pick(median: dict[str, float]) -> str:
 
 def measure_cpu_attention(
     call: AttentionCall, dtype: torch.dtype, candidates: tuple[str, ...]
-) -> str:
-    """The candidate that runs forward+backward of the run's attention fastest (`pick`)."""
+) -> dict[str, Any]:
+    """{'choice': the candidate `pick` takes, 'ms': each one's median forward + backward of
+    the run's attention (one layer's, ms)}."""
     B, H, T, K = call.batch, call.heads, call.seq_len, call.head_dim
     q, k, v = (  # laid out as the model makes them: [B, T, H, K] seen as [B, H, T, K]
         torch.randn(B, T, H, K, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3)
@@ -116,7 +118,8 @@ def measure_cpu_attention(
     for _ in range(ROUNDS):  # interleaved: a busy moment of a shared machine hits all alike
         for name in candidates:
             times[name].append(_fwd_bwd_s(_KERNELS[name], q, k, v, mask))
-    return pick({name: statistics.median(ts) for name, ts in times.items()})
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"choice": pick(median), "ms": {n: round(t * 1e3, 3) for n, t in median.items()}}
 
 
 def cpu_candidates(
@@ -150,15 +153,30 @@ def resolve_attention(
     keeps_products: bool = False,
     timed: bool = True,
 ) -> str:
-    """The implementation `auto` stands for here, timed at `call`; any other setting is
-    returned unchanged. Cached per CPU, threads, torch, allocator (kernels time differently
-    under each: docs/cpu-notes.md), dtype, call and candidates. Plans (`timed` False) time it
-    too, the kernel deciding what a block saves, but first take what a run here chose under
-    the allocator `onegpu train` runs with: a plan must follow the run's choice."""
+    """The implementation `auto` stands for here (attention_choice()); any other setting is
+    returned unchanged."""
+    return attention_choice(cfg, device, dtype, call, keeps_products=keeps_products, timed=timed)[0]
+
+
+def attention_choice(
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    call: AttentionCall,
+    *,
+    keeps_products: bool = False,
+    timed: bool = True,
+) -> tuple[str, dict[str, Any] | None]:
+    """(the implementation, the timing it was picked by: `cached` True where it was read, not
+    run; None where nothing was timed). `auto` is timed at `call`, cached per CPU, threads,
+    torch, allocator (kernels time differently under each: docs/cpu-notes.md), dtype, call and
+    candidates. Plans (`timed` False) time it too, the kernel deciding what a block saves, but
+    first take what a run here chose under the allocator `onegpu train` runs with: a plan must
+    follow the run's choice."""
     if cfg.attention != "auto":
-        return cfg.attention
+        return cfg.attention, None
     if device.type != "cpu" or cfg.softmax_dtype != "float32":
-        return "sdpa"
+        return "sdpa", None
     candidates = cpu_candidates(cfg, dtype, seq_len=call.seq_len, keeps_products=keeps_products)
 
     def key(allocator: str) -> str:
@@ -167,16 +185,25 @@ def resolve_attention(
             f"|allocator={allocator}|{dtype}|{call.key()}|{'+'.join(candidates)}"
         )
 
-    valid = lambda v: v in candidates  # noqa: E731
-    if not timed and (run_choice := peek("attention.json", key(run_allocator()), valid=valid)):
-        return run_choice
-    return timed_cached(
+    def valid(found: Any) -> bool:
+        return (
+            isinstance(found, dict)
+            and found.get("choice") in candidates
+            and isinstance(found.get("ms"), dict)
+        )
+
+    keys = ([key(run_allocator())] if not timed else []) + [key(active_allocator())]
+    for k in keys:
+        if found := peek("attention.json", k, valid=valid):
+            return found["choice"], found | {"cached": True}
+    found = timed_cached(
         "attention.json",
-        key(active_allocator()),
+        keys[-1],
         lambda: measure_cpu_attention(call, dtype, candidates),
         what="attention (model.attention auto)",
         valid=valid,
     )
+    return found["choice"], found | {"cached": False}
 
 
 def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:

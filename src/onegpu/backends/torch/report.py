@@ -64,8 +64,11 @@ def describe(built: Built, out_dir: Path, start: int) -> str:
 
 
 def describe_auto(built: Built) -> str:
-    """What the `auto` loss chunk and compile chose ('' where neither was auto)."""
+    """What the `auto` attention, loss chunk, loss kernel and compile chose ('' where none was
+    auto)."""
     cfg, parts = built.cfg, []
+    if timing := built.resolved.attention_timing:
+        parts.append(f"attention {cfg.model.attention} ({describe_attention_timing(timing)})")
     if built.asked and built.asked.memory.loss_chunk == "auto":
         parts.append(f"loss chunk {cfg.memory.loss_chunk or 'off'}")
     if timing := built.resolved.loss_kernel_timing:
@@ -83,6 +86,12 @@ def describe_auto(built: Built) -> str:
             f"micro-batches (a micro-batch: eager {trial.eager_s * 1e3:,.0f} ms, {timed})"
         )
     return "auto: " + ", ".join(parts) + " | " if parts else ""
+
+
+def describe_attention_timing(timing: dict[str, Any]) -> str:
+    """The candidates' times, as the first line shows them."""
+    times = ", ".join(f"{name} {ms:,.1f} ms" for name, ms in timing["ms"].items())
+    return f"a layer's forward + backward: {times}{', cached' if timing.get('cached') else ''}"
 
 
 def loss_kernel_record(built: Built) -> dict[str, Any] | None:
@@ -147,6 +156,7 @@ def torch_summary(
         "compile_before_s": trials_compile_s(trial),
         "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
         "loss_kernel_auto": loss_kernel_record(built),
+        "attention_auto": built.resolved.attention_timing,
         "floor_s": None if interrupted else run_floor(built, step_s),
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),

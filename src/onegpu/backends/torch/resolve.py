@@ -16,7 +16,7 @@ from onegpu.config.loading import with_overrides
 from onegpu.distributed import DistContext
 from onegpu.models.hf import chunkable_loss, default_attention, hf_head_bias, resolve_model_config
 from onegpu.perf.logits import vocab_shard
-from onegpu.techniques.attention import AttentionCall, resolve_attention
+from onegpu.techniques.attention import AttentionCall, attention_choice
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
 from onegpu.techniques.loss_kernel_auto import LossShape, resolve_loss_kernel
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
@@ -34,6 +34,8 @@ class Resolved:
     config: Config
     loss_kernel_timing: dict[str, Any] | None = None
     """The eager-vs-compiled timing `train.loss_kernel auto` decided from (None: not timed)."""
+    attention_timing: dict[str, Any] | None = None
+    """The kernels' timing `model.attention auto` picked from (None: not timed)."""
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -101,11 +103,12 @@ def resolve(
     caps_given, caps = caps, caps or device_caps(device)
     policy = resolve_precision(cfg.train.precision, caps)
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
+    attention_timing = None
     if cfg.model.hf and cfg.model.attention == "auto":
         # the CPU timing compares our plain kernel, not the model's eager one
         attention = default_attention(cfg.model)
     else:
-        attention = resolve_attention(
+        attention, attention_timing = attention_choice(
             model_cfg,
             device,
             policy.compute_dtype,
@@ -141,6 +144,7 @@ def resolve(
         checkpointing=parse_checkpointing(cfg.memory.checkpointing),
         config=config,
         loss_kernel_timing=timing,
+        attention_timing=attention_timing,
     )
 
 
@@ -194,7 +198,7 @@ def resolve_agreed(
     if not ctx.enabled or not timed:
         return resolve(cfg, device, caps, timed=timed, dp=dp)
 
-    def choose() -> tuple[dict[str, str], dict[str, Any] | None]:
+    def choose() -> tuple[dict[str, str], dict[str, Any]]:
         resolved = resolve(cfg, device, caps, dp=dp)
         chosen = resolved.config
         overrides = {
@@ -202,8 +206,12 @@ def resolve_agreed(
             "memory.loss_chunk": str(chosen.memory.loss_chunk),
             "train.loss_kernel": chosen.train.loss_kernel,
         }
-        return overrides, resolved.loss_kernel_timing
+        timings = {
+            "loss_kernel_timing": resolved.loss_kernel_timing,
+            "attention_timing": resolved.attention_timing,
+        }
+        return overrides, timings
 
-    overrides, timing = ctx.on_main(choose)
+    overrides, timings = ctx.on_main(choose)
     agreed = resolve(with_overrides(cfg, overrides), device, caps, dp=dp)
-    return dataclasses.replace(agreed, loss_kernel_timing=timing)  # for every first line
+    return dataclasses.replace(agreed, **timings)  # rank 0's figures, for every first line
