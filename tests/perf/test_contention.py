@@ -80,6 +80,9 @@ def test_a_quiet_timing_is_cached():
     assert cache.peek("contention-test.json", "quiet") == {"seconds": 1.0}
     assert timed_cached("contention-test.json", "quiet", measure, what="x") == {"seconds": 1.0}
     assert len(calls) == 1
+    # what this process timed is not "cached" to its user, though read back from the file
+    assert contention.measured_here("contention-test.json", "quiet")
+    assert not contention.measured_here("contention-test.json", "never-timed")
 
 
 def test_a_disturbed_timing_is_used_once_per_process_and_never_cached(monkeypatch):

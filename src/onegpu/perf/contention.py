@@ -90,6 +90,8 @@ class RunQueueWatch:
         return share is not None and share > MAX_WAIT_SHARE
 
 
+_MEASURED: set[tuple[str, str]] = set()
+"""(cache file, key) of every timing this process took, stored or not."""
 _UNSTORED: dict[tuple[str, str], Any] = {}
 """Disturbed timings this process took, by (cache file, key): a later call in the process (a
 plan, then the run) reuses one instead of timing again, so that a run makes one choice."""
@@ -113,6 +115,7 @@ def timed_cached(
     watch = RunQueueWatch()
 
     def watched() -> T:
+        _MEASURED.add((name, key))
         with watch.watching():
             return measure()
 
@@ -126,6 +129,12 @@ def timed_cached(
         else:
             warnings.warn(disturbed_message(what, name, share), stacklevel=2)
     return value
+
+
+def measured_here(name: str, key: str) -> bool:
+    """Whether this process took the timing under `key` (a plan before its run, say): what it
+    reads back from the cache is not a cached figure to the user, it was paid for here."""
+    return (name, key) in _MEASURED
 
 
 def disturbed_message(what: str, name: str, share: float) -> str:

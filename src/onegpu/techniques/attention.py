@@ -32,7 +32,7 @@ from onegpu.models.documents import document_mask, placeholder_positions
 from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
 from onegpu.perf.allocator import active_allocator, run_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
-from onegpu.perf.contention import timed_cached
+from onegpu.perf.contention import measured_here, timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
 
@@ -195,7 +195,7 @@ def attention_choice(
     keys = ([key(run_allocator())] if not timed else []) + [key(active_allocator())]
     for k in keys:
         if found := peek("attention.json", k, valid=valid):
-            return found["choice"], found | {"cached": True}
+            return found["choice"], found | {"cached": not measured_here("attention.json", k)}
     found = timed_cached(
         "attention.json",
         keys[-1],
