@@ -65,10 +65,25 @@ def has(*numbers: str, text: tuple[str, ...] = ()) -> Callable[[Any], bool]:
     return valid
 
 
-def peek(name: str, key: str, valid: Callable[[Any], bool] | None = None) -> Any | None:
+PROVISIONAL = "provisional.json"
+"""Values `cached` measured but its `keep` rejected (a timing taken on a busy machine), by
+'<file>|<key>': never read back as measured, but a plan that predicts what a run did follows
+the last run's (`peek(..., provisional=True)`)."""
+
+
+def peek(
+    name: str,
+    key: str,
+    valid: Callable[[Any], bool] | None = None,
+    *,
+    provisional: bool = False,
+) -> Any | None:
     """The value stored under `key` in cache file `name`, or None (also for a value `valid`
-    rejects: a file edited by hand or by another version): never measures."""
+    rejects: a file edited by hand or by another version): never measures. `provisional`:
+    else the last one measured but not kept (PROVISIONAL)."""
     found = entries(name).get(key)
+    if found is None and provisional:
+        found = entries(PROVISIONAL).get(f"{name}|{key}")
     return found if found is not None and (valid is None or valid(found)) else None
 
 
@@ -82,23 +97,30 @@ def cached(
     keep: Callable[[Any], bool] | None = None,
 ) -> Any:
     """The value stored under `key` in cache file `name`, measuring (and storing) it if absent
-    or if `valid` rejects what is stored; a measured value `keep` rejects is returned, not
-    stored."""
-    path = cache_root() / name
+    or if `valid` rejects what is stored; a measured value `keep` rejects is returned and
+    stored apart, as provisional (PROVISIONAL)."""
     cache = entries(name)
     stale = key in cache and valid is not None and not valid(cache[key])
-    if refresh or key not in cache or stale:
-        value = measure()
-        if keep is not None and not keep(value):
-            return value
-        cache = entries(name)  # what other runs stored while this one measured stays
-        cache[key] = value
-        with writing():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)  # atomic: concurrent runs never read half a file
-    return cache[key]
+    if not (refresh or key not in cache or stale):
+        return cache[key]
+    value = measure()
+    if keep is not None and not keep(value):
+        _store(PROVISIONAL, f"{name}|{key}", value)
+    else:
+        _store(name, key, value)
+    return value
+
+
+def _store(name: str, key: str, value: Any) -> None:
+    """`value` under `key` in cache file `name`, beside what other runs stored meanwhile."""
+    path = cache_root() / name
+    cache = entries(name)
+    cache[key] = value
+    with writing():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)  # atomic: concurrent runs never read half a file
 
 
 def digest(what: Any) -> str:

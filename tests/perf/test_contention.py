@@ -92,6 +92,8 @@ def test_a_disturbed_timing_is_used_once_per_process_and_never_cached(monkeypatc
         found = timed_cached("contention-test.json", "busy", measure, what="the test's kernel")
     assert found == {"seconds": 2.0}
     assert cache.peek("contention-test.json", "busy") is None
+    # kept apart: a plan, predicting what the last run did, reads it
+    assert cache.peek("contention-test.json", "busy", provisional=True) == found
     message = str(seen[0].message)
     assert "the test's kernel was timed while other processes held" in message
     assert "contention-test.json does not keep it" in message
@@ -139,6 +141,10 @@ def test_a_value_measured_meanwhile_by_another_run_stays_in_the_file():
     assert cache.peek("contention-test.json", "this-run") == 8
 
 
-def test_a_value_keep_rejects_is_returned_not_stored():
+def test_a_value_keep_rejects_is_returned_and_stored_only_as_provisional():
     assert cache.cached("contention-test.json", "rejected", lambda: 9, keep=lambda v: False) == 9
     assert cache.peek("contention-test.json", "rejected") is None
+    assert cache.peek("contention-test.json", "rejected", provisional=True) == 9
+    # a later measurement that is kept wins, provisional or not
+    assert cache.cached("contention-test.json", "rejected", lambda: 10) == 10
+    assert cache.peek("contention-test.json", "rejected", provisional=True) == 10

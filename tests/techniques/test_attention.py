@@ -257,8 +257,7 @@ def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
     from onegpu.techniques import attention
 
     class NotRankZero:
-        enabled = True
-        dp_size = 2
+        enabled, strategy, dp_size = True, "ddp", 2
 
         def on_main(self, fn):
             chosen = {"model.attention": "plain", "memory.loss_chunk": "32"}

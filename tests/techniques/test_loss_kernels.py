@@ -245,9 +245,46 @@ def test_each_data_parallel_process_weighs_the_micro_batches_it_runs(monkeypatch
     assert cfg.train.max_steps * cfg.grad_accum_steps == 120
     alone = resolve(cfg, CPU)
     assert alone.config.train.loss_kernel == "compiled"
-    shared = resolve(cfg, CPU, dp=2)
+    shared = resolve(cfg, CPU, ctx=_Processes("ddp", dp_size=2))
     assert shared.config.train.loss_kernel == "eager"
     assert shared.loss_kernel_timing == {"skipped": "a run of 60 micro-batches, under 100"}
+
+
+class _Processes:
+    """The parts of a DistContext the resolver reads."""
+
+    enabled = True
+
+    def __init__(self, strategy: str, dp_size: int):
+        self.strategy, self.dp_size = strategy, dp_size
+
+
+@pytest.mark.parametrize(
+    ("strategy", "precision", "weights"),
+    [
+        ("none", "bf16", torch.float32),  # autocast casts each chunk from the fp32 weight
+        ("ddp", "bf16", torch.float32),
+        ("fsdp", "bf16", torch.bfloat16),  # FSDP gathers the weights cast to bf16
+        ("fsdp", "fp32", torch.float32),
+        ("fsdp", "bf16-pure", torch.bfloat16),
+    ],
+)
+def test_the_timed_shape_has_the_weights_the_loss_receives(
+    monkeypatch, tmp_path, strategy, precision, weights
+):
+    from onegpu.backends.torch.resolve import resolve
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    shapes: list[LossShape] = []
+
+    def measure(shape, device):
+        shapes.append(shape)
+        return {"eager_s": 0.5, "compiled_s": 0.25, "compile_s": 3.0}
+
+    monkeypatch.setattr(loss_kernel_auto, "measure_loss_kernel", measure)
+    cfg = _cfg(**{"train.max_steps": "400", "train.precision": precision})
+    resolve(cfg, CPU, ctx=_Processes(strategy, dp_size=1 if strategy == "none" else 2))
+    assert [s.param_dtype for s in shapes] == [weights]
 
 
 def test_a_hugging_face_head_with_a_bias_keeps_atens_kernels(monkeypatch, tmp_path, hf_folder):

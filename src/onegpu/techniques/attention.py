@@ -194,7 +194,7 @@ def attention_choice(
 
     keys = ([key(run_allocator())] if not timed else []) + [key(active_allocator())]
     for k in keys:
-        if found := peek("attention.json", k, valid=valid):
+        if found := peek("attention.json", k, valid=valid, provisional=not timed):
             return found["choice"], found | {"cached": not measured_here("attention.json", k)}
     found = timed_cached(
         "attention.json",

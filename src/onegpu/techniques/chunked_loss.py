@@ -338,7 +338,7 @@ def resolve_loss_chunk(
         return UNTIMED_CHUNK
     key = f"{device_key(device)}|{dtype}|tokens={tokens}|d={m.d_model}|vocab={vocab}"
     if not timed:  # a plan: what a run here chose, if one did
-        found = peek("loss_chunk.json", key, valid=valid_timings)
+        found = peek("loss_chunk.json", key, valid=valid_timings, provisional=True)
         return chosen_chunk(found, tokens) if found else UNTIMED_CHUNK
     found = timed_cached(
         "loss_chunk.json",

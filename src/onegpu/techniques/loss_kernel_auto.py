@@ -131,7 +131,7 @@ def resolve_loss_kernel(
     if why := _not_timed(shape, micro_steps, fusable):
         return "eager", {"skipped": why}
     key = shape.key(device)
-    found = peek("loss_kernel.json", key, valid=_valid)
+    found = peek("loss_kernel.json", key, valid=_valid, provisional=not timed)
     if found is not None:
         return choose(found, micro_steps), found | {"cached": True}
     if not timed:

@@ -14,6 +14,7 @@ from onegpu.config import Checkpointing, Config, ConfigError, ModelConfig, parse
 from onegpu.config.data import PACKED
 from onegpu.config.loading import with_overrides
 from onegpu.distributed import DistContext
+from onegpu.distributed.parallelize import fsdp_mixed_precision
 from onegpu.models.hf import chunkable_loss, default_attention, hf_head_bias, resolve_model_config
 from onegpu.perf.logits import vocab_shard
 from onegpu.techniques.attention import AttentionCall, attention_choice
@@ -94,12 +95,12 @@ def resolve(
     caps: DeviceCaps | None = None,
     *,
     timed: bool = True,
-    dp: int = 1,
+    ctx: DistContext | None = None,
 ) -> Resolved:
     """Precision, attention and the loss chunk for `device` (whose capabilities are `caps`: read
     from the device by default, or from the GPU table when planning for a GPU that is not here).
     `timed` False (a plan): choices that time kernels take what a run here cached, if any.
-    `dp`: the processes that split the batch (each runs 1/dp of the micro-batches)."""
+    `ctx`: the run's processes (None: one), which the loss kernel's timing follows."""
     caps_given, caps = caps, caps or device_caps(device)
     policy = resolve_precision(cfg.train.precision, caps)
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
@@ -129,7 +130,7 @@ def resolve(
         timed=timed and caps_given is None,
     )
     loss_kernel, timing = _loss_kernel(
-        cfg, model_cfg, policy, loss_chunk, device, timed=timed and caps_given is None, dp=dp
+        cfg, model_cfg, policy, loss_chunk, device, timed=timed and caps_given is None, ctx=ctx
     )
     config = dataclasses.replace(
         cfg,
@@ -156,10 +157,16 @@ def _loss_kernel(
     device: torch.device,
     *,
     timed: bool,
-    dp: int,
+    ctx: DistContext | None,
 ) -> tuple[str, dict[str, Any] | None]:
     """`train.loss_kernel` for the chunked loss this run makes, and the timing behind it: the
-    compile is paid once per process, for the micro-batches it runs."""
+    compile is paid once per process, for the micro-batches it runs (1/dp of the run's); FSDP
+    with mixed precision hands the loss its weights and hidden states cast to 16 bits."""
+    dp = ctx.dp_size if ctx is not None else 1
+    weights = policy.param_dtype
+    fsdp = ctx is not None and ctx.strategy == "fsdp"
+    if fsdp and fsdp_mixed_precision(policy.autocast_dtype, policy.param_dtype) is not None:
+        weights = policy.autocast_dtype
     shape = LossShape(
         tokens=cfg.train.micro_batch_size * cfg.train_seq_len,
         d_model=m.d_model,
@@ -167,7 +174,7 @@ def _loss_kernel(
         n_valid=m.vocab_size,
         chunk=loss_chunk,
         compute_dtype=policy.compute_dtype,
-        param_dtype=policy.param_dtype,
+        param_dtype=weights,
     )
     value, biased = cfg.train.loss_kernel, False
     if loss_chunk and value != "eager":  # the fused kernels take no bias
@@ -194,12 +201,11 @@ def resolve_agreed(
     """resolve(), with the timed `auto` choices (attention, loss chunk and kernels) made by rank 0 and taken
     by every process: processes timing on their own, at once on a shared machine, can pick
     different kernels, and a tensor-parallel layer must run one kernel on every rank."""
-    dp = ctx.dp_size  # 1 without a process group
     if not ctx.enabled or not timed:
-        return resolve(cfg, device, caps, timed=timed, dp=dp)
+        return resolve(cfg, device, caps, timed=timed, ctx=ctx)
 
     def choose() -> tuple[dict[str, str], dict[str, Any]]:
-        resolved = resolve(cfg, device, caps, dp=dp)
+        resolved = resolve(cfg, device, caps, ctx=ctx)
         chosen = resolved.config
         overrides = {
             "model.attention": chosen.model.attention,
@@ -213,5 +219,5 @@ def resolve_agreed(
         return overrides, timings
 
     overrides, timings = ctx.on_main(choose)
-    agreed = resolve(with_overrides(cfg, overrides), device, caps, dp=dp)
+    agreed = resolve(with_overrides(cfg, overrides), device, caps, ctx=ctx)
     return dataclasses.replace(agreed, **timings)  # rank 0's figures, for every first line
