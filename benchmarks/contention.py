@@ -5,7 +5,7 @@ perf/contention.py tells the two apart.
         MIMALLOC_PURGE_DELAY=-1 python benchmarks/contention.py [--rounds 2]
 
 Each trial `auto` caches (attention at model B's call, the chunked loss's kernels at B's and
-A's shape, the bf16 matmul peak) runs `--rounds` times quiet and `--rounds` times while another
+A's shape, the bf16 matmul peak, JAX's precision products; needs the `jax` extra) runs `--rounds` times quiet and `--rounds` times while another
 process spins on one core (a plain Python loop, unpinned: what a second job on the machine
 does), alternately. Recorded for each run: the trial's figures, the choice they make, and the
 threads' wait for a CPU over their run time (RunQueueWatch), against MAX_WAIT_SHARE. Nothing
@@ -61,7 +61,15 @@ TRIALS: dict[str, Callable[[], dict[str, Any]]] = {
     "bf16 matmul peak (2,048^3)": lambda: {
         "GFLOP/s": round(measure_matmul_flops(BF16, CPU, n=2048) / 1e9, 1)
     },
+    "JAX precision: B's MLP product, fp32 vs bf16 (4,096 x 384 x 1,536)": lambda: _jax_products(),
 }
+
+
+def _jax_products() -> dict[str, Any]:
+    """XLA's trial for `train.precision auto` on the JAX backend (its threads, not torch's)."""
+    from onegpu.backends.jax.precision import measure_products
+
+    return {k: round(v, 5) for k, v in measure_products((4096, 384, 1536)).items()}
 
 
 def _busy() -> subprocess.Popen:

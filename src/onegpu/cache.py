@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -81,10 +82,14 @@ def peek(
     """The value stored under `key` in cache file `name`, or None (also for a value `valid`
     rejects: a file edited by hand or by another version): never measures. `provisional`:
     else the last one measured but not kept (PROVISIONAL)."""
+
+    def usable(found: Any) -> bool:
+        return found is not None and (valid is None or valid(found))
+
     found = entries(name).get(key)
-    if found is None and provisional:
+    if not usable(found) and provisional:  # missing, or of an older format
         found = entries(PROVISIONAL).get(f"{name}|{key}")
-    return found if found is not None and (valid is None or valid(found)) else None
+    return found if usable(found) else None
 
 
 def cached(
@@ -111,14 +116,22 @@ def cached(
     return value
 
 
+def drop(name: str, key: str) -> None:
+    """Forget what cache file `name` holds under `key` (a figure found stale)."""
+    if key in entries(name):
+        _write(name, {k: v for k, v in entries(name).items() if k != key})
+
+
 def _store(name: str, key: str, value: Any) -> None:
     """`value` under `key` in cache file `name`, beside what other runs stored meanwhile."""
+    _write(name, entries(name) | {key: value})
+
+
+def _write(name: str, cache: dict[str, Any]) -> None:
     path = cache_root() / name
-    cache = entries(name)
-    cache[key] = value
     with writing():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(json.dumps(cache, indent=1))
         os.replace(tmp, path)  # atomic: concurrent runs never read half a file
 

@@ -1,24 +1,28 @@
 """Whether a timing had the CPUs to itself, so that `auto` never caches a choice made on a
 machine that had lost a core.
 
-Every `auto` choice that times kernels (attention, the loss chunk and its kernels, the compile
-modes, the matmul peak) caches its result for good. A trial taken while another process ran on
-the same CPUs measures that process as much as the kernels: on our 2-core EPYC a loss-kernel
-trial timed while a compile ran on the other core found eager and compiled equal (1.63 s each;
-1.07x apart when quiet) and cached "eager" (docs/cpu-notes.md). Interleaving the contestants
-protects their ratio from a machine that is uniformly slower, not from one whose spare core
-comes and goes.
+Every `auto` choice that times kernels in this process (attention, the loss chunk and its
+kernels, the compile modes, the matmul peak and floor, the host optimizer's rate, JAX's
+precision and loss chunk) caches its result for good. A trial taken while another process ran
+on the same CPUs measures that process as much as the kernels: on our 2-core EPYC a
+loss-kernel trial timed while a compile ran on the other core found eager and compiled equal
+(1.63 s each; 1.04 and 0.93 s when quiet) and cached "eager" (docs/cpu-notes.md).
+Interleaving the contestants protects their ratio from a machine that is uniformly slower,
+not from one whose spare core comes and goes.
 
 The signal is Linux's per-thread scheduler statistics (`/proc/self/task/*/schedstat`): the
 time this process's threads ran, and the time they were ready to run but waited for a CPU.
-Quiet, torch's trials wait well under 1% of their run time, whatever the kernels' parallelism
-(a thread that has nothing to do sleeps; it does not wait), XLA's up to ~16% (its thread pools
-hold more threads than cores). With one busy process beside a 2-thread trial it is 37-98%. A cgroup's CPU quota or a hypervisor's steal is not seen (neither is
-another process's); where the file is missing (not Linux), nothing is judged.
+Quiet, torch's trials wait under 4% of their run time whatever the kernels' parallelism (a
+thread that has nothing to do sleeps; it does not wait), XLA's up to 7% (its thread pools
+hold more threads than cores); beside one busy process 40-66%
+(benchmarks/results/contention-2026-11-28*.md). Not seen: a hypervisor's steal, another process's own
+slowness. Not judged: systems without the statistics, and a cgroup with a CPU quota (its
+throttled threads wait too, a wait that says nothing of other processes).
 
 A disturbed timing is still used by the run that took it, with a warning naming it, but is
 not cached as measured: the next run times again. It is kept apart as provisional
-(cache.PROVISIONAL), which only a plan reads: a plan predicts what the last run here did.
+(cache.PROVISIONAL), which only a plan for a run in another process reads
+(`follows_last_run`): such a plan predicts what the last run here did.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from onegpu.cache import cached, peek
+from onegpu.cache import cache_root, cached, drop, peek
+from onegpu.perf.allocator import active_allocator, run_allocator
 
 MAX_WAIT_SHARE = 0.25
 """A timing whose threads waited for a CPU longer than this share of the time they ran is
-disturbed. Measured on a quiet 2-core EPYC: torch's trials <1%; XLA's 9-16%, its own thread
-pools oversubscribing the cores (a wait this cannot tell from another process's). Beside one
-busy process: 37-98% (benchmarks/results/contention-*.md)."""
+disturbed. Measured on a quiet 2-core EPYC: torch's trials under 4%; XLA's up to 7%, its own
+thread pools oversubscribing the cores (a wait this cannot tell from another process's).
+Beside one busy process: 40-66%
+(benchmarks/results/contention-2026-11-28*.md)."""
 MIN_RUN_NS = 50_000_000
 """Below this much run time (all threads) the share is too coarse to judge."""
 
@@ -79,12 +85,15 @@ class RunQueueWatch:
             else:
                 for tid, (ran, waited) in end.items():
                     ran0, waited0 = start.get(tid, (0, 0))  # a thread started meanwhile: all
+                    if ran < ran0 or waited < waited0:  # an id reused by a new thread
+                        ran0 = waited0 = 0
                     self.ran_ns += ran - ran0
                     self.waited_ns += waited - waited0
 
     def wait_share(self) -> float | None:
-        """Waited over ran; None where it cannot be judged (no schedstat, too little run)."""
-        if not self.readable or self.ran_ns < MIN_RUN_NS:
+        """Waited over ran; None where it cannot be judged (no schedstat, too little run, a
+        CPU quota)."""
+        if not self.readable or self.ran_ns < MIN_RUN_NS or cpu_quota():
             return None
         return self.waited_ns / self.ran_ns
 
@@ -94,10 +103,40 @@ class RunQueueWatch:
 
 
 _MEASURED: set[tuple[str, str]] = set()
-"""(cache file, key) of every timing this process took, stored or not."""
+"""(cache file's path, key) of every timing this process took, stored or not."""
 _UNSTORED: dict[tuple[str, str], Any] = {}
-"""Disturbed timings this process took, by (cache file, key): a later call in the process (a
-plan, then the run) reuses one instead of timing again, so that a run makes one choice."""
+"""Disturbed timings this process took, by (cache file's path, key): a later call in the
+process (a plan, then the run) reuses one instead of timing again, so that a run makes one
+choice."""
+
+
+def cpu_quota(
+    cgroups: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> bool:
+    """Whether this process's cgroup caps its CPU time (v2 `cpu.max`, v1 `cfs_quota_us`)."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return False
+    files = []
+    for line in lines:
+        _, controllers, where = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            files.append(cgroups / where.lstrip("/") / "cpu.max")
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own
+            files.append(cgroups / controllers / where.lstrip("/") / "cpu.cfs_quota_us")
+    for f in files:
+        try:
+            limit = f.read_text().split()[0]
+        except (OSError, IndexError):
+            continue
+        if limit not in ("max", "-1"):
+            return True
+    return False
+
+
+def _memo(name: str, key: str) -> tuple[str, str]:
+    return str(cache_root() / name), key
 
 
 def timed_cached(
@@ -113,12 +152,13 @@ def timed_cached(
     """cache.cached() for a measurement that times: stored only where its threads had the CPUs
     (RunQueueWatch). A disturbed one is kept for this process alone and reported: a warning
     naming `what`, or `on_disturbed(wait share)` where given (a caller that times many)."""
-    if not refresh and (name, key) in _UNSTORED and peek(name, key, valid) is None:
-        return _UNSTORED[(name, key)]
+    memo = _memo(name, key)
+    if not refresh and memo in _UNSTORED and peek(name, key, valid) is None:
+        return _UNSTORED[memo]
     watch = RunQueueWatch()
 
     def watched() -> T:
-        _MEASURED.add((name, key))
+        _MEASURED.add(memo)
         with watch.watching():
             return measure()
 
@@ -126,7 +166,9 @@ def timed_cached(
         name, key, watched, refresh=refresh, valid=valid, keep=lambda _: not watch.disturbed()
     )
     if (share := watch.wait_share()) is not None and watch.disturbed():
-        _UNSTORED[(name, key)] = value
+        _UNSTORED[memo] = value
+        if refresh:  # the figure it was to replace is known stale: the next run measures
+            drop(name, key)
         if on_disturbed is not None:
             on_disturbed(share)
         else:
@@ -137,12 +179,20 @@ def timed_cached(
 def measured_here(name: str, key: str) -> bool:
     """Whether this process took the timing under `key` (a plan before its run, say): what it
     reads back from the cache is not a cached figure to the user, it was paid for here."""
-    return (name, key) in _MEASURED
+    return _memo(name, key) in _MEASURED
+
+
+def follows_last_run() -> bool:
+    """Whether a plan here reads provisional timings: where it predicts a run in another
+    process (`onegpu plan`, or any process under another allocator than `onegpu train` runs
+    with). The memory check `onegpu train` makes before its own run does not: the run times
+    again, and the check with it."""
+    return run_allocator() != active_allocator()
 
 
 def disturbed_message(what: str, name: str, share: float) -> str:
     return (
-        f"{what} was timed while other processes held this machine's CPUs (its threads "
-        f"waited for a CPU {share:.0%} of the time they ran): this run uses it, {name} does "
-        "not keep it (plans follow it), and the next run times it again"
+        f"{what} was timed on busy CPUs (its threads waited for one {share:.0%} of the time "
+        f"they ran: another process ran, or more threads than cores): this run uses it, "
+        f"{name} does not keep it, and the next run times it again"
     )

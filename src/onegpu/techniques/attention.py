@@ -32,7 +32,7 @@ from onegpu.models.documents import document_mask, placeholder_positions
 from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
 from onegpu.perf.allocator import active_allocator, run_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
-from onegpu.perf.contention import measured_here, timed_cached
+from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
 
@@ -186,15 +186,15 @@ def attention_choice(
         )
 
     def valid(found: Any) -> bool:
-        return (
-            isinstance(found, dict)
-            and found.get("choice") in candidates
-            and isinstance(found.get("ms"), dict)
-        )
+        if not isinstance(found, dict) or found.get("choice") not in candidates:
+            return False
+        ms = found.get("ms")
+        return isinstance(ms, dict) and all(isinstance(t, (int, float)) for t in ms.values())
 
     keys = ([key(run_allocator())] if not timed else []) + [key(active_allocator())]
     for k in keys:
-        if found := peek("attention.json", k, valid=valid, provisional=not timed):
+        provisional = not timed and follows_last_run()
+        if found := peek("attention.json", k, valid=valid, provisional=provisional):
             return found["choice"], found | {"cached": not measured_here("attention.json", k)}
     found = timed_cached(
         "attention.json",

@@ -24,7 +24,7 @@ from onegpu.cache import peek
 from onegpu.config import ModelConfig
 from onegpu.data.windows import IGNORE_INDEX
 from onegpu.models.protocol import LossFn
-from onegpu.perf.contention import timed_cached
+from onegpu.perf.contention import follows_last_run, timed_cached
 from onegpu.perf.devices import device_key, sync
 from onegpu.perf.logits import (  # noqa: F401 - the rule, shared with the JAX backend
     CHUNK_SIZES,
@@ -338,7 +338,7 @@ def resolve_loss_chunk(
         return UNTIMED_CHUNK
     key = f"{device_key(device)}|{dtype}|tokens={tokens}|d={m.d_model}|vocab={vocab}"
     if not timed:  # a plan: what a run here chose, if one did
-        found = peek("loss_chunk.json", key, valid=valid_timings, provisional=True)
+        found = peek("loss_chunk.json", key, valid=valid_timings, provisional=follows_last_run())
         return chosen_chunk(found, tokens) if found else UNTIMED_CHUNK
     found = timed_cached(
         "loss_chunk.json",

@@ -15,7 +15,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 from onegpu.cache import peek
 from onegpu.config import ConfigError
 from onegpu.perf.allocator import active_allocator
-from onegpu.perf.contention import timed_cached
+from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
 from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels, missing_compiler
@@ -26,6 +26,7 @@ kernels costs seconds that a short run does not win back."""
 MIN_GAIN = 1.02
 """The compiled kernels are kept only where the chunked loss runs at least this much faster
 (two timings of one kernel differ by about 1%)."""
+CACHE = "loss_kernel.json"
 ROUNDS = 4
 """Timed rounds, eager and compiled interleaved; the first warms up (the compiled one compiles)."""
 
@@ -131,15 +132,15 @@ def resolve_loss_kernel(
     if why := _not_timed(shape, micro_steps, fusable):
         return "eager", {"skipped": why}
     key = shape.key(device)
-    found = peek("loss_kernel.json", key, valid=_valid, provisional=not timed)
+    found = peek(CACHE, key, valid=_valid, provisional=not timed and follows_last_run())
     if found is not None:
-        return choose(found, micro_steps), found | {"cached": True}
+        return choose(found, micro_steps), found | {"cached": not measured_here(CACHE, key)}
     if not timed:
         return "eager", {"skipped": "a plan times nothing, and no run here has timed this shape"}
     if why := missing_compiler(device):
         return "eager", {"skipped": why}
     found = timed_cached(
-        "loss_kernel.json",
+        CACHE,
         key,
         lambda: measure_loss_kernel(shape, device),
         what="the loss kernels (train.loss_kernel auto)",

@@ -5,6 +5,7 @@ chunk and its kernels), each decided by its own technique module. `train.compile
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,11 +181,12 @@ def _loss_kernel(
     if loss_chunk and value != "eager":  # the fused kernels take no bias
         biased = hf_head_bias(m) if m.hf else m.head_bias
     if value == "compiled" and biased:  # our GPT's is refused with the config (backends.py)
-        raise ConfigError(
-            "train.loss_kernel",
-            "compiled: the model's output layer has a bias, which the fused kernels do not "
-            "take; use eager or auto",
+        warnings.warn(  # a run folder's config.toml may say so (auto chose it before d1584d4)
+            "train.loss_kernel compiled: the model's output layer has a bias, which the fused "
+            "kernels do not take; ATen's run (eager)",
+            stacklevel=2,
         )
+        value = "eager"
     return resolve_loss_kernel(
         value,
         shape,
