@@ -246,6 +246,7 @@ def recheck_peak(built: Built, summary: dict[str, Any]) -> None:
     warnings.warn(
         f"MFU {summary['mfu']:.0%} exceeds the cached CPU matmul peak "
         f"({summary['peak_flops'] / 1e9:,.0f} GFLOP/s): measured again, "
-        f"{fresh / 1e9:,.0f} GFLOP/s, for the next runs (onegpu info shows it)",
+        f"{fresh / 1e9:,.0f} GFLOP/s (kept for the next runs unless timed on busy CPUs; "
+        "onegpu info shows what is kept)",
         stacklevel=1,
     )
