@@ -144,20 +144,6 @@ def cpu_candidates(
     return tuple(names)
 
 
-def resolve_attention(
-    cfg: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    call: AttentionCall,
-    *,
-    keeps_products: bool = False,
-    timed: bool = True,
-) -> str:
-    """The implementation `auto` stands for here (attention_choice()); any other setting is
-    returned unchanged."""
-    return attention_choice(cfg, device, dtype, call, keeps_products=keeps_products, timed=timed)[0]
-
-
 def attention_choice(
     cfg: ModelConfig,
     device: torch.device,
@@ -167,8 +153,9 @@ def attention_choice(
     keeps_products: bool = False,
     timed: bool = True,
 ) -> tuple[str, dict[str, Any] | None]:
-    """(the implementation, the timing it was picked by: `cached` True where it was read, not
-    run; None where nothing was timed). `auto` is timed at `call`, cached per CPU, threads,
+    """(the implementation `model.attention` stands for here, the timing it was picked by:
+    `cached` True where it was read, not run; None where nothing was timed; any setting but
+    `auto` is returned unchanged). `auto` is timed at `call`, cached per CPU, threads,
     torch, allocator (kernels time differently under each: docs/cpu-notes.md), dtype, call and
     candidates. Plans (`timed` False) time it too, the kernel deciding what a block saves, but
     first take what a run here chose under the allocator `onegpu train` runs with: a plan must
@@ -192,8 +179,8 @@ def attention_choice(
         return isinstance(ms, dict) and all(isinstance(t, (int, float)) for t in ms.values())
 
     keys = ([key(run_allocator())] if not timed else []) + [key(active_allocator())]
+    provisional = not timed and follows_last_run()
     for k in keys:
-        provisional = not timed and follows_last_run()
         if found := peek("attention.json", k, valid=valid, provisional=provisional):
             return found["choice"], found | {"cached": not measured_here("attention.json", k)}
     found = timed_cached(
