@@ -70,6 +70,25 @@ def test_planned_peak_is_within_10_percent_of_the_measured_one(over):
     assert plan.memory["peak"] == pytest.approx(measured["peak"], rel=0.10)
 
 
+def test_the_measured_step_runs_the_kernels_its_plan_followed(monkeypatch):
+    """A plan made outside `onegpu train`'s process follows the last run's choice, even one
+    not kept for a busy CPU; a run here would time its own. The CI run that found this: the
+    plan followed "blocked", the measured step timed "sdpa", and they were 11% apart."""
+    from onegpu.backends.torch import resolve as resolve_module
+
+    def by_whether_timed(model_cfg, device, dtype, call, *, keeps_products, timed):
+        if model_cfg.attention != "auto":
+            return model_cfg.attention, None
+        return ("sdpa" if timed else "blocked"), None
+
+    monkeypatch.setattr(resolve_module, "attention_choice", by_whether_timed)
+    cfg = _cfg(**{"memory.checkpointing": "block"})
+    plan = plan_memory(cfg)
+    built, measured = measure_real_step(cfg)
+    assert built.cfg.model.attention == "blocked"
+    assert plan.memory["peak"] == pytest.approx(measured["peak"], rel=0.10)
+
+
 @pytest.mark.slow  # torchao's low-bit steps compile on first use (~20 s)
 @pytest.mark.parametrize(
     ("optimizer", "precision"), [("adamw8bit", "bf16-pure"), ("adamw4bit", "fp32")]

@@ -14,6 +14,7 @@ import torch
 
 from onegpu.backends.torch.build import Built, build
 from onegpu.backends.torch.loader import classification_targets, count_targets
+from onegpu.backends.torch.resolve import resolve, resolve_device
 from onegpu.backends.torch.step import StepOutput
 from onegpu.config import Config
 from onegpu.distributed.parallelize import local_tensor
@@ -70,11 +71,25 @@ def measure_step(
     return outputs[0], memory
 
 
+def planned_kernels(cfg: Config) -> Config:
+    """`cfg` with the kernels a plan of it picks (attention, loss chunk and loss kernel) set,
+    and compile off, as the planner follows the eager step. A plan made in a process that is
+    not the run reads what the last `onegpu train` here chose, even a timing not kept for a
+    busy CPU; the measured step must run those kernels rather than time its own, or a plan
+    that followed "blocked" is measured against an "sdpa" step (11% apart at tiny's size)."""
+    planned = resolve(cfg, resolve_device(cfg.train.device), timed=False).config
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, attention=planned.model.attention),
+        train=dataclasses.replace(cfg.train, compile="none", loss_kernel=planned.train.loss_kernel),
+        memory=dataclasses.replace(cfg.memory, loss_chunk=planned.memory.loss_chunk),
+    )
+
+
 def measure_real_step(cfg: Config) -> tuple[Built, dict[str, Any]]:
-    """Two steps on random tokens (the first creates optimizer states), the second measured.
-    Eager, as the planner follows it (compile changes kernels, and `auto` would time it)."""
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile="none"))
-    built = build(cfg, with_data=False)
+    """Two steps on random tokens (the first creates optimizer states), the second measured,
+    running the kernels the planner follows (planned_kernels)."""
+    built = build(planned_kernels(cfg), with_data=False)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train_seq_len + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     if built.classes:
