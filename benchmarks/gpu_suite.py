@@ -376,7 +376,8 @@ def _speed_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
                       horizon=HORIZON)  # fmt: skip
         row["onegpu"] = {"tokens_per_s": one["tokens_per_s"], "mfu": one["mfu"],
                          "peak": one["peak_mem_bytes"], "compile_time_s": one["compile_time_s"],
-                         "compile": one["compile"], "planned_peak": None,
+                         "compile": one["compile"], "compile_auto": one["compile_auto"],
+                         "planned_peak": None,
                          "predicted_tokens_per_s": None}  # fmt: skip
         try:  # a plan that fails is a finding beside the row, not the loop's end
             plan = plan_of()

@@ -85,7 +85,25 @@ def _speed(rows: list[dict[str, Any]]) -> list[str]:
                      f"{o['mfu'] or 0:.1%} | "
                      f"{_gib(o['peak'])} ({_gib(o['planned_peak'])}) | {lp['tokens_per_s']:,.0f} | "
                      f"{lp['mfu'] or 0:.1%} | {_gib(lp['peak'])} | {r['ratio']:.2f}x |")  # fmt: skip
-    return lines + [""]
+    return lines + [""] + _compile_decisions(rows)
+
+
+def _compile_decisions(rows: list[dict[str, Any]]) -> list[str]:
+    """Why `train.compile auto` chose what it did in each speed row: the trial's figures, or
+    why it timed no compiled step at all."""
+    lines = []
+    for r in rows:
+        trial = (r.get("onegpu") or {}).get("compile_auto")
+        if not trial:
+            continue
+        if trial.get("skipped"):
+            why = f"no compiled trial: {trial['skipped']}"
+        else:
+            why = (f"a micro-batch {_ms(trial['eager_step_s'])} ms eager, "
+                   f"{_ms(trial['compiled_step_s'])} ms compiled ({trial['mode']}), "
+                   f"{trial['compile_s']:.0f} s to compile")  # fmt: skip
+        lines.append(f"- {r['model']}: compile {trial.get('chosen', '?')}: {why}")
+    return ["`train.compile auto` in each row:", ""] + lines + [""] if lines else []
 
 
 SECTIONS = {"tests": _tests, "memory": _memory, "overlap": _overlap, "speed": _speed}

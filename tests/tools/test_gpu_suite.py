@@ -20,6 +20,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 from gpu_lease import Budget  # noqa: E402
 from gpu_suite import _trace_overlap  # noqa: E402
+from gpu_suite_report import markdown  # noqa: E402
 
 
 def _suite(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
@@ -93,6 +94,27 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
         "exposed_s": pytest.approx(1e-4),
     }
     assert math.isnan(_trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"])  # no kernels
+
+
+def test_the_speed_table_says_why_compile_auto_chose():
+    """The H200's first speed rows ran A and B eager against a loop 1.4-1.65x faster, and the
+    result file could not say why: each row now carries `train.compile auto`'s figures."""
+    loop = {"tokens_per_s": 2.0, "peak": 1, "mfu": None}
+    skipped = {"eager_step_s": 0.01, "compiled_step_s": float("nan"), "compile_s": float("nan"),
+               "mode": "none", "chosen": "none",
+               "skipped": "5000 micro-batches of 10 ms could save at most 19 s"}  # fmt: skip
+    timed = {"eager_step_s": 0.5, "compiled_step_s": 0.4, "compile_s": 42.0, "mode": "default",
+             "chosen": "default"}  # fmt: skip
+    rows = [
+        {"model": m, "ratio": 0.5, "loop": loop,
+         "onegpu": {"tokens_per_s": 1.0, "compile": t["chosen"], "mfu": None, "peak": 1,
+                    "planned_peak": 1, "compile_auto": t}}
+        for m, t in (("A", skipped), ("1B", timed))
+    ]  # fmt: skip
+    env = {"device": "d", "date": "x", "torch": "t", "cuda": "c", "cpu": "p"}
+    md = markdown({"environment": env, "command": "c", "speed": rows})
+    assert "- A: compile none: no compiled trial: 5000 micro-batches of 10 ms" in md
+    assert "- 1B: compile default: a micro-batch 500.0 ms eager, 400.0 ms compiled (default), 42 s to compile" in md  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -203,6 +203,7 @@ def measured_row(out: Path) -> dict[str, Any]:
         "offload": summary.get("offload"),
         "compile_time_s": summary.get("compile_time_s"),
         "compile": summary["config"]["train"]["compile"],  # what `auto` decided
+        "compile_auto": summary.get("compile_auto"),  # and from what (None: not auto)
         "mfu": summary.get("mfu"),
         "precision": summary["precision"],
         "model": _model_line(summary),
