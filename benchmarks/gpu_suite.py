@@ -230,7 +230,8 @@ def _trace_overlap(
     trace: dict[str, Any], host_ns: list[tuple[int, int]], anchor_ns: int
 ) -> dict[str, float]:
     """One in-backward step: the host steps' total time, and the part of it after the compute
-    stream's last kernel (exposed: backward was done and waited for the host), in seconds.
+    stream's last kernel (exposed: backward was done and waited for the host), in seconds; the
+    link's too: the copies' (`gpu_memcpy`) total time and the part after that kernel.
     The compute stream is the one with the most kernels: the side stream's own kernels (a
     weight sent back and cast to bf16) follow each host step and would hide it. The host steps
     run on a worker thread the profiler does not follow, so they are timed by `perf_counter_ns`
@@ -239,15 +240,27 @@ def _trace_overlap(
     total = sum(end - start for start, end in host_ns) / 1e9
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     anchors = [e["ts"] for e in events if e.get("name") == "onegpu.anchor"]
+    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("cat") == "gpu_memcpy" and "dur" in e]  # fmt: skip
+    link = {"link_s": sum(end - start for start, end in copies) / 1e6, "copies": len(copies)}
     if not host_ns or not kernels or not anchors:
-        return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": float("nan")}
+        nan = float("nan")
+        return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": nan,
+                "link_exposed_s": nan} | link  # fmt: skip
     streams = Counter(e.get("args", {}).get("stream") for e in kernels)
     compute = streams.most_common(1)[0][0]
     last = max(e["ts"] + e["dur"] for e in kernels if e.get("args", {}).get("stream") == compute)
     offset_us = anchor_ns / 1e3 - anchors[0]  # trace ts = perf_counter us - offset
     last_us = last + offset_us  # on the host's clock
-    exposed_us = sum(max(0.0, end / 1e3 - max(start / 1e3, last_us)) for start, end in host_ns)
-    return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": exposed_us / 1e6}
+    exposed_us = sum(_after(start / 1e3, end / 1e3, last_us) for start, end in host_ns)
+    link_exposed_us = sum(_after(start, end, last) for start, end in copies)  # the trace's clock
+    return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": exposed_us / 1e6,
+            "link_exposed_s": link_exposed_us / 1e6} | link  # fmt: skip
+
+
+def _after(start: float, end: float, mark: float) -> float:
+    """How much of [start, end] lies after `mark`."""
+    return max(0.0, end - max(start, mark))
 
 
 @contextlib.contextmanager

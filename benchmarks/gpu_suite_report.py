@@ -65,9 +65,12 @@ def _overlap(o: dict[str, Any]) -> list[str]:
         return lines + [""]
     if why := _not_run(tr):
         return lines + ["", f"Trace of one in-backward step: {why}", ""]
+    link = ("" if "link_s" not in tr else
+            f" The link: {tr['copies']} copies, {_ms(tr['link_s'])} ms, "
+            f"{_ms(tr['link_exposed_s'])} ms of it after that kernel.")  # fmt: skip
     return lines + ["", f"Trace of one in-backward step: {tr.get('host_steps')} host steps, "
                     f"{_ms(tr.get('host_step_s'))} ms of host stepping, {_ms(tr.get('exposed_s'))} "
-                    f"ms of it after the compute stream's last kernel.", ""]  # fmt: skip
+                    f"ms of it after the compute stream's last kernel.{link}", ""]  # fmt: skip
 
 
 def _speed(rows: list[dict[str, Any]]) -> list[str]:

@@ -76,7 +76,8 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
     """The anchor range puts perf_counter times on the trace's clock: anchor at trace 1,000 us
     = 5,000 us on the host; the compute stream's last kernel ends at trace 1,500 us = 5,500 us.
     Of two host steps, 5,000-5,100 us overlaps backward and 5,400-5,600 us runs 100 us past
-    it. The side stream's cast of the weight sent back (trace 1,700 us) is not backward."""
+    it. The side stream's cast of the weight sent back (trace 1,700 us) is not backward. Of the
+    link's 90 us of copies, the one ending at 1,520 us runs 20 us past backward."""
     kernel = {"cat": "kernel", "name": "gemm", "args": {"stream": 7}}
     trace = {
         "traceEvents": [
@@ -84,6 +85,8 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
             kernel | {"ts": 1300.0, "dur": 100.0},
             kernel | {"ts": 1400.0, "dur": 100.0},
             {"cat": "kernel", "name": "cast", "args": {"stream": 20}, "ts": 1700.0, "dur": 5.0},
+            {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 1350.0, "dur": 50.0},
+            {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1480.0, "dur": 40.0},
         ]
     }
     spans = [(5_000_000, 5_100_000), (5_400_000, 5_600_000)]
@@ -92,6 +95,9 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
         "host_step_s": pytest.approx(3e-4),
         "host_steps": 2,
         "exposed_s": pytest.approx(1e-4),
+        "link_s": pytest.approx(9e-5),
+        "copies": 2,
+        "link_exposed_s": pytest.approx(2e-5),  # the copy back after backward: 1,500-1,520 us
     }
     assert math.isnan(_trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"])  # no kernels
 
