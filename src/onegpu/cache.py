@@ -17,6 +17,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: writes are atomic, but a concurrent one may be lost
+    fcntl = None  # type: ignore[assignment]
+
 
 def cache_root(cache_dir: str = "") -> Path:
     """`cache_dir` if given, else $ONEGPU_CACHE, else ~/.cache/onegpu: one place for every cache."""
@@ -113,18 +118,39 @@ def cached(
         _store(PROVISIONAL, f"{name}|{key}", value)
     else:
         _store(name, key, value)
+        drop(PROVISIONAL, f"{name}|{key}")  # measured and kept: the guess is spent
     return value
 
 
 def drop(name: str, key: str) -> None:
     """Forget what cache file `name` holds under `key` (a figure found stale)."""
-    if key in entries(name):
+    if key not in entries(name):
+        return
+    with _locked(name):
         _write(name, {k: v for k, v in entries(name).items() if k != key})
 
 
 def _store(name: str, key: str, value: Any) -> None:
     """`value` under `key` in cache file `name`, beside what other runs stored meanwhile."""
-    _write(name, entries(name) | {key: value})
+    with _locked(name):
+        _write(name, entries(name) | {key: value})
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """Cache file `name` to this writer alone, across processes and threads, from its read to
+    its replacement: two runs timing at once (torchrun's ranks, a plan beside a run) otherwise
+    both read the file, and the later write loses the earlier one's value. A POSIX lock on a
+    file beside it (`flock`, released when the file closes, even by a killed process); none
+    where the platform has none."""
+    path = cache_root() / f"{name}.lock"
+    with writing():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.open("a")
+    with lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _write(name: str, cache: dict[str, Any]) -> None:

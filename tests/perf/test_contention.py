@@ -2,6 +2,7 @@
 (perf/contention.py): the scheduler's per-thread wait, read around the measurement."""
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -166,6 +167,22 @@ def test_a_value_measured_meanwhile_by_another_run_stays_in_the_file():
     assert cache.peek("contention-test.json", "this-run") == 8
 
 
+def test_runs_storing_at_once_lose_none_of_each_others_values(tmp_path):
+    """Four processes store 25 values each into one cache file at the same time (torchrun's
+    ranks, or a plan beside a run, timing at once): every value is in the file after."""
+    script = (
+        "import sys\n"
+        "from onegpu import cache\n"
+        "for i in range(25):\n"
+        "    cache.cached('shared.json', f'{sys.argv[1]}-{i}', lambda: i)\n"
+    )
+    env = {**os.environ, "ONEGPU_CACHE": str(tmp_path)}
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(n)], env=env) for n in range(4)]
+    assert all(w.wait(timeout=120) == 0 for w in writers)
+    stored = json.loads((tmp_path / "shared.json").read_text())
+    assert stored == {f"{n}-{i}": i for n in range(4) for i in range(25)}
+
+
 def test_a_value_keep_rejects_is_returned_and_stored_only_as_provisional():
     assert cache.cached("contention-test.json", "rejected", lambda: 9, keep=lambda v: False) == 9
     assert cache.peek("contention-test.json", "rejected") is None
@@ -173,6 +190,7 @@ def test_a_value_keep_rejects_is_returned_and_stored_only_as_provisional():
     # a later measurement that is kept wins, provisional or not
     assert cache.cached("contention-test.json", "rejected", lambda: 10) == 10
     assert cache.peek("contention-test.json", "rejected", provisional=True) == 10
+    assert "contention-test.json|rejected" not in cache.entries(cache.PROVISIONAL)  # spent
 
 
 def test_a_disturbed_refresh_forgets_the_figure_it_was_to_replace(monkeypatch):
