@@ -56,6 +56,8 @@ BASE = {"model.dropout": "0", "data.bin_dtype": "uint16", "train.compile": "none
         # the peak is the caching allocator's either way: no profiled step, no startup plan
         "train.measure_memory": "false", "train.skip_memory_check": "true"}  # fmt: skip
 GPT2 = {"__preset": "gpt2", "train.batch_size": "8", "train.micro_batch_size": "8"}
+WORK = "{work}"
+"""Stands for the suite's work folder in a row's overrides (the disk tier's files go there)."""
 MEMORY_GRID: list[tuple[str, dict[str, str]]] = [
     ("bf16", {}),
     ("fp32, block checkpointing", {"train.precision": "fp32", "memory.checkpointing": "block"}),
@@ -69,6 +71,8 @@ MEMORY_GRID: list[tuple[str, dict[str, str]]] = [
       "train.micro_batch_size": "4"}),
     ("activations on the host", {"memory.offload_activations": "true"}),
     ("weights on the host (FSDP2 CPU offload)", {"memory.offload_params": "true"}),
+    ("optimizer on disk (weight copies and states in mapped files)",
+     {"memory.offload_optimizer": "true", "memory.offload_dir": f"{WORK}/offload"}),
     ("states on the host, stepped on the GPU, in backward, 8-bit",
      {"memory.offload_states": "true", "optim.in_backward": "true", "optim.grad_clip": "0",
       "train.precision": "bf16-pure", "optim.name": "adamw8bit"}),
@@ -87,8 +91,9 @@ SPEED_MODELS = {
     "B": {"n_layer": 6, "n_head": 6, "d_model": 384, "seq_len": 256, "vocab_size": 8192, "batch": 16},
     "1B": {"n_layer": 20, "n_head": 16, "d_model": 2048, "seq_len": 1024, "vocab_size": 50257, "batch": 8},
 }  # fmt: skip
-SPEED_GUESS_S = {"1B": 300.0}
-"""The least a speed row of this model is taken to need, whatever A and B took."""
+SPEED_GUESS_S = {"1B": 180.0}
+"""The least a speed row of this model is taken to need, whatever A and B took (the H200's
+1B row took 146 s: benchmarks/results/gpu-nvidia-h200-2026-11-28-2.md)."""
 HORIZON = 5000
 """The speed rows' run length: onegpu's `auto` decides (compiles) as for a real run of this
 many steps, stopped gracefully once its timed steps are done (the loop is timed after its own
@@ -114,7 +119,7 @@ def _tokens_file(folder: Path, vocab: int) -> Path:
 
 
 def _overrides(base: dict[str, str], extra: dict[str, str], work: Path) -> tuple[str, dict]:
-    over = {**BASE, **base, **extra}
+    over = {k: v.replace(WORK, str(work)) for k, v in {**BASE, **base, **extra}.items()}
     preset = over.pop("__preset", "tiny")
     vocab = int(over.get("model.vocab_size", 50257 if preset.startswith("gpt2") else 256))
     over["data.source"] = str(_tokens_file(work, vocab))
@@ -229,33 +234,60 @@ def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _trace_overlap(
     trace: dict[str, Any], host_ns: list[tuple[int, int]], anchor_ns: int
 ) -> dict[str, float]:
-    """One in-backward step: the host steps' total time, and the part of it after the compute
-    stream's last kernel (exposed: backward was done and waited for the host), in seconds; the
-    link's too: the copies' (`gpu_memcpy`) total time and the part after that kernel.
-    The compute stream is the one with the most kernels: the side stream's own kernels (a
-    weight sent back and cast to bf16) follow each host step and would hide it. The host steps
-    run on a worker thread the profiler does not follow, so they are timed by `perf_counter_ns`
-    and placed on the trace's clock through the `onegpu.anchor` range, marked at `anchor_ns`."""
+    """One in-backward step, in seconds: the host steps' total time and the part of it after
+    the compute stream's last kernel (exposed: backward was done and waited for the host); the
+    compute stream's span; the link's copies (`gpu_memcpy`) each way, gradients out (DtoH) and
+    weights back (HtoD), and the part of each after that kernel.
+    The compute stream is the one the step's own thread launched most kernels on (the thread
+    of the `onegpu.anchor` range; where the trace links no launches, the stream with the most
+    kernels): the side stream's kernels (a weight sent back and cast to bf16, or states
+    stepped on the GPU) follow each host step and would hide it. The host steps run on a
+    worker thread the profiler does not follow, so they are timed by `perf_counter_ns` and
+    placed on the trace's clock through the anchor, marked at `anchor_ns`."""
     events = trace.get("traceEvents", [])
     total = sum(end - start for start, end in host_ns) / 1e9
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    anchors = [e["ts"] for e in events if e.get("name") == "onegpu.anchor"]
-    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events
-              if e.get("cat") == "gpu_memcpy" and "dur" in e]  # fmt: skip
-    link = {"link_s": sum(end - start for start, end in copies) / 1e6, "copies": len(copies)}
+    anchors = [e for e in events if e.get("name") == "onegpu.anchor"]
+    copies = {way: [(e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") == "gpu_memcpy" and "dur" in e and way in e.get("name", "")]
+              for way in ("DtoH", "HtoD")}  # fmt: skip
+    link = {"link_out_s": _span_sum(copies["DtoH"]), "link_back_s": _span_sum(copies["HtoD"]),
+            "copies": sum(map(len, copies.values()))}  # fmt: skip
     if not host_ns or not kernels or not anchors:
         nan = float("nan")
         return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": nan,
-                "link_exposed_s": nan} | link  # fmt: skip
-    streams = Counter(e.get("args", {}).get("stream") for e in kernels)
-    compute = streams.most_common(1)[0][0]
-    last = max(e["ts"] + e["dur"] for e in kernels if e.get("args", {}).get("stream") == compute)
-    offset_us = anchor_ns / 1e3 - anchors[0]  # trace ts = perf_counter us - offset
+                "compute_s": nan, "link_out_exposed_s": nan, "link_back_exposed_s": nan} | link  # fmt: skip
+    compute = _compute_stream(events, kernels, anchors[0])
+    on_compute = [e for e in kernels if _stream(e) == compute]
+    first = min(e["ts"] for e in on_compute)
+    last = max(e["ts"] + e["dur"] for e in on_compute)
+    offset_us = anchor_ns / 1e3 - anchors[0]["ts"]  # trace ts = perf_counter us - offset
     last_us = last + offset_us  # on the host's clock
     exposed_us = sum(_after(start / 1e3, end / 1e3, last_us) for start, end in host_ns)
-    link_exposed_us = sum(_after(start, end, last) for start, end in copies)  # the trace's clock
     return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": exposed_us / 1e6,
-            "link_exposed_s": link_exposed_us / 1e6} | link  # fmt: skip
+            "compute_s": (last - first) / 1e6,
+            "link_out_exposed_s": sum(_after(a, b, last) for a, b in copies["DtoH"]) / 1e6,
+            "link_back_exposed_s": sum(_after(a, b, last) for a, b in copies["HtoD"]) / 1e6,
+            } | link  # fmt: skip
+
+
+def _stream(event: dict[str, Any]) -> Any:
+    return event.get("args", {}).get("stream")
+
+
+def _compute_stream(events: list[dict], kernels: list[dict], anchor: dict) -> Any:
+    """The stream the anchor's thread launched most kernels on (launch and kernel share a
+    `correlation` id), else the stream with the most kernels."""
+    launched = {e["args"]["correlation"] for e in events
+                if e.get("cat") == "cuda_runtime" and e.get("tid") == anchor.get("tid")
+                and "correlation" in e.get("args", {})}  # fmt: skip
+    own = [e for e in kernels if e.get("args", {}).get("correlation") in launched]
+    return Counter(map(_stream, own or kernels)).most_common(1)[0][0]
+
+
+def _span_sum(spans: list[tuple[float, float]]) -> float:
+    """Total length of trace spans (us), in seconds."""
+    return sum(end - start for start, end in spans) / 1e6
 
 
 def _after(start: float, end: float, mark: float) -> float:
@@ -307,8 +339,9 @@ def _profile_in_backward(preset: str, over: dict[str, str], out: Path) -> dict[s
         built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), 3)
         if built.device.type == "cuda":
             torch.cuda.synchronize()
+        step_s = (time.perf_counter_ns() - anchor_ns) / 1e9  # profiled: slower than the row's
     prof.export_chrome_trace(str(out))
-    return _trace_overlap(json.loads(out.read_text()), spans, anchor_ns)
+    return _trace_overlap(json.loads(out.read_text()), spans, anchor_ns) | {"step_s": step_s}
 
 
 def _overlap_row(args: argparse.Namespace, extra: dict[str, str], row: dict[str, Any]) -> None:

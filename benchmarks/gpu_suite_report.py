@@ -65,12 +65,15 @@ def _overlap(o: dict[str, Any]) -> list[str]:
         return lines + [""]
     if why := _not_run(tr):
         return lines + ["", f"Trace of one in-backward step: {why}", ""]
-    link = ("" if "link_s" not in tr else
-            f" The link: {tr['copies']} copies, {_ms(tr['link_s'])} ms, "
-            f"{_ms(tr['link_exposed_s'])} ms of it after that kernel.")  # fmt: skip
+    more = "" if "link_out_s" not in tr else (
+        f" The step took {_ms(tr.get('step_s'))} ms under the profiler, the compute stream "
+        f"{_ms(tr['compute_s'])} ms from its first kernel to its last. The link "
+        f"({tr['copies']} copies): gradients out {_ms(tr['link_out_s'])} ms "
+        f"({_ms(tr['link_out_exposed_s'])} after that kernel), weights back "
+        f"{_ms(tr['link_back_s'])} ms ({_ms(tr['link_back_exposed_s'])} after it).")  # fmt: skip
     return lines + ["", f"Trace of one in-backward step: {tr.get('host_steps')} host steps, "
                     f"{_ms(tr.get('host_step_s'))} ms of host stepping, {_ms(tr.get('exposed_s'))} "
-                    f"ms of it after the compute stream's last kernel.{link}", ""]  # fmt: skip
+                    f"ms of it after the compute stream's last kernel.{more}", ""]  # fmt: skip
 
 
 def _speed(rows: list[dict[str, Any]]) -> list[str]:

@@ -76,29 +76,48 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
     """The anchor range puts perf_counter times on the trace's clock: anchor at trace 1,000 us
     = 5,000 us on the host; the compute stream's last kernel ends at trace 1,500 us = 5,500 us.
     Of two host steps, 5,000-5,100 us overlaps backward and 5,400-5,600 us runs 100 us past
-    it. The side stream's cast of the weight sent back (trace 1,700 us) is not backward. Of the
-    link's 90 us of copies, the one ending at 1,520 us runs 20 us past backward."""
-    kernel = {"cat": "kernel", "name": "gemm", "args": {"stream": 7}}
+    it. The compute stream is the one the anchor's thread launched on (stream 7), though the
+    side stream (20: weights sent back and cast, states stepped on the GPU) ran more kernels.
+    Of the link, the gradient sent out ends before backward's last kernel; the weight sent
+    back runs 20 us past it."""
+    main, worker = {"tid": 1}, {"tid": 2}
+
+    def launched(correlation, who, stream, ts, dur=100.0):
+        launch = {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts - 5,
+                  "args": {"correlation": correlation}} | who  # fmt: skip
+        kernel = {"cat": "kernel", "name": "k", "ts": ts, "dur": dur,
+                  "args": {"stream": stream, "correlation": correlation}}  # fmt: skip
+        return [launch, kernel]
+
     trace = {
         "traceEvents": [
-            {"name": "onegpu.anchor", "ts": 1000.0, "dur": 1.0},
-            kernel | {"ts": 1300.0, "dur": 100.0},
-            kernel | {"ts": 1400.0, "dur": 100.0},
-            {"cat": "kernel", "name": "cast", "args": {"stream": 20}, "ts": 1700.0, "dur": 5.0},
-            {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 1350.0, "dur": 50.0},
-            {"cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1480.0, "dur": 40.0},
+            {"name": "onegpu.anchor", "ts": 1000.0, "dur": 1.0} | main,
+            *launched(1, main, 7, 1300.0),
+            *launched(2, main, 7, 1400.0),
+            *[e for c in (3, 4, 5) for e in launched(c, worker, 20, 1600.0 + 10 * c, dur=5.0)],
+            {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 1350.0,
+             "dur": 50.0},
+            {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 1480.0,
+             "dur": 40.0},
         ]
-    }
+    }  # fmt: skip
     spans = [(5_000_000, 5_100_000), (5_400_000, 5_600_000)]
     got = _trace_overlap(trace, spans, anchor_ns=5_000_000)
     assert got == {
         "host_step_s": pytest.approx(3e-4),
         "host_steps": 2,
         "exposed_s": pytest.approx(1e-4),
-        "link_s": pytest.approx(9e-5),
+        "compute_s": pytest.approx(2e-4),
+        "link_out_s": pytest.approx(5e-5),
+        "link_back_s": pytest.approx(4e-5),
         "copies": 2,
-        "link_exposed_s": pytest.approx(2e-5),  # the copy back after backward: 1,500-1,520 us
+        "link_out_exposed_s": pytest.approx(0.0),
+        "link_back_exposed_s": pytest.approx(2e-5),
     }
+    # without the launches the busiest stream is taken: here the side stream, whose last
+    # kernel (1,655 us) hides every exposure
+    unlinked = {"traceEvents": [e for e in trace["traceEvents"] if e.get("cat") != "cuda_runtime"]}
+    assert _trace_overlap(unlinked, spans, anchor_ns=5_000_000)["exposed_s"] < 1e-4
     assert math.isnan(_trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"])  # no kernels
 
 
@@ -137,6 +156,10 @@ def test_on_a_gpu_every_host_step_of_the_worker_thread_is_timed(tmp_path):
     model = build(load_config("tiny", overrides=over), with_data=False).model
     assert 0 < got["host_steps"] <= len(list(model.parameters()))  # each once, in one backward
     assert 0.0 <= got["exposed_s"] <= got["host_step_s"]
+    assert got["copies"] > 0 and 0.0 < got["compute_s"] < got["step_s"]
+    for way in ("out", "back"):  # gradients out, weights back: both cross the link
+        assert 0.0 <= got[f"link_{way}_exposed_s"] <= got[f"link_{way}_s"]
+    assert got["link_out_s"] > 0 and got["link_back_s"] > 0
 
 
 @pytest.mark.slow  # a real `onegpu train` process (~14 s here)
