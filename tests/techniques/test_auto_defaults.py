@@ -176,22 +176,6 @@ def test_compile_choice_is_the_cached_trial_that_saves_the_most():
     assert choose_compile("k", 200, {"default": _never})[0] == "default"  # one mode asked
 
 
-def test_a_trial_this_process_timed_on_busy_cpus_is_not_called_cached(monkeypatch):
-    """A trial timed on busy CPUs is kept for this process alone (perf/contention.py); read
-    again (a plan, then the run), it was still paid for here, not read from the cache."""
-    from onegpu.perf import contention
-
-    monkeypatch.setattr(contention, "_UNSTORED", {})
-    monkeypatch.setattr(contention.RunQueueWatch, "disturbed", lambda self: True)
-    monkeypatch.setattr(contention.RunQueueWatch, "wait_share", lambda self: 0.5)
-    trials = [CompileTrial(1.0, 0.5, 1.0)]
-    with pytest.warns(UserWarning, match="busy CPUs"):
-        first = choose_compile("busy-k", 200, {"default": trials.pop})[1]
-    again = choose_compile("busy-k", 200, {"default": _never})[1]  # from the memo
-    assert (first.cached, again.cached) == (False, False)
-    assert (again.eager_s, again.compiled_s) == (1.0, 0.5)
-
-
 def test_compile_auto_is_not_timed_for_short_or_distributed_runs(monkeypatch):
     monkeypatch.setattr(compile, "time_compile", _never)
     assert build(_cfg(), CPU, with_data=False).cfg.train.compile == "none"  # 20 steps
