@@ -142,14 +142,16 @@ def _locked(name: str) -> Iterator[None]:
     its replacement: two runs timing at once (torchrun's ranks, a plan beside a run) otherwise
     both read the file, and the later write loses the earlier one's value. A POSIX lock on a
     file beside it (`flock`, released when the file closes, even by a killed process); none
-    where the platform has none."""
+    where the platform or the file system has none (some network and FUSE mounts refuse
+    `flock`): there a concurrent write may be lost, as before locks, and nothing else."""
     path = cache_root() / f"{name}.lock"
     with writing():
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = path.open("a")
     with lock:
         if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            with contextlib.suppress(OSError):  # ENOLCK, EOPNOTSUPP, ENOSYS: unlocked
+                fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 

@@ -2,6 +2,7 @@
 (perf/contention.py): the scheduler's per-thread wait, read around the measurement."""
 
 import contextlib
+import errno
 import json
 import os
 import subprocess
@@ -181,6 +182,17 @@ def test_runs_storing_at_once_lose_none_of_each_others_values(tmp_path):
     assert all(w.wait(timeout=120) == 0 for w in writers)
     stored = json.loads((tmp_path / "shared.json").read_text())
     assert stored == {f"{n}-{i}": i for n in range(4) for i in range(25)}
+
+
+def test_a_file_system_that_refuses_locks_still_stores(monkeypatch):
+    """Some network and FUSE mounts refuse `flock`: the value is stored unlocked."""
+
+    def refused(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cache.fcntl, "flock", refused)
+    assert cache.cached("contention-test.json", "unlocked", lambda: 11) == 11
+    assert cache.peek("contention-test.json", "unlocked") == 11
 
 
 def test_a_value_keep_rejects_is_returned_and_stored_only_as_provisional():
