@@ -71,6 +71,10 @@ def has(*numbers: str, text: tuple[str, ...] = ()) -> Callable[[Any], bool]:
     return valid
 
 
+provisional_reads: list[str] = []
+"""The cache files whose provisional value a peek returned in this process, in order: a plan
+says which of its choices follow a timing the last run did not keep."""
+
 PROVISIONAL = "provisional.json"
 """Values `cached` measured but its `keep` rejected (a timing taken on a busy machine), by
 '<file>|<key>': never read back as measured, but a plan that predicts what a run did follows
@@ -94,6 +98,8 @@ def peek(
     found = entries(name).get(key)
     if not usable(found) and provisional:  # missing, or of an older format
         found = entries(PROVISIONAL).get(f"{name}|{key}")
+        if usable(found):
+            provisional_reads.append(name)
     return found if usable(found) else None
 
 

@@ -89,6 +89,35 @@ def test_the_measured_step_runs_the_kernels_its_plan_followed(monkeypatch):
     assert plan.memory["peak"] == pytest.approx(measured["peak"], rel=0.10)
 
 
+def test_a_plan_says_which_choices_follow_a_timing_the_last_run_did_not_keep(monkeypatch):
+    """The last run timed attention on busy CPUs: the cache keeps that choice only as
+    provisional. A plan for the next run follows it, and says so, since that run will time
+    again and may choose another kernel (a 11% different peak at tiny's size)."""
+    from onegpu.backends.torch.build import build
+    from onegpu.perf import contention
+    from onegpu.plan.format import format_report
+    from onegpu.plan.report import _memory_report
+    from onegpu.techniques import attention
+
+    cfg = _cfg(**{"train.micro_batch_size": "3", "train.batch_size": "6"})  # a shape of its own
+    monkeypatch.setattr(contention, "_UNSTORED", {})
+    with monkeypatch.context() as busy:
+        busy.setattr(contention.RunQueueWatch, "disturbed", lambda self: True)
+        busy.setattr(contention.RunQueueWatch, "wait_share", lambda self: 0.5)
+        with pytest.warns(UserWarning, match="busy CPUs"):
+            ran = build(cfg, with_data=False).cfg.model.attention  # the last run
+    monkeypatch.setattr(contention, "_UNSTORED", {})  # the plan: another process
+    monkeypatch.setattr(attention, "follows_last_run", lambda: True)
+    plan = plan_memory(cfg)
+    assert (plan.attention, plan.provisional) == (ran, ("attention.json",))
+    text = format_report(_memory_report(cfg, plan, plan.memory), None)
+    assert f"attention {ran}\n  follows the last run's timings in attention.json" in text
+    with monkeypatch.context() as quiet:  # the next run times again, quietly, and keeps it
+        quiet.setattr(contention.RunQueueWatch, "disturbed", lambda self: False)
+        build(cfg, with_data=False)
+    assert plan_memory(cfg).provisional == ()  # what runs here kept: nothing to say
+
+
 @pytest.mark.slow  # torchao's low-bit steps compile on first use (~20 s)
 @pytest.mark.parametrize(
     ("optimizer", "precision"), [("adamw8bit", "bf16-pure"), ("adamw4bit", "fp32")]

@@ -32,6 +32,16 @@ def format_report(r: dict[str, Any], gpu: str | None) -> str:
     return "\n".join(lines)
 
 
+def _unkept_lines(files: list[str]) -> list[str]:
+    """Where the plan follows the last run's choices from timings it did not keep."""
+    if not files:
+        return []
+    return [
+        f"  follows the last run's timings in {', '.join(files)}, not kept (taken on busy "
+        "CPUs): the next run times them again and may choose otherwise"
+    ]
+
+
 def _memory_lines(r: dict[str, Any]) -> list[str]:
     mib, n, mem, c = 2**20, r["params"], r["memory"], r["config"]
     lines = _budget_lines(r.get("checkpointing_budget"))
@@ -40,7 +50,8 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         f"{r['plan_seconds']:.1f} s)",
         f"  {n:,} parameters, {c['precision']}, batch {c['batch']} x {c['seq_len']} in "
         f"micro-batches of {c['micro_batch']}, checkpointing {c['checkpointing']}, "
-        f"{c['optimizer']}, loss chunk {c['loss_chunk'] or 'off'}",
+        f"{c['optimizer']}, loss chunk {c['loss_chunk'] or 'off'}, attention {c['attention']}",
+        *_unkept_lines(c.get("follows_unkept_timings", [])),
         "",
         "memory at the step's peak                  MiB    bytes/param",
     ]

@@ -25,6 +25,7 @@ from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.backends.torch.loader import placeholder_batch
+from onegpu.cache import provisional_reads
 from onegpu.config import Config, ConfigError, OptimConfig
 from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import local_tensor
@@ -57,6 +58,10 @@ class MemoryPlan:
     seconds: float = 0.0
     precision: str = ""  # what `train.precision` resolved to on the target
     loss_chunk: int = 0  # what `memory.loss_chunk` resolved to
+    attention: str = ""  # what `model.attention` resolved to
+    provisional: tuple[str, ...] = ()
+    """The cache files of timings the plan followed that the last run did not keep (timed on
+    busy CPUs, perf/contention.py): the next run times them again, and may choose otherwise."""
     compute_dtype: torch.dtype = torch.float32
     param_dtype: torch.dtype = torch.float32
     weight_copies_at_peak: int = 0
@@ -214,7 +219,9 @@ def plan_memory(
     cfg = dataclasses.replace(cfg, train=train)
     from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
+    reads = len(provisional_reads)
     built = build(cfg, device, with_data=False, caps=caps, fake=True, dist_ctx=dist_ctx)
+    provisional = tuple(dict.fromkeys(provisional_reads[reads:]))
     try:
         with built.fake_mode:
             x, y = placeholder_batch(B, T, built.classes)
@@ -225,6 +232,7 @@ def plan_memory(
         raise Unplannable("model.hf", _unplannable(built, e)) from None
     plan = _label(built, cfg.optim, followed, n_micro, target)
     plan.seconds = time.perf_counter() - t0
+    plan.provisional = provisional
     return plan
 
 
@@ -355,6 +363,7 @@ def _label(
         flops_per_token=built.flops_per_token,
         precision=built.policy.name,
         loss_chunk=built.cfg.memory.loss_chunk,
+        attention=built.cfg.model.attention,
         compute_dtype=built.policy.compute_dtype,
         param_dtype=built.policy.param_dtype,
         weight_copies_at_peak=weight_copies,

@@ -210,6 +210,8 @@ def _memory_report(cfg: Config, plan: MemoryPlan, mem: dict[str, int]) -> dict[s
             "checkpointing": cfg.memory.checkpointing,
             "optimizer": cfg.optim.name,
             "loss_chunk": plan.loss_chunk,
+            "attention": plan.attention,
+            "follows_unkept_timings": list(plan.provisional),
         },
         "params": n,
         "memory": mem,
