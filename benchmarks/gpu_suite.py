@@ -48,7 +48,7 @@ import torch
 from gpu_lease import Budget
 from gpu_suite_report import markdown
 
-from onegpu.tools.bench import run_row
+from onegpu.tools.bench import kernels_chosen, run_row
 from onegpu.tools.processes import end_group, run_bounded, start
 
 SECTIONS = ("tests", "memory", "overlap", "speed")
@@ -215,7 +215,17 @@ def _memory_row(args: argparse.Namespace, extra: dict[str, str], row: dict[str, 
         "error": plan["memory"]["peak"] / run["peak_mem_bytes"] - 1,
         "planned_host": plan.get("host_memory_bytes"),
         "predicted_step_time_s": plan.get("predicted_step_time_s"),
-    }
+        "planned_memory": plan["memory"],
+        "measured_memory": run["memory"],
+    } | _kernels_apart(plan, run)
+
+
+def _kernels_apart(plan: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The kernels the plan followed where the run chose others ({} where they agree): the
+    plan runs beside the run, before the run has cached its timed choices."""
+    planned = kernels_chosen(plan["config"])
+    return {} if planned == run["kernels"] else {"kernels_apart": {"plan": planned,
+                                                                  "run": run["kernels"]}}  # fmt: skip
 
 
 def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -428,7 +438,8 @@ def _speed_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
         try:  # a plan that fails is a finding beside the row, not the loop's end
             plan = plan_of()
             row["onegpu"] |= {"planned_peak": plan["memory"]["peak"],
-                              "predicted_tokens_per_s": plan["predicted_tokens_per_s"]}  # fmt: skip
+                              "predicted_tokens_per_s": plan["predicted_tokens_per_s"],
+                              **_kernels_apart(plan, one)}  # fmt: skip
         except Exception as e:
             row["onegpu"]["plan_failed"] = str(e)[-800:]
     job = json.dumps([shape, steps, over["data.source"]])

@@ -46,11 +46,31 @@ def _memory(rows: list[dict[str, Any]]) -> list[str]:
             f"| {r['name']} | {_gib(r['planned_peak'])} | {_gib(r['measured_peak'])} | "
             f"{r['error']:+.1%} | {_ms(r['step_time_s'])} | {_ms(r['predicted_step_time_s'])} |"
         )
-    return lines + [
-        "",
-        "Measured: `torch.cuda.max_memory_allocated` of a 4-step `onegpu train`.",
-        "",
+    return (
+        lines
+        + [
+            "",
+            "Measured: `torch.cuda.max_memory_allocated` of a 4-step `onegpu train`.",
+            "",
+        ]
+        + _kernels_apart_lines([(r["name"], r) for r in rows])
+    )
+
+
+def _kernels_apart_lines(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Rows whose plan followed other kernels than the run chose: their error is the
+    choice's, not the planner's arithmetic."""
+    lines = [
+        f"- {name}: the plan followed {_kernels(r['kernels_apart']['plan'])}, the run chose "
+        f"{_kernels(r['kernels_apart']['run'])}"
+        for name, r in rows
+        if "kernels_apart" in r
     ]
+    return ["Plans that followed other kernels than their run:", "", *lines, ""] if lines else []
+
+
+def _kernels(k: dict[str, Any]) -> str:
+    return f"attention {k['attention']}, loss chunk {k['loss_chunk'] or 'off'}"
 
 
 def _overlap(o: dict[str, Any]) -> list[str]:
@@ -91,7 +111,8 @@ def _speed(rows: list[dict[str, Any]]) -> list[str]:
                      f"{o['mfu'] or 0:.1%} | "
                      f"{_gib(o['peak'])} ({_gib(o['planned_peak'])}) | {lp['tokens_per_s']:,.0f} | "
                      f"{lp['mfu'] or 0:.1%} | {_gib(lp['peak'])} | {r['ratio']:.2f}x |")  # fmt: skip
-    return lines + [""] + _compile_decisions(rows)
+    planned = [(r["model"], r["onegpu"]) for r in rows if r.get("onegpu")]
+    return lines + [""] + _compile_decisions(rows) + _kernels_apart_lines(planned)
 
 
 def _compile_decisions(rows: list[dict[str, Any]]) -> list[str]:

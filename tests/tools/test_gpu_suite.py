@@ -121,9 +121,11 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
     assert math.isnan(_trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"])  # no kernels
 
 
-def test_the_speed_table_says_why_compile_auto_chose():
+def test_the_speed_table_says_why_compile_auto_chose_and_where_the_plan_chose_otherwise():
     """The H200's first speed rows ran A and B eager against a loop 1.4-1.65x faster, and the
-    result file could not say why: each row now carries `train.compile auto`'s figures."""
+    result file could not say why: each row now carries `train.compile auto`'s figures. A's plan
+    was 2.2x over its peak, and nothing said whether it had followed the run's kernels: a row
+    whose plan did not says so now."""
     loop = {"tokens_per_s": 2.0, "peak": 1, "mfu": None}
     skipped = {"eager_step_s": 0.01, "compiled_step_s": float("nan"), "compile_s": float("nan"),
                "mode": "none", "chosen": "none",
@@ -137,8 +139,12 @@ def test_the_speed_table_says_why_compile_auto_chose():
         for m, t in (("A", skipped), ("1B", timed))
     ]  # fmt: skip
     env = {"device": "d", "date": "x", "torch": "t", "cuda": "c", "cpu": "p"}
+    rows[0]["onegpu"]["kernels_apart"] = {"plan": {"attention": "sdpa", "loss_chunk": 4096},
+                                          "run": {"attention": "sdpa", "loss_chunk": 0}}  # fmt: skip
     md = markdown({"environment": env, "command": "c", "speed": rows})
     assert "- A: compile none: no compiled trial: 5000 micro-batches of 10 ms" in md
+    assert "- A: the plan followed attention sdpa, loss chunk 4096, the run chose attention sdpa, loss chunk off" in md  # fmt: skip
+    assert "- 1B: the plan followed" not in md
     assert "- 1B: compile default: a micro-batch 500.0 ms eager, 400.0 ms compiled (default), 42 s to compile" in md  # fmt: skip
 
 

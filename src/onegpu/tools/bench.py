@@ -204,11 +204,18 @@ def measured_row(out: Path) -> dict[str, Any]:
         "compile_time_s": summary.get("compile_time_s"),
         "compile": summary["config"]["train"]["compile"],  # what `auto` decided
         "compile_auto": summary.get("compile_auto"),  # and from what (None: not auto)
+        "kernels": kernels_chosen(summary["config"]),
         "mfu": summary.get("mfu"),
         "precision": summary["precision"],
         "model": _model_line(summary),
         "device": summary["device_name"],
     }
+
+
+def kernels_chosen(config: dict[str, Any]) -> dict[str, Any]:
+    """The kernels a run's or a plan's config settled on, which its memory depends on."""
+    flat = config if "attention" in config else config["model"] | config["memory"]
+    return {"attention": flat["attention"], "loss_chunk": flat["loss_chunk"]}
 
 
 def _model_line(summary: dict[str, Any]) -> str:
