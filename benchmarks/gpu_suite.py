@@ -6,8 +6,9 @@ measured):
 - tests: `pytest -m gpu`, the CUDA-only paths (deselected on CPUs, never counted there).
 - memory: `onegpu plan --json`'s predicted step peak against `torch.cuda.max_memory_allocated`
   of a real run, for configurations covering precision, every checkpointing policy kind, each
-  offload tier (optimizer on the host, in backward too; activations; weights through FSDP2's
-  CPU offload), budget checkpointing and a lean optimizer. Target: within 10%.
+  offload tier (optimizer on the host, in backward too; the optimizer on disk; activations;
+  weights through FSDP2's CPU offload; states on the host stepped on the GPU), budget
+  checkpointing and a lean optimizer. Target: within 10%.
 - overlap: the optimizer on the host, after backward and in backward, against the device
   optimizer: the steady step of each, and from a profiler trace of the in-backward step how much
   of the host's stepping ran while the GPU was still busy with backward (the rest is exposed).
@@ -243,56 +244,68 @@ def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _trace_overlap(
     trace: dict[str, Any], host_ns: list[tuple[int, int]], anchor_ns: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One in-backward step, in seconds: the host steps' total time and the part of it after
     the compute stream's last kernel (exposed: backward was done and waited for the host); the
-    compute stream's span; the link's copies (`gpu_memcpy`) each way, gradients out (DtoH) and
-    weights back (HtoD), and the part of each after that kernel.
-    The compute stream is the one the step's own thread launched most kernels on (the thread
-    of the `onegpu.anchor` range; where the trace links no launches, the stream with the most
-    kernels): the side stream's kernels (a weight sent back and cast to bf16, or states
-    stepped on the GPU) follow each host step and would hide it. The host steps run on a
-    worker thread the profiler does not follow, so they are timed by `perf_counter_ns` and
-    placed on the trace's clock through the anchor, marked at `anchor_ns`."""
+    compute stream's span; the link's copies on the other streams (the gradients' and weights'
+    side stream), each way, gradients out (DtoH) and weights back (HtoD), and the part of each
+    after that kernel.
+    The compute stream is the one the step's own thread launched most kernels on (forward's:
+    backward launches from autograd's device thread, on the same stream), matched by launch
+    and kernel `correlation`; where the trace links no launch to that thread, the stream with
+    the most kernels (`compute_stream_by` says which). The side stream's kernels (a weight sent
+    back and cast to bf16, or states stepped on the GPU) follow each host step and would hide
+    it. The host steps run on a worker thread the profiler does not follow, so they are timed
+    by `perf_counter_ns` and placed on the trace's clock through the anchor, marked at
+    `anchor_ns`."""
     events = trace.get("traceEvents", [])
     total = sum(end - start for start, end in host_ns) / 1e9
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    anchors = [e for e in events if e.get("name") == "onegpu.anchor"]
-    copies = {way: [(e["ts"], e["ts"] + e["dur"]) for e in events
-                    if e.get("cat") == "gpu_memcpy" and "dur" in e and way in e.get("name", "")]
-              for way in ("DtoH", "HtoD")}  # fmt: skip
-    link = {"link_out_s": _span_sum(copies["DtoH"]), "link_back_s": _span_sum(copies["HtoD"]),
-            "copies": sum(map(len, copies.values()))}  # fmt: skip
+    anchors = [e for e in events
+               if e.get("name") == "onegpu.anchor" and e.get("cat", "user_annotation") == "user_annotation"]  # fmt: skip
+    found: dict[str, Any] = {"host_step_s": total, "host_steps": len(host_ns)}
     if not host_ns or not kernels or not anchors:
         nan = float("nan")
-        return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": nan,
-                "compute_s": nan, "link_out_exposed_s": nan, "link_back_exposed_s": nan} | link  # fmt: skip
-    compute = _compute_stream(events, kernels, anchors[0])
+        return found | {"exposed_s": nan, "compute_s": nan, "copies": 0, "link_out_s": nan,
+                        "link_back_s": nan, "link_out_exposed_s": nan,
+                        "link_back_exposed_s": nan}  # fmt: skip
+    compute, by = _compute_stream(events, kernels, anchors[0])
     on_compute = [e for e in kernels if _stream(e) == compute]
     first = min(e["ts"] for e in on_compute)
     last = max(e["ts"] + e["dur"] for e in on_compute)
     offset_us = anchor_ns / 1e3 - anchors[0]["ts"]  # trace ts = perf_counter us - offset
     last_us = last + offset_us  # on the host's clock
     exposed_us = sum(_after(start / 1e3, end / 1e3, last_us) for start, end in host_ns)
-    return {"host_step_s": total, "host_steps": len(host_ns), "exposed_s": exposed_us / 1e6,
-            "compute_s": (last - first) / 1e6,
-            "link_out_exposed_s": sum(_after(a, b, last) for a, b in copies["DtoH"]) / 1e6,
-            "link_back_exposed_s": sum(_after(a, b, last) for a, b in copies["HtoD"]) / 1e6,
-            } | link  # fmt: skip
+    copies = {way: [(e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") == "gpu_memcpy" and "dur" in e and way in e.get("name", "")
+                    and _stream(e) != compute]  # the loss read back and the like: not the link
+              for way in ("DtoH", "HtoD")}  # fmt: skip
+    return found | {
+        "exposed_s": exposed_us / 1e6,
+        "compute_s": (last - first) / 1e6,
+        "compute_stream_by": by,
+        "copies": sum(map(len, copies.values())),
+        "link_out_s": _span_sum(copies["DtoH"]),
+        "link_back_s": _span_sum(copies["HtoD"]),
+        "link_out_exposed_s": sum(_after(a, b, last) for a, b in copies["DtoH"]) / 1e6,
+        "link_back_exposed_s": sum(_after(a, b, last) for a, b in copies["HtoD"]) / 1e6,
+    }
 
 
 def _stream(event: dict[str, Any]) -> Any:
     return event.get("args", {}).get("stream")
 
 
-def _compute_stream(events: list[dict], kernels: list[dict], anchor: dict) -> Any:
-    """The stream the anchor's thread launched most kernels on (launch and kernel share a
-    `correlation` id), else the stream with the most kernels."""
+def _compute_stream(events: list[dict], kernels: list[dict], anchor: dict) -> tuple[Any, str]:
+    """(the stream the anchor's thread launched most kernels on, 'launches'), launch and
+    kernel sharing a `correlation` id (runtime or driver launches: inductor's kernels go
+    through the driver); else (the stream with the most kernels, 'most kernels')."""
     launched = {e["args"]["correlation"] for e in events
-                if e.get("cat") == "cuda_runtime" and e.get("tid") == anchor.get("tid")
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("tid") == anchor.get("tid")
                 and "correlation" in e.get("args", {})}  # fmt: skip
     own = [e for e in kernels if e.get("args", {}).get("correlation") in launched]
-    return Counter(map(_stream, own or kernels)).most_common(1)[0][0]
+    stream = Counter(map(_stream, own or kernels)).most_common(1)[0][0]
+    return stream, "launches" if own else "most kernels"
 
 
 def _span_sum(spans: list[tuple[float, float]]) -> float:
@@ -433,13 +446,13 @@ def _speed_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
         row["onegpu"] = {"tokens_per_s": one["tokens_per_s"], "mfu": one["mfu"],
                          "peak": one["peak_mem_bytes"], "compile_time_s": one["compile_time_s"],
                          "compile": one["compile"], "compile_auto": one["compile_auto"],
-                         "planned_peak": None,
-                         "predicted_tokens_per_s": None}  # fmt: skip
+                         "planned_peak": None, "predicted_tokens_per_s": None,
+                         "measured_memory": one["memory"]}  # fmt: skip
         try:  # a plan that fails is a finding beside the row, not the loop's end
             plan = plan_of()
             row["onegpu"] |= {"planned_peak": plan["memory"]["peak"],
                               "predicted_tokens_per_s": plan["predicted_tokens_per_s"],
-                              **_kernels_apart(plan, one)}  # fmt: skip
+                              "planned_memory": plan["memory"], **_kernels_apart(plan, one)}  # fmt: skip
         except Exception as e:
             row["onegpu"]["plan_failed"] = str(e)[-800:]
     job = json.dumps([shape, steps, over["data.source"]])

@@ -87,7 +87,8 @@ def _overlap(o: dict[str, Any]) -> list[str]:
         return lines + ["", f"Trace of one in-backward step: {why}", ""]
     more = "" if "link_out_s" not in tr else (
         f" The step took {_ms(tr.get('step_s'))} ms under the profiler, the compute stream "
-        f"{_ms(tr['compute_s'])} ms from its first kernel to its last. The link "
+        f"{_ms(tr['compute_s'])} ms from its first kernel to its last"
+        f"{' (taken as the busiest stream: no launch linked to the step)' if tr.get('compute_stream_by') == 'most kernels' else ''}. The link "
         f"({tr['copies']} copies): gradients out {_ms(tr['link_out_s'])} ms "
         f"({_ms(tr['link_out_exposed_s'])} after that kernel), weights back "
         f"{_ms(tr['link_back_s'])} ms ({_ms(tr['link_back_exposed_s'])} after it).")  # fmt: skip

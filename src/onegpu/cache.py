@@ -9,10 +9,12 @@ cached figure is reused only where it still holds. This module sits at the botto
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,8 +74,9 @@ def has(*numbers: str, text: tuple[str, ...] = ()) -> Callable[[Any], bool]:
 
 
 provisional_reads: list[str] = []
-"""The cache files whose provisional value a peek returned in this process, in order: a plan
-says which of its choices follow a timing the last run did not keep."""
+"""The cache files of the timings not kept (taken on busy CPUs) that this process's choices
+followed, in order: read back as provisional, or timed here on busy CPUs. A plan takes the
+stretch it added and says which of its choices the next run may make otherwise."""
 
 PROVISIONAL = "provisional.json"
 """Values `cached` measured but its `keep` rejected (a timing taken on a busy machine), by
@@ -156,9 +159,21 @@ def _locked(name: str) -> Iterator[None]:
         lock = path.open("a")
     with lock:
         if fcntl is not None:
-            with contextlib.suppress(OSError):  # ENOLCK, EOPNOTSUPP, ENOSYS: unlocked
+            try:
                 fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: unlocked
+                _unlocked_once(str(cache_root()), e.strerror or str(e))
         yield
+
+
+@functools.cache
+def _unlocked_once(root: str, why: str) -> None:
+    """Said once per cache folder and process."""
+    warnings.warn(
+        f"{root} refuses file locks ({why}): onegpu writes its cache unlocked, and a run "
+        "storing at the same moment as this one may lose its value",
+        stacklevel=4,
+    )
 
 
 def _write(name: str, cache: dict[str, Any]) -> None:

@@ -191,7 +191,8 @@ def test_a_file_system_that_refuses_locks_still_stores(monkeypatch):
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(cache.fcntl, "flock", refused)
-    assert cache.cached("contention-test.json", "unlocked", lambda: 11) == 11
+    with pytest.warns(UserWarning, match="refuses file locks"):
+        assert cache.cached("contention-test.json", "unlocked", lambda: 11) == 11
     assert cache.peek("contention-test.json", "unlocked") == 11
 
 

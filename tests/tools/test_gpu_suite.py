@@ -19,7 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from gpu_lease import Budget  # noqa: E402
-from gpu_suite import _trace_overlap  # noqa: E402
+from gpu_suite import MEMORY_GRID, _overrides, _trace_overlap  # noqa: E402
 from gpu_suite_report import markdown  # noqa: E402
 
 
@@ -72,18 +72,26 @@ def test_the_budget_guesses_from_the_longest_row_so_far():
     assert Budget(None).timeout() is None and Budget(None).skip_reason("speed") is None
 
 
+def test_the_disk_tier_row_writes_into_the_suites_work_folder(tmp_path):
+    (extra,) = [e for name, e in MEMORY_GRID if "memory.offload_dir" in e]
+    _, over = _overrides({}, extra, tmp_path)
+    assert over["memory.offload_dir"] == str(tmp_path / "offload")
+    assert over["memory.offload_optimizer"] == "true"
+
+
 def test_host_steps_after_the_last_kernel_are_the_exposed_part():
     """The anchor range puts perf_counter times on the trace's clock: anchor at trace 1,000 us
     = 5,000 us on the host; the compute stream's last kernel ends at trace 1,500 us = 5,500 us.
     Of two host steps, 5,000-5,100 us overlaps backward and 5,400-5,600 us runs 100 us past
     it. The compute stream is the one the anchor's thread launched on (stream 7), though the
     side stream (20: weights sent back and cast, states stepped on the GPU) ran more kernels.
-    Of the link, the gradient sent out ends before backward's last kernel; the weight sent
-    back runs 20 us past it."""
+    One kernel is launched through the driver (inductor's are). Of the link (the side stream's
+    copies), the gradient sent out ends before backward's last kernel; the weight sent back
+    runs 20 us past it; the loss read back on the compute stream is not the link."""
     main, worker = {"tid": 1}, {"tid": 2}
 
-    def launched(correlation, who, stream, ts, dur=100.0):
-        launch = {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts - 5,
+    def launched(correlation, who, stream, ts, dur=100.0, api="cuda_runtime"):
+        launch = {"cat": api, "name": "cudaLaunchKernel", "ts": ts - 5,
                   "args": {"correlation": correlation}} | who  # fmt: skip
         kernel = {"cat": "kernel", "name": "k", "ts": ts, "dur": dur,
                   "args": {"stream": stream, "correlation": correlation}}  # fmt: skip
@@ -91,14 +99,16 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
 
     trace = {
         "traceEvents": [
-            {"name": "onegpu.anchor", "ts": 1000.0, "dur": 1.0} | main,
+            {"cat": "user_annotation", "name": "onegpu.anchor", "ts": 1000.0, "dur": 1.0} | main,
             *launched(1, main, 7, 1300.0),
-            *launched(2, main, 7, 1400.0),
+            *launched(2, main, 7, 1400.0, api="cuda_driver"),
             *[e for c in (3, 4, 5) for e in launched(c, worker, 20, 1600.0 + 10 * c, dur=5.0)],
             {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 1350.0,
-             "dur": 50.0},
+             "dur": 50.0, "args": {"stream": 20}},
             {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 1480.0,
-             "dur": 40.0},
+             "dur": 40.0, "args": {"stream": 20}},
+            {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": 1500.0,
+             "dur": 3.0, "args": {"stream": 7}},
         ]
     }  # fmt: skip
     spans = [(5_000_000, 5_100_000), (5_400_000, 5_600_000)]
@@ -108,6 +118,7 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
         "host_steps": 2,
         "exposed_s": pytest.approx(1e-4),
         "compute_s": pytest.approx(2e-4),
+        "compute_stream_by": "launches",
         "link_out_s": pytest.approx(5e-5),
         "link_back_s": pytest.approx(4e-5),
         "copies": 2,
@@ -116,8 +127,9 @@ def test_host_steps_after_the_last_kernel_are_the_exposed_part():
     }
     # without the launches the busiest stream is taken: here the side stream, whose last
     # kernel (1,655 us) hides every exposure
-    unlinked = {"traceEvents": [e for e in trace["traceEvents"] if e.get("cat") != "cuda_runtime"]}
-    assert _trace_overlap(unlinked, spans, anchor_ns=5_000_000)["exposed_s"] < 1e-4
+    unlinked = {"traceEvents": [e for e in trace["traceEvents"] if "cuda_" not in e.get("cat", "")]}
+    busiest = _trace_overlap(unlinked, spans, anchor_ns=5_000_000)
+    assert busiest["exposed_s"] < 1e-4 and busiest["compute_stream_by"] == "most kernels"
     assert math.isnan(_trace_overlap({"traceEvents": []}, spans, 0)["exposed_s"])  # no kernels
 
 
@@ -163,6 +175,7 @@ def test_on_a_gpu_every_host_step_of_the_worker_thread_is_timed(tmp_path):
     assert 0 < got["host_steps"] <= len(list(model.parameters()))  # each once, in one backward
     assert 0.0 <= got["exposed_s"] <= got["host_step_s"]
     assert got["copies"] > 0 and 0.0 < got["compute_s"] < got["step_s"]
+    assert got["compute_stream_by"] == "launches"  # not the busiest stream, by default
     for way in ("out", "back"):  # gradients out, weights back: both cross the link
         assert 0.0 <= got[f"link_{way}_exposed_s"] <= got[f"link_{way}_s"]
     assert got["link_out_s"] > 0 and got["link_back_s"] > 0

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from onegpu.cache import cache_root, cached, drop, peek
+from onegpu.cache import cache_root, cached, drop, peek, provisional_reads
 from onegpu.perf.allocator import active_allocator, run_allocator
 
 MAX_WAIT_SHARE = 0.25
@@ -154,6 +154,7 @@ def timed_cached(
     naming `what`, or `on_disturbed(wait share)` where given (a caller that times many)."""
     memo = _memo(name, key)
     if not refresh and memo in _UNSTORED and peek(name, key, valid) is None:
+        provisional_reads.append(name)
         return _UNSTORED[memo]
     watch = RunQueueWatch()
 
@@ -167,6 +168,7 @@ def timed_cached(
     )
     if (share := watch.wait_share()) is not None and watch.disturbed():
         _UNSTORED[memo] = value
+        provisional_reads.append(name)  # what this process goes on to plan or run follows it
         if refresh:  # the figure it was to replace is known stale: the next run measures
             drop(name, key)
         if on_disturbed is not None:

@@ -73,6 +73,7 @@ def plan_extrapolated(
             **{f"blocks.{i}": pb.saved_by_block.get(f"blocks.{b - 1}", 0) for i in range(depth)},
         },
         saved_per_micro_batch=line(pa.saved_per_micro_batch, pb.saved_per_micro_batch),
+        provisional=tuple(dict.fromkeys(pa.provisional + pb.provisional)),
         n_params=line(pa.n_params, pb.n_params),
         flops_per_token=line(pa.flops_per_token, pb.flops_per_token),
         seconds=pa.seconds + pb.seconds,

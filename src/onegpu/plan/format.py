@@ -50,7 +50,7 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         f"{r['plan_seconds']:.1f} s)",
         f"  {n:,} parameters, {c['precision']}, batch {c['batch']} x {c['seq_len']} in "
         f"micro-batches of {c['micro_batch']}, checkpointing {c['checkpointing']}, "
-        f"{c['optimizer']}, loss chunk {c['loss_chunk'] or 'off'}, attention {c['attention']}",
+        f"{c['optimizer']}, loss chunk {c['loss_chunk'] or 'off'}, attention {c.get('attention', '?')}",
         *_unkept_lines(c.get("follows_unkept_timings", [])),
         "",
         "memory at the step's peak                  MiB    bytes/param",

@@ -4,6 +4,7 @@ predicted speed, and whether it fits a GPU (and if not, the cheapest changes tha
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from onegpu.config import (
@@ -158,7 +159,8 @@ def _mesh_report(
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     plans, largest = mesh_plans(cfg, target, caps, world_size)
     plan = plans[largest]
-    report = _memory_report(cfg, plan, plan.memory)
+    followed = tuple(dict.fromkeys(f for p in plans for f in p.provisional))
+    report = _memory_report(cfg, dataclasses.replace(plan, provisional=followed), plan.memory)
     report["dist"] = mesh_section(cfg, plans, gpu, world_size, interconnect)
     report["dist"]["largest_rank"] = largest
     capacity = GPUS[gpu].memory_bytes if gpu else memory_bytes

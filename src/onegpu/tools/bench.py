@@ -214,8 +214,8 @@ def measured_row(out: Path) -> dict[str, Any]:
 
 def kernels_chosen(config: dict[str, Any]) -> dict[str, Any]:
     """The kernels a run's or a plan's config settled on, which its memory depends on."""
-    flat = config if "attention" in config else config["model"] | config["memory"]
-    return {"attention": flat["attention"], "loss_chunk": flat["loss_chunk"]}
+    flat = config["model"] | config["memory"] if "model" in config else config
+    return {"attention": flat.get("attention"), "loss_chunk": flat.get("loss_chunk")}
 
 
 def _model_line(summary: dict[str, Any]) -> str:
