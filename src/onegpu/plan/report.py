@@ -159,7 +159,7 @@ def _mesh_report(
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     plans, largest = mesh_plans(cfg, target, caps, world_size)
     plan = plans[largest]
-    followed = tuple(dict.fromkeys(f for p in plans for f in p.provisional))
+    followed = tuple(dict.fromkeys(f for p in plans.values() for f in p.provisional))
     report = _memory_report(cfg, dataclasses.replace(plan, provisional=followed), plan.memory)
     report["dist"] = mesh_section(cfg, plans, gpu, world_size, interconnect)
     report["dist"]["largest_rank"] = largest
