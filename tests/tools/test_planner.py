@@ -118,6 +118,45 @@ def test_a_plan_says_which_choices_follow_a_timing_the_last_run_did_not_keep(mon
     assert plan_memory(cfg).provisional == ()  # what runs here kept: nothing to say
 
 
+@pytest.mark.parametrize(
+    ("world_size", "omp", "threads", "seq_len"),
+    [(2, None, 1, 40), (2, "2", 2, 48), (1, None, 2, 56)],  # each a shape of its own
+)
+def test_a_plan_for_torchruns_processes_times_with_the_threads_each_runs(
+    monkeypatch, world_size, omp, threads, seq_len
+):
+    """torchrun gives each process OMP_NUM_THREADS=1 where the user set none; cached timings
+    are keyed by threads. A plan made with both cores followed "sdpa", the tensor-parallel run
+    at 1 thread chose "blocked": 69.2 against 81.7 MB (the CI run that failed rank plans)."""
+    from onegpu.plan.report import plan_report
+    from onegpu.techniques import attention
+
+    timed_at = []
+
+    def measure(call, dtype, candidates):
+        timed_at.append(torch.get_num_threads())
+        return {"choice": "plain", "ms": {name: 1.0 for name in candidates}}
+
+    monkeypatch.setattr(attention, "measure_cpu_attention", measure)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # nothing cached answers for its shape: the plan times
+        cfg = _cfg(**{"dist.tp": str(world_size), "model.seq_len": str(seq_len),
+                      "train.batch_size": "6", "train.micro_batch_size": "3"})  # fmt: skip
+        report = plan_report(cfg, None, None, world_size)
+        assert torch.get_num_threads() == 2, (
+            "the plan leaves this process's threads as it found them"
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert timed_at and set(timed_at) == {threads}
+    assert report["config"]["attention"] == "plain"
+
+
 @pytest.mark.slow  # torchao's low-bit steps compile on first use (~20 s)
 @pytest.mark.parametrize(
     ("optimizer", "precision"), [("adamw8bit", "bf16-pure"), ("adamw4bit", "fp32")]

@@ -4,6 +4,7 @@ predicted speed, and whether it fits a GPU (and if not, the cheapest changes tha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -26,6 +27,7 @@ from onegpu.plan.ranks import needs_rank_plans
 from onegpu.plan.targets import (
     CUDA_OVERHEAD_BYTES,
     GPU_COUNTS,
+    as_a_process_of,
     check_device_cap,
     device_capacity,
     gpu_caps,
@@ -67,11 +69,24 @@ def plan_report(
     interconnect: str = "nvlink",
 ) -> dict[str, Any]:
     """The plan of one process (of `world_size`) on `gpu` (None: this CPU, with an optional
-    budget of `memory_bytes`): memory, analytic figures, speed, fit and fixes. What it keeps in
-    host memory must fit `host_memory` (default: this machine's RAM) too. A device mesh (tensor
-    or pipeline parallelism, HSDP) plans each stage's rank as itself, with the bytes each
-    dimension sends over `interconnect`."""
+    budget of `memory_bytes`, timed with each process's threads): memory, analytic figures,
+    speed, fit and fixes. What it keeps in host memory must fit `host_memory` (default: this
+    machine's RAM) too. A device mesh (tensor or pipeline parallelism, HSDP) plans each stage's
+    rank as itself, with the bytes each dimension sends over `interconnect`."""
     _check_budgets(gpu, memory_bytes, host_memory, world_size)
+    threads = contextlib.nullcontext() if gpu else as_a_process_of(world_size)
+    with threads:
+        return _plan_report(cfg, gpu, memory_bytes, world_size, host_memory, interconnect)
+
+
+def _plan_report(
+    cfg: Config,
+    gpu: str | None,
+    memory_bytes: int | None,
+    world_size: int,
+    host_memory: int | None,
+    interconnect: str,
+) -> dict[str, Any]:
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     cfg = with_offload_params(cfg)  # weights on the host: planned as FSDP2's CPU offload
     strategy = resolve_strategy(cfg.dist, world_size, "--world-size")

@@ -3,7 +3,10 @@ CUDA context), one process's share of a torchrun job and its bytes, and the pred
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +50,32 @@ def process_share(cfg: Config, world_size: int) -> Config:
         train=dataclasses.replace(t, batch_size=t.batch_size // dp),
         dist=DistConfig(),
     )
+
+
+def process_threads(world_size: int) -> int:
+    """The torch threads each of `world_size` processes on this CPU runs with: torchrun sets
+    OMP_NUM_THREADS to 1 for each where the user did not set it (torch.distributed.run), and
+    one process runs with this one's."""
+    if world_size == 1:
+        return torch.get_num_threads()
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return 1
+
+
+@contextlib.contextmanager
+def as_a_process_of(world_size: int) -> Iterator[None]:
+    """This process timing and reading cached timings (their keys hold the threads) with the
+    threads of one of `world_size` CPU processes: a plan for torchrun's processes made in a
+    process with all the cores otherwise follows another kernel than the run chose (the tensor-
+    parallel plan followed "sdpa" at 2 threads, the run "blocked" at 1: 15% apart)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(process_threads(world_size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def rank_memory(
