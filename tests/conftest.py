@@ -38,6 +38,19 @@ def _small_matmul_peaks():
 
 
 @pytest.fixture(autouse=True)
+def _timings_kept_however_busy(request, monkeypatch):
+    """In the test process a kernel timing is kept however busy the CPUs are: a machine that
+    loses a core mid-test would otherwise add a warning line to an error a test asserts is one
+    line. The judgement itself is tested in tests/perf/test_contention.py (against a real busy
+    process) and where a test sets it (RunQueueWatch.disturbed); subprocess runs judge as a
+    user's run does."""
+    if request.module.__name__.rpartition(".")[2] != "test_contention":
+        from onegpu.perf import contention
+
+        monkeypatch.setattr(contention, "MAX_WAIT_SHARE", float("inf"))
+
+
+@pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
     yield
