@@ -319,25 +319,52 @@ def _after(start: float, end: float, mark: float) -> float:
 
 
 @contextlib.contextmanager
-def _timing_host_steps() -> Iterator[list[tuple[int, int]]]:
-    """Every host step inside, as (start, end) in perf_counter_ns, whatever its thread."""
-    from onegpu.offload.host_optimizer import HostOffloadOptimizer
+def _timed(owner: Any, name: str, spans: list[tuple[int, int]]) -> Iterator[None]:
+    """`owner.name` (a method or a module's function) timed inside: each call's (start, end)
+    in perf_counter_ns appended to `spans`, whatever its thread."""
+    real = getattr(owner, name)
 
-    spans: list[tuple[int, int]] = []
-    stepped_copy = HostOffloadOptimizer._stepped_copy
-
-    def timed(self: HostOffloadOptimizer, p: torch.Tensor) -> torch.Tensor:
+    def timed(*args: Any, **kwargs: Any) -> Any:
         begun = time.perf_counter_ns()
         try:
-            return stepped_copy(self, p)
+            return real(*args, **kwargs)
         finally:
             spans.append((begun, time.perf_counter_ns()))
 
-    HostOffloadOptimizer._stepped_copy = timed
+    setattr(owner, name, timed)
     try:
-        yield spans
+        yield
     finally:
-        HostOffloadOptimizer._stepped_copy = stepped_copy
+        setattr(owner, name, real)
+
+
+@contextlib.contextmanager
+def _timing_host_work() -> Iterator[dict[str, list[tuple[int, int]]]]:
+    """The host's parts of an in-backward step, each call as (start, end) in perf_counter_ns:
+    `step` each host step (the worker thread), `land` each gradient's copy waited for and
+    added in (the worker thread, or the engine's for a ring that must make room), `room` each
+    wait of backward for a stretch of the staging ring (landing the oldest copies)."""
+    from onegpu.offload import host_optimizer
+    from onegpu.offload.staging_ring import StagingRing
+
+    spans: dict[str, list[tuple[int, int]]] = {"step": [], "land": [], "room": []}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_timed(host_optimizer.HostOffloadOptimizer, "_stepped_copy", spans["step"]))  # fmt: skip
+        stack.enter_context(_timed(host_optimizer, "_add_arrived", spans["land"]))
+        stack.enter_context(_timed(StagingRing, "_room_for", spans["room"]))
+        yield spans
+
+
+def _host_work(spans: dict[str, list[tuple[int, int]]]) -> dict[str, Any]:
+    """Totals of _timing_host_work's parts, in seconds, and how many of each; `room` counts
+    only the waits that landed copies (over 0.1 ms), not every stretch taken."""
+    waits = [(a, b) for a, b in spans["room"] if b - a > 100_000]
+    return {
+        "land_s": sum(b - a for a, b in spans["land"]) / 1e9,
+        "lands": len(spans["land"]),
+        "room_wait_s": sum(b - a for a, b in waits) / 1e9,
+        "room_waits": len(waits),
+    }
 
 
 def _profile_in_backward(preset: str, over: dict[str, str], out: Path) -> dict[str, float]:
@@ -356,7 +383,7 @@ def _profile_in_backward(preset: str, over: dict[str, str], out: Path) -> dict[s
     if built.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    with _timing_host_steps() as spans, torch.profiler.profile(activities=activities) as prof:
+    with _timing_host_work() as spans, torch.profiler.profile(activities=activities) as prof:
         with torch.profiler.record_function("onegpu.anchor"):
             anchor_ns = time.perf_counter_ns()
         built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), 3)
@@ -364,7 +391,8 @@ def _profile_in_backward(preset: str, over: dict[str, str], out: Path) -> dict[s
             torch.cuda.synchronize()
         step_s = (time.perf_counter_ns() - anchor_ns) / 1e9  # profiled: slower than the row's
     prof.export_chrome_trace(str(out))
-    return _trace_overlap(json.loads(out.read_text()), spans, anchor_ns) | {"step_s": step_s}
+    overlap = _trace_overlap(json.loads(out.read_text()), spans["step"], anchor_ns)
+    return overlap | _host_work(spans) | {"step_s": step_s}
 
 
 def _overlap_row(args: argparse.Namespace, extra: dict[str, str], row: dict[str, Any]) -> None:

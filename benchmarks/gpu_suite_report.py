@@ -92,6 +92,10 @@ def _overlap(o: dict[str, Any]) -> list[str]:
         f"({tr['copies']} copies): gradients out {_ms(tr['link_out_s'])} ms "
         f"({_ms(tr['link_out_exposed_s'])} after that kernel), weights back "
         f"{_ms(tr['link_back_s'])} ms ({_ms(tr['link_back_exposed_s'])} after it).")  # fmt: skip
+    if "land_s" in tr:
+        more += (f" Gradients landed (copy waited for, added in): {tr['lands']}, "
+                 f"{_ms(tr['land_s'])} ms; backward waited for room in the staging ring "
+                 f"{tr['room_waits']} times, {_ms(tr['room_wait_s'])} ms.")  # fmt: skip
     return lines + ["", f"Trace of one in-backward step: {tr.get('host_steps')} host steps, "
                     f"{_ms(tr.get('host_step_s'))} ms of host stepping, {_ms(tr.get('exposed_s'))} "
                     f"ms of it after the compute stream's last kernel.{more}", ""]  # fmt: skip
