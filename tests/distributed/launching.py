@@ -42,12 +42,25 @@ def launch(out: Path, nproc: int, *, check: bool = True, **over) -> subprocess.C
         cmd + _args(out, over), capture_output=True, text=True, timeout=300, env=_env()
     )
     if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, _crash(proc.stderr) + proc.stderr[-3000:]
     return proc
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # a process that crashes (a signal) prints its Python stack: torchrun's report has none
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
+
+
+def _crash(stderr: str) -> str:
+    """The stack a crashed process printed (faulthandler's), which torchrun's report of the
+    other processes would push out of the message's tail."""
+    start = stderr.find("Fatal Python error")
+    return "" if start < 0 else stderr[start : start + 3000] + "\n...\n"
 
 
 def losses(out: Path) -> dict[int, float]:
