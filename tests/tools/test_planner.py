@@ -120,7 +120,9 @@ def test_a_plan_says_which_choices_follow_a_timing_the_last_run_did_not_keep(mon
 
 @pytest.mark.parametrize(
     ("world_size", "omp", "threads", "seq_len"),
-    [(2, None, 1, 40), (2, "2", 2, 48), (1, None, 2, 56)],  # each a shape of its own
+    [(2, None, 1, 40)]  # each a shape of its own
+    + [pytest.param(2, "2", 2, 48, marks=pytest.mark.slow)]
+    + [pytest.param(1, None, 2, 56, marks=pytest.mark.slow)],
 )
 def test_a_plan_for_torchruns_processes_times_with_the_threads_each_runs(
     monkeypatch, world_size, omp, threads, seq_len
