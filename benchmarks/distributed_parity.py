@@ -34,13 +34,18 @@ CONTESTANTS = {
 }  # fmt: skip
 
 
+def threads_each(nproc: int) -> str:
+    """The cores shared out: each of `nproc` processes runs with this many threads."""
+    return str(max(1, (os.cpu_count() or 1) // nproc))
+
+
 def run(out: Path, nproc: int, values: dict[str, str]) -> dict:
     args = [f"--{k}={v}" for k, v in values.items()] + [f"--out.dir={out}"]
     head = [sys.executable, "-m", "onegpu", "train"]
     if nproc > 1:
         head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={nproc}", "-m", "onegpu", "train"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // nproc))}
+    env = {**os.environ, "OMP_NUM_THREADS": threads_each(nproc)}
     subprocess.run(head + args, check=True, env=env, capture_output=True, text=True)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {
@@ -60,6 +65,7 @@ def main() -> None:
               "train.measure_memory": "false"}  # fmt: skip
     preset = values.pop("preset")
     cfg = load_config(preset, overrides=values)
+    os.environ["OMP_NUM_THREADS"] = threads_each(2)  # the plan times with the runs' threads
     planned = plan_report(cfg, None, None, world_size=2)["memory"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

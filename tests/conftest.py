@@ -31,10 +31,15 @@ def _small_matmul_peaks():
     from onegpu.perf import contention
     from onegpu.perf.devices import cpu_peak_flops
 
-    # kept however busy the machine is: a subprocess test would otherwise time 4096^3
+    # kept however busy the machine is: a subprocess test would otherwise time 4096^3; at the
+    # test process's threads and at 1, a launched run's (OMP_NUM_THREADS=1) and a plan's for it
+    threads = torch.get_num_threads()
     with mock.patch.object(contention, "MAX_WAIT_SHARE", float("inf")):
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            cpu_peak_flops(dtype, n=512)
+        for n in dict.fromkeys((threads, 1)):
+            torch.set_num_threads(n)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                cpu_peak_flops(dtype, n=512)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -206,7 +206,8 @@ def test_the_trace_times_each_landing_and_each_wait_of_backward_for_the_ring():
     got = _host_work(spans)
     assert got["lands"] == 3 and got["land_s"] > 0
     assert len(spans["room"]) == 3 and spans["step"] == []
-    assert host_optimizer._add_arrived.__name__ == "_add_arrived"  # put back after
+    assert host_optimizer._add_arrived.__name__ == "_add_arrived"  # each put back after
+    assert StagingRing._room_for.__name__ == "_room_for"
 
 
 @pytest.mark.slow  # a real `onegpu train` process (~14 s here)

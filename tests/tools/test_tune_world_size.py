@@ -77,3 +77,34 @@ def test_world_size_zero_is_refused():
     cfg = load_config("tiny", overrides={"train.device": "cpu"})
     with pytest.raises(ConfigError, match="world-size"):
         planned_peak(with_overrides(cfg, {"dist.strategy": "fsdp"}), "cpu", 0)
+
+
+@pytest.mark.slow  # the candidates of 2 processes, each checked (~5 s)
+def test_candidates_for_torchruns_processes_are_planned_with_their_threads(tmp_path, monkeypatch):
+    """On this CPU the trials run under torchrun, 1 thread each where OMP_NUM_THREADS is
+    unset: their plans time kernels (cached per thread count) with 1 thread too, and this
+    process's threads are as they were after."""
+    import torch
+
+    from onegpu.tools import tune as tune_module
+
+    seen = []
+
+    def plan(cfg, cands, budget_bytes, target, world_size):
+        seen.append(torch.get_num_threads())
+        return [(cands[0], budget_bytes + 1)], []  # nothing fits: tune ends there
+
+    monkeypatch.setattr(tune_module, "plan_candidates", plan)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = load_config("tiny", overrides={"train.batch_size": "8", "train.device": "cpu"})
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ConfigError, match="nothing fits"):
+            tune_module.tune(cfg, budget_bytes=10**9, target="cpu", time_budget_s=1, steps=2,
+                             out_dir=tmp_path, preset="tiny", config_file=None,
+                             base_overrides={}, world_size=2)  # fmt: skip
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]

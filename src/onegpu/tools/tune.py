@@ -22,6 +22,7 @@ is a real `torchrun --nproc-per-node N` launch whose highest per-rank peak is re
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import tempfile
@@ -43,7 +44,7 @@ from onegpu.perf.flops import recompute_factor
 from onegpu.plan.budget import plan_budget
 from onegpu.plan.memory import plan_memory
 from onegpu.plan.mesh_search import largest_rank, layout_overrides, layouts
-from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, one_budget
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, as_a_process_of, one_budget
 from onegpu.techniques.precision import DeviceCaps, device_caps, resolve_precision
 from onegpu.tools.tune_report import pareto, size_text, trial_label, write_results
 
@@ -236,7 +237,10 @@ def tune(
             f"no configuration splits the global batch {cfg.train.batch_size} into "
             f"{world_size} process(es); use a multiple of {world_size}",
         )
-    planned, fitting = plan_candidates(cfg, cands, budget_bytes, target, world_size)
+    # on this CPU, planned with the threads each of the trials' processes runs with
+    threads = as_a_process_of(world_size) if target == "cpu" else contextlib.nullcontext()
+    with threads:
+        planned, fitting = plan_candidates(cfg, cands, budget_bytes, target, world_size)
     log(
         f"tune: {len(cands)} candidates, {len(planned)} planned in "
         f"{time.perf_counter() - t0:.0f} s, {len(fitting)} to measure under {size_text(budget_bytes)}"
