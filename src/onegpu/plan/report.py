@@ -4,7 +4,6 @@ predicted speed, and whether it fits a GPU (and if not, the cheapest changes tha
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -74,8 +73,7 @@ def plan_report(
     machine's RAM) too. A device mesh (tensor or pipeline parallelism, HSDP) plans each stage's
     rank as itself, with the bytes each dimension sends over `interconnect`."""
     _check_budgets(gpu, memory_bytes, host_memory, world_size)
-    threads = contextlib.nullcontext() if gpu else as_a_process_of(world_size)
-    with threads:
+    with as_a_process_of(world_size, "cuda" if gpu else "cpu"):
         return _plan_report(cfg, gpu, memory_bytes, world_size, host_memory, interconnect)
 
 

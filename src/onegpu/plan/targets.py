@@ -65,11 +65,15 @@ def process_threads(world_size: int) -> int:
 
 
 @contextlib.contextmanager
-def as_a_process_of(world_size: int) -> Iterator[None]:
+def as_a_process_of(world_size: int, target: str = "cpu") -> Iterator[None]:
     """This process timing and reading cached timings (their keys hold the threads) with the
     threads of one of `world_size` CPU processes: a plan for torchrun's processes made in a
     process with all the cores otherwise follows another kernel than the run chose (the tensor-
-    parallel plan followed "sdpa" at 2 threads, the run "blocked" at 1: 15% apart)."""
+    parallel plan followed "sdpa" at 2 threads, the run "blocked" at 1: 15% apart). For another
+    `target` (a GPU's plan) nothing changes."""
+    if target != "cpu":
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(process_threads(world_size))
     try:

@@ -22,7 +22,6 @@ is a real `torchrun --nproc-per-node N` launch whose highest per-rank peak is re
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import tempfile
@@ -238,8 +237,7 @@ def tune(
             f"{world_size} process(es); use a multiple of {world_size}",
         )
     # on this CPU, planned with the threads each of the trials' processes runs with
-    threads = as_a_process_of(world_size) if target == "cpu" else contextlib.nullcontext()
-    with threads:
+    with as_a_process_of(world_size, target):
         planned, fitting = plan_candidates(cfg, cands, budget_bytes, target, world_size)
     log(
         f"tune: {len(cands)} candidates, {len(planned)} planned in "
