@@ -2,15 +2,18 @@
 (same loss and gradients, fp32 rounding apart), are used only where they apply, and `auto`
 compiles only where a timing says the run wins the compile back."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from onegpu.backends.torch.build import build
+from onegpu.backends.torch.step_memory import measure_real_step
 from onegpu.cache import cache_root
 from onegpu.config import ConfigError, load_config
 from onegpu.perf import contention
+from onegpu.plan.memory import plan_memory
 from onegpu.techniques import loss_kernel_auto, loss_kernels
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
 from onegpu.techniques.loss_kernel_auto import LossShape, choose, resolve_loss_kernel
@@ -315,3 +318,31 @@ def test_a_hugging_face_head_with_a_bias_keeps_atens_kernels(monkeypatch, tmp_pa
     llama = resolve(cfg("llama", "auto"), CPU)
     assert llama.config.train.loss_kernel == "compiled"
     assert llama.loss_kernel_timing == timing | {"cached": False}
+
+
+@pytest.mark.parametrize(
+    "precision, vocab",
+    [("bf16", 8003), ("bf16", 8000), ("fp32", 8003)],
+    ids=["bf16-padded-vocabulary", "bf16", "fp32"],
+)
+def test_a_plan_of_the_compiled_kernels_follows_what_they_allocate(precision, vocab):
+    """The plan's fake tensors run no inductor kernel: it follows their footprints, not ATen's
+    path (which keeps two fp32 [chunk, vocab] blocks where the compiled kernel keeps one or
+    none: 59% over at this shape in bf16)."""
+    cfg = load_config(
+        "tiny",
+        overrides={"train.device": "cpu", "train.precision": precision,
+                   "model.vocab_size": str(vocab), "model.d_model": "64", "model.n_layer": "2",
+                   "model.n_head": "2", "model.seq_len": "256", "model.dropout": "0",
+                   "model.attention": "sdpa", "train.batch_size": "8",
+                   "train.micro_batch_size": "8", "memory.loss_chunk": "1024",
+                   "train.loss_kernel": "compiled"},
+    )  # fmt: skip
+    planned = plan_memory(cfg).memory["peak"]
+    _, measured = measure_real_step(cfg)
+    assert planned == pytest.approx(measured["peak"], rel=0.03)
+    eager = plan_memory(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_kernel="eager"))
+    )
+    if vocab == 8000 and precision == "bf16":  # no padding: the kernel keeps no fp32 block
+        assert eager.memory["peak"] > 1.3 * measured["peak"]

@@ -195,8 +195,8 @@ def split_loss(
     """The loss and the context its forward and backward run in: under tensor parallelism
     cross-entropy on vocabulary-sharded logits (`loss_parallel`), or, chunked, on each
     process's vocabulary rows a chunk at a time. `loss_kernel`: the chunked loss's per-chunk
-    kernels, compiled or ATen's (a plan's fake tensors take ATen's)."""
-    kernels = None if planning() else kernels_for(loss_kernel)
+    kernels, compiled or ATen's (a plan's fake tensors take the compiled ones' footprints)."""
+    kernels = kernels_for(loss_kernel, planning=planning())
     loss_fn = choose_loss(model, loss_chunk, kernels)
     if ctx.submesh("tp") is None:
         return loss_fn, contextlib.nullcontext
