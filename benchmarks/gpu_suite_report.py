@@ -70,7 +70,8 @@ def _kernels_apart_lines(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def _kernels(k: dict[str, Any]) -> str:
-    return f"attention {k['attention']}, loss chunk {k['loss_chunk'] or 'off'}"
+    kernel = f" ({k['loss_kernel']} kernels)" if k.get("loss_kernel") and k["loss_chunk"] else ""
+    return f"attention {k['attention']}, loss chunk {k['loss_chunk'] or 'off'}{kernel}"
 
 
 def _overlap(o: dict[str, Any]) -> list[str]:

@@ -154,7 +154,11 @@ def test_the_speed_table_says_why_compile_auto_chose_and_where_the_plan_chose_ot
     env = {"device": "d", "date": "x", "torch": "t", "cuda": "c", "cpu": "p"}
     rows[0]["onegpu"]["kernels_apart"] = {"plan": {"attention": "sdpa", "loss_chunk": 4096},
                                           "run": {"attention": "sdpa", "loss_chunk": 0}}  # fmt: skip
+    rows.append(rows[1] | {"model": "B", "onegpu": rows[1]["onegpu"] | {"kernels_apart": {
+        "plan": {"attention": "sdpa", "loss_chunk": 1024, "loss_kernel": "eager"},
+        "run": {"attention": "sdpa", "loss_chunk": 1024, "loss_kernel": "compiled"}}}})  # fmt: skip
     md = markdown({"environment": env, "command": "c", "speed": rows})
+    assert "- B: the plan followed attention sdpa, loss chunk 1024 (eager kernels), the run chose attention sdpa, loss chunk 1024 (compiled kernels)" in md  # fmt: skip
     assert "- A: compile none: no compiled trial: 5000 micro-batches of 10 ms" in md
     assert "- A: the plan followed attention sdpa, loss chunk 4096, the run chose attention sdpa, loss chunk off" in md  # fmt: skip
     assert "- 1B: the plan followed" not in md

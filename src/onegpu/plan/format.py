@@ -42,6 +42,14 @@ def _unkept_lines(files: list[str]) -> list[str]:
     ]
 
 
+def _loss_chunk(c: dict[str, Any]) -> str:
+    """The chunk, and its kernels where they are inductor's (their memory is not ATen's)."""
+    if not c["loss_chunk"]:
+        return "off"
+    compiled = " (kernels compiled)" if c.get("loss_kernel") == "compiled" else ""
+    return f"{c['loss_chunk']}{compiled}"
+
+
 def _memory_lines(r: dict[str, Any]) -> list[str]:
     mib, n, mem, c = 2**20, r["params"], r["memory"], r["config"]
     lines = _budget_lines(r.get("checkpointing_budget"))
@@ -50,7 +58,7 @@ def _memory_lines(r: dict[str, Any]) -> list[str]:
         f"{r['plan_seconds']:.1f} s)",
         f"  {n:,} parameters, {c['precision']}, batch {c['batch']} x {c['seq_len']} in "
         f"micro-batches of {c['micro_batch']}, checkpointing {c['checkpointing']}, "
-        f"{c['optimizer']}, loss chunk {c['loss_chunk'] or 'off'}, attention {c.get('attention', '?')}",
+        f"{c['optimizer']}, loss chunk {_loss_chunk(c)}, attention {c.get('attention', '?')}",
         *_unkept_lines(c.get("follows_unkept_timings", [])),
         "",
         "memory at the step's peak                  MiB    bytes/param",

@@ -58,6 +58,7 @@ class MemoryPlan:
     seconds: float = 0.0
     precision: str = ""  # what `train.precision` resolved to on the target
     loss_chunk: int = 0  # what `memory.loss_chunk` resolved to
+    loss_kernel: str = ""  # what `train.loss_kernel` resolved to (its footprint is followed)
     attention: str = ""  # what `model.attention` resolved to
     provisional: tuple[str, ...] = ()
     """The cache files of timings the plan followed that the last run did not keep (timed on
@@ -363,6 +364,7 @@ def _label(
         flops_per_token=built.flops_per_token,
         precision=built.policy.name,
         loss_chunk=built.cfg.memory.loss_chunk,
+        loss_kernel=built.cfg.train.loss_kernel,
         attention=built.cfg.model.attention,
         compute_dtype=built.policy.compute_dtype,
         param_dtype=built.policy.param_dtype,

@@ -225,6 +225,7 @@ def _memory_report(cfg: Config, plan: MemoryPlan, mem: dict[str, int]) -> dict[s
             "checkpointing": cfg.memory.checkpointing,
             "optimizer": cfg.optim.name,
             "loss_chunk": plan.loss_chunk,
+            "loss_kernel": plan.loss_kernel,
             "attention": plan.attention,
             "follows_unkept_timings": list(plan.provisional),
         },

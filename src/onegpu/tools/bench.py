@@ -214,8 +214,12 @@ def measured_row(out: Path) -> dict[str, Any]:
 
 def kernels_chosen(config: dict[str, Any]) -> dict[str, Any]:
     """The kernels a run's or a plan's config settled on, which its memory depends on."""
-    flat = config["model"] | config["memory"] if "model" in config else config
-    return {"attention": flat.get("attention"), "loss_chunk": flat.get("loss_chunk")}
+    flat = config["model"] | config["memory"] | config["train"] if "model" in config else config
+    return {
+        "attention": flat.get("attention"),
+        "loss_chunk": flat.get("loss_chunk"),
+        "loss_kernel": flat.get("loss_kernel"),
+    }
 
 
 def _model_line(summary: dict[str, Any]) -> str:
