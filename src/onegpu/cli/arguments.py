@@ -50,7 +50,11 @@ INTERCONNECT = _a(
 )
 
 PLAN_ARGS = (
-    _a("--gpu", help="a GPU of the table (e.g. A100-40, RTX4090), or 'list'"),
+    _a(
+        "--gpu",
+        help="a GPU of the table (e.g. A100-40, RTX4090, h200: any case, the model alone "
+        "where the table has one size of it), or 'list'",
+    ),
     _a(
         "--memory",
         type=int,

@@ -138,6 +138,13 @@ def _plan(ns, env: Env) -> int:
         return _plan_priced(ns, env)
 
 
+def _table_gpu(gpu: str | None) -> str | None:
+    """--gpu as the table names it (h200, H200 or "NVIDIA H200" -> H200-141)."""
+    from onegpu.perf.devices import table_gpu
+
+    return table_gpu(gpu) if gpu is not None else None
+
+
 def _host_cpus(ns) -> int | None:
     if ns.host_cpus is not None and ns.host_cpus < 1:
         raise ConfigError("--host-cpus", f"must be at least 1 core, got {ns.host_cpus}")
@@ -151,6 +158,7 @@ def _plan_priced(ns, env: Env) -> int:
     if ns.gpu == "list":
         print(gpu_table())
         return 0
+    ns.gpu = _table_gpu(ns.gpu)
     if ns.largest:
         from onegpu.plan.largest import find_largest, format_largest
 
@@ -181,6 +189,7 @@ def _tune(ns, env: Env) -> int:
 def _tune_priced(ns, env: Env) -> int:
     from onegpu.tools.tune import budget, launch_line, predicted_only, tune
 
+    ns.gpu = _table_gpu(ns.gpu)
     overrides = env.load(overrides_only=True)
     cfg = env.load()
     out = Path(ns.out or "tune")

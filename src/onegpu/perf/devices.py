@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from onegpu.cache import has
+from onegpu.config import ConfigError
 from onegpu.perf.contention import timed_cached
 from onegpu.perf.cpu import RATE_FLAGS, hardware_key, read_cpuinfo  # noqa: F401 - RATE_FLAGS: API
 from onegpu.perf.peaks import Peak
@@ -75,6 +76,32 @@ def gpu_spec_for(device_name: str) -> GPUSpec | None:
         if any(re.search(re.escape(pat) + r"(?!\d)", device_name) for pat in spec.match):
             return spec
     return None
+
+
+def table_gpu(name: str) -> str:
+    """The table's name for what a user wrote after --gpu: the name in any case, the model
+    alone where one entry has it (h200 -> H200-141), or a CUDA device's name as nvidia-smi and
+    torch give it (NVIDIA H100 80GB HBM3 -> H100-80)."""
+    by_case = {k.lower(): k for k in GPUS}
+    if name.lower() in by_case:
+        return by_case[name.lower()]
+    models = [k for k in GPUS if k.split("-")[0].lower() == name.lower()]
+    if len(models) > 1:
+        raise ConfigError("--gpu", f"{name!r} is one of {', '.join(models)}: name one")
+    if models:
+        return models[0]
+    if " " in name and (spec := gpu_spec_for(name)):  # a device's name, not a wrong size
+        return spec.name
+    known_gpu(name)
+    return name
+
+
+def known_gpu(name: str | None) -> None:
+    """One line and exit 2 for a name that is not the table's (None: no GPU asked for)."""
+    if name is not None and name not in GPUS:
+        raise ConfigError(
+            "--gpu", f"unknown GPU {name!r}; `onegpu plan --gpu list` shows the table"
+        )
 
 
 def cpu_name() -> str:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from onegpu.config import Config, ConfigError, ModelConfig
-from onegpu.perf.devices import GPUS
+from onegpu.perf.devices import GPUS, known_gpu
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import fixes_for, planned
 from onegpu.plan.shapes import Shape, ladder, shape_of, with_shape
@@ -34,8 +34,7 @@ def find_largest(
     if gpu is None and memory_bytes is None:
         raise ConfigError("--largest", "needs a device to fit: --gpu NAME or --memory BYTES")
     one_budget(gpu, memory_bytes)
-    if gpu is not None and gpu not in GPUS:
-        raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
+    known_gpu(gpu)
     target, caps = ("cuda", gpu_caps(gpu)) if gpu else ("cpu", None)
     budget = GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES if gpu else int(memory_bytes or 0)
     host = host_memory or machine_ram()

@@ -15,7 +15,7 @@ from onegpu.config import (
     resolve_strategy,
 )
 from onegpu.offload.weights import with_offload_params
-from onegpu.perf.devices import GPUS
+from onegpu.perf.devices import GPUS, known_gpu
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.budget import plan_budget
 from onegpu.plan.data_share import data_share
@@ -50,8 +50,7 @@ def _check_budgets(
 ) -> None:
     if world_size > 1:  # the mesh searches plan for the whole GPU
         one_budget(gpu, memory_bytes)
-    if gpu is not None and gpu not in GPUS:
-        raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
+    known_gpu(gpu)
     check_device_cap(gpu, memory_bytes)
     if memory_bytes is not None and memory_bytes <= 0:
         raise ConfigError("--memory", f"must be a positive number of bytes, got {memory_bytes}")

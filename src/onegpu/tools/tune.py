@@ -157,13 +157,12 @@ def predicted_only(gpu: str | None, memory: int | None = None) -> bool:
     search is then by prediction alone: tools/tune_plan.py)."""
     import torch
 
-    from onegpu.perf.devices import GPUS
+    from onegpu.perf.devices import known_gpu
 
     one_budget(gpu, memory)
     if gpu is None or torch.cuda.is_available():
         return False
-    if gpu not in GPUS:
-        raise ConfigError("--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table")
+    known_gpu(gpu)
     return True
 
 
@@ -173,15 +172,12 @@ def budget(gpu: str | None, memory: int | None) -> tuple[int, str]:
     import torch
 
     from onegpu.backends.torch.build import resolve_device
-    from onegpu.perf.devices import GPUS
+    from onegpu.perf.devices import GPUS, known_gpu
 
     one_budget(gpu, memory)
     target = "cuda" if resolve_device("auto").type == "cuda" else "cpu"
     if gpu is not None:
-        if gpu not in GPUS:
-            raise ConfigError(
-                "--gpu", f"unknown GPU {gpu!r}; `onegpu plan --gpu list` shows the table"
-            )
+        known_gpu(gpu)
         return GPUS[gpu].memory_bytes - CUDA_OVERHEAD_BYTES, target
     if memory is not None:
         if memory <= 0:
