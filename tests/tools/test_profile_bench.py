@@ -30,6 +30,21 @@ def test_profile_writes_trace_memory_timeline_and_summary(tmp_path, capsys):
     assert "of the gap" in summary or "no gap measured" in summary
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_profile_says_what_the_peak_held_and_which_lines_allocated_it(tmp_path, capsys):
+    """memory_peak.json and the summary's lines: the recorded window's highest allocated total,
+    its largest part allocated by a line of onegpu's code."""
+    out = tmp_path / "prof"
+    argv = ["profile", "--preset", "tiny", "--train.device", "cuda", "--out", str(out)]
+    assert main(argv) == 0
+    peak = json.loads((out / "memory_peak.json").read_text())
+    assert peak["peak_bytes"] > peak["before_window_bytes"] > 0
+    assert any(s["site"].startswith("onegpu/") for s in peak["by_site"])
+    assert sum(s["bytes"] for s in peak["by_site"]) == peak["peak_bytes"]
+    assert "allocated at the recorded window's peak" in (out / "summary.txt").read_text()
+    assert (out / "memory_snapshot.pickle").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_bench_writes_table_json_and_plot_one_row_per_entry(tmp_path, capsys):
     grid = tmp_path / "grid.toml"

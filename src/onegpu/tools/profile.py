@@ -9,13 +9,16 @@ Writes (names are a contract, scripts rely on them):
                     same plot as DIR/memory.png;
 - DIR/summary.txt   phase times, top operations by time and by memory, idle gaps between
                     steps, and host-device synchronisations found;
-- DIR/memory_snapshot.pickle (CUDA only) for https://pytorch.org/memory_viz.
+- DIR/memory_snapshot.pickle (CUDA only) for https://pytorch.org/memory_viz, and
+  DIR/memory_peak.json: the recorded window's highest allocated total and what was alive then,
+  summed by the line of onegpu's code that allocated it (memory/snapshot.py; also in summary.txt).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import pickle
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ from onegpu.backends.torch.build import Built, build, processes
 from onegpu.backends.torch.floor import checked_floor
 from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline, profiling
+from onegpu.memory.snapshot import format_peak, peak_allocations
 from onegpu.perf.devices import sync
 from onegpu.perf.floor import GEMM_OPS, Floor, is_attention_name
 from onegpu.runs.atomic import atomic_path, write_text_atomic
@@ -91,10 +95,7 @@ def _profiled(built: Built, out: Path, steps: int, warmup: int) -> dict[str, Any
             # our own step spans: torch's ProfilerStep#N needs a schedule, which clears events
             with torch.profiler.record_function(f"ProfilerStep#{step}"):
                 one_step(step)
-    if cuda:
-        torch.cuda.synchronize(built.device)
-        torch.cuda.memory._dump_snapshot(str(out / "memory_snapshot.pickle"))
-        torch.cuda.memory._record_memory_history(enabled=None)
+    peak_part = _recorded_peak(built.device, out) if cuda else ""
 
     prof.export_chrome_trace(str(out / "trace.json"))
     trace = json.loads((out / "trace.json").read_text())
@@ -108,7 +109,7 @@ def _profiled(built: Built, out: Path, steps: int, warmup: int) -> dict[str, Any
         floor_part = floor_text(prof, trace, floor, measured_s, cuda)
     except DataDependentOutputException:  # a value read in the step: fake tensors stop there
         floor, floor_part = None, NO_FLOOR
-    text = summary_text(prof, trace, built, steps, cuda, floor_part)
+    text = summary_text(prof, trace, built, steps, cuda, floor_part) + peak_part
     write_text_atomic(out / "summary.txt", text)
     return {
         "out_dir": str(out),
@@ -117,6 +118,21 @@ def _profiled(built: Built, out: Path, steps: int, warmup: int) -> dict[str, Any
         "step_s": measured_s,
         "step_over_floor": measured_s / floor.seconds if floor else None,
     }
+
+
+def _recorded_peak(device: torch.device, out: Path) -> str:
+    """Stop recording CUDA's allocations; write the snapshot for memory_viz and what was alive
+    at the window's peak by the line that allocated it (DIR/memory_peak.json); return the
+    summary's lines of it."""
+    torch.cuda.synchronize(device)
+    try:
+        snapshot = torch.cuda.memory._snapshot()
+        (out / "memory_snapshot.pickle").write_bytes(pickle.dumps(snapshot))  # _dump_snapshot's
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak = peak_allocations(snapshot, device.index or 0)
+    write_text_atomic(out / "memory_peak.json", json.dumps(peak.as_dict(), indent=1))
+    return "\n" + format_peak(peak) + "\n"
 
 
 def _unprofiled_step_s(one_step, first: int, steps: int, device: torch.device) -> float:
