@@ -9,6 +9,9 @@ measured):
   offload tier (optimizer on the host, in backward too; the optimizer on disk; activations;
   weights through FSDP2's CPU offload; states on the host stepped on the GPU), budget
   checkpointing and a lean optimizer. Target: within 10%.
+- explain: for each memory row whose plan is more than 5% off (this run's, or those of
+  `--explain-from FILE.json`): `onegpu profile` of it, and what was alive at its peak, summed by
+  the line of onegpu's code that allocated it (memory/snapshot.py).
 - overlap: the optimizer on the host, after backward and in backward, against the device
   optimizer: the steady step of each, and from a profiler trace of the in-backward step how much
   of the host's stepping ran while the GPU was still busy with backward (the rest is exposed).
@@ -17,8 +20,8 @@ measured):
   bf16 autocast, fused AdamW, clipping, `torch.compile` of the whole model), one after the other
   in fresh processes, random tokens of the model's vocabulary for both.
 
-Usage: python benchmarks/gpu_suite.py [--sections tests,memory,overlap,speed] [--out DIR]
-       [--speed-models A,B,1B] [--budget-s SECONDS]
+Usage: python benchmarks/gpu_suite.py [--sections tests,memory,explain,overlap,speed] [--out DIR]
+       [--speed-models A,B,1B] [--budget-s SECONDS] [--explain-from FILE.json]
        [--quick]   (CPU dry run of the machinery: tiny shapes, no timings worth reading)
 Writes <out>/gpu-<device>-<date>[-N].md and .json (default out: benchmarks/results).
 `--budget-s`: end inside one command of a device lease (benchmarks/gpu_lease.py); how to run
@@ -52,7 +55,7 @@ from gpu_suite_report import markdown
 from onegpu.tools.bench import kernels_chosen, run_row
 from onegpu.tools.processes import end_group, run_bounded, start
 
-SECTIONS = ("tests", "memory", "overlap", "speed")
+SECTIONS = ("tests", "memory", "explain", "overlap", "speed")
 BASE = {"model.dropout": "0", "data.bin_dtype": "uint16", "train.compile": "none",
         # the peak is the caching allocator's either way: no profiled step, no startup plan
         "train.measure_memory": "false", "train.skip_memory_check": "true"}  # fmt: skip
@@ -240,6 +243,42 @@ def section_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
             f"memory: {name}: {row.get('error', row.get('failed', row.get('skipped')))}", flush=True
         )
     return rows
+
+
+EXPLAIN_OVER = 0.05
+"""A memory row whose plan is further off its measured peak than this is explained: what was
+alive at its peak, by the line that allocated it (onegpu profile's memory_peak.json)."""
+
+
+def section_explain(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """For each memory row of this run (or of --explain-from's file) off by more than
+    EXPLAIN_OVER: `onegpu profile` of the same configuration, and its peak by allocation site."""
+    rows = args.results.get("memory")
+    if rows is None and args.explain_from:
+        rows = json.loads(Path(args.explain_from).read_text()).get("memory", [])
+    explained = []
+    for row in rows or []:
+        if abs(row.get("error", 0.0)) <= EXPLAIN_OVER:
+            continue
+        item = {"name": row["name"], "overrides": row["overrides"], "error": row["error"],
+                "planned_peak": row["planned_peak"], "measured_peak": row["measured_peak"]}  # fmt: skip
+        item = _budgeted(args, "explain", item, lambda r: _explain_row(args, r))
+        explained.append(item)
+        args.save("explain", explained)
+    return explained
+
+
+def _explain_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
+    preset, over = _overrides(_base(args), row["overrides"], args.work)
+    folder = Path(tempfile.mkdtemp(prefix="explain-", dir=args.work))
+    cmd = [sys.executable, "-m", "onegpu", "profile", "--preset", preset, "--steps", "1",
+           "--warmup", "2", "--out", str(folder)]  # fmt: skip
+    for k, v in over.items():
+        cmd += [f"--{k}", v]
+    proc = _worker(cmd, args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()[-1200:]}")
+    row |= json.loads((folder / "memory_peak.json").read_text())
 
 
 def _trace_overlap(
@@ -546,6 +585,11 @@ def main() -> None:
         default=None,
         help="end within this many seconds, leaving out rows that would not fit",
     )
+    ap.add_argument(
+        "--explain-from",
+        help="a results .json whose memory rows the explain section reads when this run "
+        "measures none",
+    )
     ap.add_argument("--loop-worker", help=argparse.SUPPRESS)
     ap.add_argument("--profile-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -576,8 +620,9 @@ def main() -> None:
                                "planned_for": args.gpu or "this machine",
                                "budget_s": args.budget_s}  # fmt: skip
     path = _result_path(args.out, results["environment"]["device"])
-    run = {"tests": section_tests, "memory": section_memory, "overlap": section_overlap,
-           "speed": section_speed}  # fmt: skip
+    run = {"tests": section_tests, "memory": section_memory, "explain": section_explain,
+           "overlap": section_overlap, "speed": section_speed}  # fmt: skip
+    args.results = results
 
     def save(section: str, value: Any) -> None:
         """Write what is measured so far: a run cut short keeps every finished row."""

@@ -74,6 +74,27 @@ def _kernels(k: dict[str, Any]) -> str:
     return f"attention {k['attention']}, loss chunk {k['loss_chunk'] or 'off'}{kernel}"
 
 
+def _explain(rows: list[dict[str, Any]]) -> list[str]:
+    """Each mis-planned row's peak, by the line that allocated its bytes."""
+    lines = ["## What the mis-planned rows held at their peak", ""]
+    for r in rows:
+        head = (f"**{r['name']}** (plan {r['error']:+.1%}: {_gib(r['planned_peak'])} planned, "
+                f"{_gib(r['measured_peak'])} GiB measured)")  # fmt: skip
+        if why := _not_run(r):
+            lines += [f"{head}: {why}", ""]
+            continue
+        lines += [f"{head}: {_gib(r['peak_bytes'])} GiB at the profiled run's peak", "",
+                  "| GiB | allocated at | blocks |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {_gib(x['bytes'])} | `{x['site']}` | {x['blocks'] or '-'} |"
+            for x in r["by_site"][:8]
+        ]
+        lines.append("")
+    if not rows:
+        lines += ["No memory row was planned more than 5% off: nothing to explain.", ""]
+    return lines
+
+
 def _overlap(o: dict[str, Any]) -> list[str]:
     lines = ["## The optimizer on the host: overlap with backward", "",
              "| row | step ms | peak GiB |", "|---|---|---|"]  # fmt: skip
@@ -139,7 +160,8 @@ def _compile_decisions(rows: list[dict[str, Any]]) -> list[str]:
     return ["`train.compile auto` in each row:", ""] + lines + [""] if lines else []
 
 
-SECTIONS = {"tests": _tests, "memory": _memory, "overlap": _overlap, "speed": _speed}
+SECTIONS = {"tests": _tests, "memory": _memory, "explain": _explain, "overlap": _overlap,
+            "speed": _speed}  # fmt: skip
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -149,7 +171,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"Command: `{results['command']}`; torch {env['torch']}, CUDA {env['cuda']}, "
              f"host CPU {env['cpu']}. Written by benchmarks/gpu_suite.py.", ""]  # fmt: skip
     for name, section in SECTIONS.items():
-        if results.get(name):
+        if name in results:  # explain's empty list says nothing needed explaining
             lines += section(results[name])
     failed = [f"- {k.removesuffix('_failed')} failed: `{v}`" for k, v in results.items()
               if k.endswith("_failed")]  # fmt: skip

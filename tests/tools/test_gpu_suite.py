@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -239,3 +240,46 @@ def test_the_quick_suite_times_the_host_steps_and_runs_the_speed_rows(tmp_path):
     (speed,) = result["speed"]
     assert speed["onegpu"]["compile"] == "none" and speed["ratio"] > 0, speed
     assert "| quick | " in md and "left out" not in md
+
+
+def test_explain_profiles_only_the_rows_planned_more_than_5_percent_off(tmp_path, monkeypatch):
+    """From an earlier run's memory rows: the one 16% off is profiled with its own overrides
+    and its peak listed by allocation site; the one 2% off is not; a profile that fails is
+    that row's finding."""
+    import gpu_suite
+
+    earlier = tmp_path / "earlier.json"
+    rows = [{"name": "bf16", "overrides": {}, "error": -0.02, "planned_peak": 1, "measured_peak": 1},
+            {"name": "8-bit", "overrides": {"optim.name": "adamw8bit"}, "error": -0.16,
+             "planned_peak": 3 * 2**30, "measured_peak": 4 * 2**30},
+            {"name": "broken", "overrides": {"optim.name": "nope"}, "error": 0.3,
+             "planned_peak": 1, "measured_peak": 1}]  # fmt: skip
+    earlier.write_text(json.dumps({"memory": rows}))
+    commands = []
+
+    def profile(cmd, args, **kwargs):
+        commands.append(cmd)
+        if "nope" in cmd:
+            return subprocess.CompletedProcess(cmd, 2, "", "onegpu: error: optim.name: nope")
+        peak = {"peak_bytes": 4 * 2**30, "before_window_bytes": 2**30, "by_site": [
+            {"site": "onegpu/optim/factory.py:40 step via torchao/optim/adam.py:80 step",
+             "bytes": 2**30, "blocks": 3}]}  # fmt: skip
+        out = Path(cmd[cmd.index("--out") + 1])
+        (out / "memory_peak.json").write_text(json.dumps(peak))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gpu_suite, "_worker", profile)
+    saved = {}
+    args = SimpleNamespace(results={}, explain_from=str(earlier), quick=False, work=tmp_path,
+                           budget=Budget(None), save=saved.__setitem__)  # fmt: skip
+    explained = gpu_suite.section_explain(args)
+    assert [r["name"] for r in explained] == ["8-bit", "broken"]
+    assert "--optim.name" in commands[0] and "adamw8bit" in commands[0]
+    assert "optim.name: nope" in explained[1]["failed"]
+    md = markdown({"environment": {"device": "d", "date": "x", "torch": "t", "cuda": "c", "cpu": "p"},
+                   "command": "c", "explain": explained})  # fmt: skip
+    assert "**8-bit** (plan -16.0%: 3.00 planned, 4.00 GiB measured): 4.00 GiB at the profiled run's peak" in md  # fmt: skip
+    assert (
+        "| 1.00 | `onegpu/optim/factory.py:40 step via torchao/optim/adam.py:80 step` | 3 |" in md
+    )
+    assert "**broken**" in md and "failed:" in md
