@@ -275,10 +275,13 @@ def _explain_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
            "--warmup", "2", "--out", str(folder)]  # fmt: skip
     for k, v in over.items():
         cmd += [f"--{k}", v]
-    proc = _worker(cmd, args, capture_output=True, text=True)
+    proc = _worker(cmd, args)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()[-1200:]}")
-    row |= json.loads((folder / "memory_peak.json").read_text())
+    peak = folder / "memory_peak.json"
+    if not peak.exists():  # a CPU's profile records no allocator trace
+        raise RuntimeError(f"no {peak.name}: onegpu profile writes it on CUDA only")
+    row |= json.loads(peak.read_text())
 
 
 def _trace_overlap(

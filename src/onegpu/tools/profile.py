@@ -78,7 +78,8 @@ def _profiled(built: Built, out: Path, steps: int, warmup: int) -> dict[str, Any
     batches = training_batches(built)
     cuda = built.device.type == "cuda"
     if cuda:
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        # Python stacks: what memory_peak.json names; C++ frames would cost seconds to symbolize
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     built.model.train()
 
     def one_step(step: int) -> None:
