@@ -273,7 +273,7 @@ def test_packed_batches_through_the_step_keep_their_gradients_under_each_techniq
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_the_planner_follows_the_packed_step(hf_folder, arch):
     """A packed step (explicit masks, position embeddings from the rows' positions) is planned
     like a real one: the planned peak within 5% of the measured, the saved bytes exact."""

@@ -47,7 +47,9 @@ def _same_weights(a, b) -> bool:
 @pytest.mark.parametrize(
     "method",
     [
-        pytest.param(m, marks=[pytest.mark.slow] if m in ("galore", "apollo") else [])
+        pytest.param(
+            m, marks=[pytest.mark.slow] if m in ("galore", "apollo", "apollo-mini") else []
+        )
         for m in METHODS
     ],
 )

@@ -322,8 +322,11 @@ def test_a_hugging_face_head_with_a_bias_keeps_atens_kernels(monkeypatch, tmp_pa
 
 @pytest.mark.parametrize(
     "precision, vocab",
-    [("bf16", 8003), ("bf16", 8000), ("fp32", 8003)],
-    ids=["bf16-padded-vocabulary", "bf16", "fp32"],
+    [
+        pytest.param("bf16", 8003, id="bf16-padded-vocabulary", marks=pytest.mark.slow),
+        pytest.param("bf16", 8000, id="bf16"),
+        pytest.param("fp32", 8003, id="fp32", marks=pytest.mark.slow),
+    ],
 )
 def test_a_plan_of_the_compiled_kernels_follows_what_they_allocate(precision, vocab):
     """The plan's fake tensors run no inductor kernel: it follows their footprints, not ATen's
