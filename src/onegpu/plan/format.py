@@ -8,7 +8,7 @@ from typing import Any
 from onegpu.memory.breakdown import GROUPS
 from onegpu.perf.devices import GPUS, GiB
 from onegpu.plan.data_share import data_lines
-from onegpu.plan.targets import CUDA_OVERHEAD_BYTES
+from onegpu.plan.targets import CUDA_OVERHEAD_BYTES, HOST_SECONDS_PER_OP
 
 
 def _by_block(by_block: dict[str, int]) -> str:
@@ -122,6 +122,13 @@ def _analytic_lines(r: dict[str, Any], gpu: str | None) -> list[str]:
             )
             + ")"
         )
+        if r.get("bound") == "dispatch":
+            lines.append(
+                f"  the host bounds that step: {r['dispatched_ops']:,} ops launched eagerly at "
+                f"{HOST_SECONDS_PER_OP * 1e6:.0f} us each take {r['predicted_dispatch_s'] * 1e3:,.1f} ms, "
+                f"the GPU's work {r['predicted_compute_s'] * 1e3:,.1f} ms (fewer, larger steps, "
+                "or CUDA graphs, would use it)"
+            )
     lines += data_lines(r)
     if "offload" in r:
         o = r["offload"]

@@ -55,6 +55,9 @@ class MemoryPlan:
     saved_per_micro_batch: int = 0
     n_params: int = 0
     flops_per_token: int = 0
+    dispatched_ops: int = 0
+    """Ops of one step that run a kernel (views and bare allocations left out), at the step's
+    real number of micro-batches: on a GPU each is a launch the host makes, eagerly."""
     seconds: float = 0.0
     precision: str = ""  # what `train.precision` resolved to on the target
     loss_chunk: int = 0  # what `memory.loss_chunk` resolved to
@@ -212,7 +215,8 @@ def plan_memory(
     dp = dist_ctx.dp_size if dist_ctx is not None else 1
     # Micro-batches after the second repeat it exactly (same shapes, gradients already
     # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
-    n_micro = min(cfg.grad_accum_steps // dp, 2)
+    original_micro = cfg.grad_accum_steps // dp
+    n_micro = min(original_micro, 2)
     if cfg.dist.pp > 1:  # a pipeline's in-flight micro-batches depend on how many there are
         n_micro = cfg.grad_accum_steps // dp
     B, T = cfg.train.micro_batch_size * n_micro, cfg.train_seq_len
@@ -232,9 +236,20 @@ def plan_memory(
     except DynamicOutputShapeException as e:
         raise Unplannable("model.hf", _unplannable(built, e)) from None
     plan = _label(built, cfg.optim, followed, n_micro, target)
+    plan.dispatched_ops = step_ops(followed.tracker, n_micro, original_micro)
     plan.seconds = time.perf_counter() - t0
     plan.provisional = provisional
     return plan
+
+
+def step_ops(tracker: PlanTracker, followed: int, micro_batches: int) -> int:
+    """The dispatched ops of a step of `micro_batches`, from one that ran `followed` of them:
+    each micro-batch past those repeats the last one's ops (its forward and backward)."""
+    ends = tracker.backward_ends
+    if micro_batches <= followed or not ends:
+        return tracker.dispatched
+    per_micro = ends[-1] - ends[-2] if len(ends) >= 2 else ends[0]
+    return tracker.dispatched + (micro_batches - followed) * per_micro
 
 
 def _unplannable(built: Built, e: Exception) -> str:

@@ -26,6 +26,15 @@ CUDA_OVERHEAD_BYTES = GiB // 2
 
 
 EFFICIENCY = 0.4  # assumed fraction of peak FLOP/s a training step reaches (a prediction)
+HOST_SECONDS_PER_OP = 28e-6
+"""Host time per op of an eager step on a GPU: Python, autograd, the dispatcher and the kernel
+launch. A GPU step cannot be shorter than its host's launches of its ops. The H200 host of
+2026-11-28 ran model A's step (460 ops counted by the planner) in 12.8 ms, and B's (596 ops)
+in 15.5 ms: 26-28 us an op (benchmarks/results/gpu-nvidia-h200-2026-11-28.md). Their counted
+FLOPs took 1.1 and 0.9 ms at EFFICIENCY: those steps wait on the host, not the GPU."""
+EAGER_COMPILES = ("none", "auto")
+"""The compile settings whose steps the planner's op count follows (auto left A and B eager);
+a compiled step launches fused kernels, fewer than its ops."""
 
 
 def gpu_caps(gpu: str) -> DeviceCaps:
@@ -121,6 +130,14 @@ def compute_seconds(
     return plan.flops_per_token * recompute * tokens / (peak_flops * EFFICIENCY * world_size)
 
 
+def dispatch_seconds(cfg: Config, plan: MemoryPlan, gpu: str | None) -> float:
+    """The host's time to launch an eager step's ops on a GPU (0 on a CPU, whose measured
+    peak already prices its ops, and for a compiled step)."""
+    if not gpu or cfg.train.compile not in EAGER_COMPILES:
+        return 0.0
+    return plan.dispatched_ops * HOST_SECONDS_PER_OP
+
+
 def predicted_speed(
     cfg: Config, plan: MemoryPlan, gpu: str | None, world_size: int
 ) -> dict[str, Any]:
@@ -133,11 +150,16 @@ def predicted_speed(
     recompute = recompute_factor(cfg.memory.checkpointing)
     offload = offload_costs(cfg, plan, gpu, world_size, host_step_rate)
     host_step_s = exposed_host_step(cfg, offload.get("host_step_s", 0.0), compute_s, world_size)
-    step_s = compute_s + exposed_link(cfg, offload, compute_s, world_size) + host_step_s
+    dispatch_s = dispatch_seconds(cfg, plan, gpu)
+    busy_s = max(compute_s, dispatch_s)
+    step_s = busy_s + exposed_link(cfg, offload, busy_s, world_size) + host_step_s
     return {
         "predicted_step_time_s": step_s,
         "predicted_tokens_per_s": tokens / step_s,
         "predicted_compute_s": compute_s,
+        "predicted_dispatch_s": dispatch_s,
+        "dispatched_ops": plan.dispatched_ops,
+        "bound": "dispatch" if dispatch_s > compute_s else "compute",
         "efficiency_assumed": EFFICIENCY,
         "recompute_factor": recompute,
         **({"offload": offload} if offload else {}),

@@ -43,6 +43,17 @@ class ModuleStack:
 
 
 WORKSPACE = -1  # pseudo storage id of a kernel's workspace in a peak snapshot
+NO_KERNEL = frozenset(
+    {
+        torch.ops.aten.empty,
+        torch.ops.aten.empty_strided,
+        torch.ops.aten.empty_like,
+        torch.ops.aten.new_empty,
+        torch.ops.aten.new_empty_strided,
+    }
+)
+"""Ops that allocate and launch nothing; views (an op's `is_view`) and ops outside ATen (fake
+tensors' `prim.device`, the profiler's ranges) launch nothing either."""
 _GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 
 
@@ -71,6 +82,9 @@ class PlanTracker(LiveTensorBytes):
         self.host_current = 0
         self.host_peak = 0
         self.host_total = 0  # every byte copied out (each comes back once in backward)
+        self.dispatched = 0  # ops that run a kernel: on a GPU, each a launch the host makes
+        self.backward_ends: list[int] = []  # `dispatched` when each backward was over
+        self._was_backward = False
 
     def _track_host(self, t: torch.Tensor) -> None:
         sid = storage_id(t)
@@ -117,7 +131,19 @@ class PlanTracker(LiveTensorBytes):
                 snapshot[WORKSPACE] = workspace
             self.segments[-1] = (live, snapshot)
 
+    def _count(self, func) -> None:
+        """One more dispatched op, unless it is a view or an allocation alone; the count at
+        the end of each backward (a micro-batch's), seen at the first op after it."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self._was_backward and not in_backward:
+            self.backward_ends.append(self.dispatched)
+        self._was_backward = in_backward
+        kernel = func.namespace == "aten" and not func.is_view  # not prim.device, profiler's
+        if kernel and func.overloadpacket not in NO_KERNEL:
+            self.dispatched += 1
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._count(func)
         self._op = str(func.overloadpacket).replace("aten::", "aten.")
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if (
