@@ -12,6 +12,7 @@ from onegpu.cache import cache_root
 from onegpu.config import ConfigError, load_config
 from onegpu.perf import logits
 from onegpu.perf.devices import device_key
+from onegpu.perf.logits import untimed_chunk
 from onegpu.techniques import chunked_loss, compile
 from onegpu.techniques.compile import CompileTrial, choose_compile, time_compile
 from onegpu.techniques.loss import token_loss_sum
@@ -96,8 +97,19 @@ def test_auto_chunk_respects_unchunkable_models(monkeypatch):
 def test_a_plan_never_times_the_loss(monkeypatch):
     monkeypatch.setattr(chunked_loss, "measure_loss_chunk", _never)
     m = load_config("seed-ref", overrides={"model.d_model": "192"}).model  # no cache entry
-    got = chunked_loss.resolve_loss_chunk("auto", m, 4096, torch.float32, CPU, timed=False)
+    got = chunked_loss.resolve_loss_chunk("auto", m, 8192, torch.float32, CPU, timed=False)
     assert got == chunked_loss.UNTIMED_CHUNK
+
+
+def test_an_untimed_plan_takes_a_chunk_a_run_could_choose():
+    """A chunk of the whole micro-batch is no contestant of the timing: no run takes it."""
+    assert [untimed_chunk(t) for t in (16384, 8192, 4096, 2048, 1024)] == [
+        4096,
+        4096,
+        2048,
+        1024,
+        0,
+    ]
 
 
 def test_measured_choice_is_a_timed_size():

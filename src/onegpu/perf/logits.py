@@ -21,7 +21,15 @@ SPEED_MARGIN = 1.05
 """Then the smallest chunk size (the least memory) whose output layer + loss runs within 5% of
 the fastest contestant, plain included; plain if none does."""
 UNTIMED_CHUNK = 4096
-"""The chunk size of a plan for a device that is not here (nothing can be timed)."""
+"""The chunk size of a plan for a device that is not here (nothing can be timed), where the
+micro-batch has more tokens (untimed_chunk)."""
+
+
+def untimed_chunk(tokens: int) -> int:
+    """The chunk size a plan takes where no run timed one: UNTIMED_CHUNK, or the largest size
+    `auto` would time below the micro-batch's tokens (a chunk of all of them is no contestant,
+    so no run takes it); 0 (plain) where none is below."""
+    return max((c for c in CHUNK_SIZES if c <= UNTIMED_CHUNK and c < tokens), default=0)
 
 
 def padded_vocab(m: ModelConfig) -> int:

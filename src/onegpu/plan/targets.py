@@ -149,9 +149,9 @@ def predicted_speed(
     tokens = cfg.train.batch_size * cfg.train_seq_len
     recompute = recompute_factor(cfg.memory.checkpointing)
     offload = offload_costs(cfg, plan, gpu, world_size, host_step_rate)
-    host_step_s = exposed_host_step(cfg, offload.get("host_step_s", 0.0), compute_s, world_size)
     dispatch_s = dispatch_seconds(cfg, plan, gpu)
-    busy_s = max(compute_s, dispatch_s)
+    busy_s = max(compute_s, dispatch_s)  # what the host's work beside the step can hide behind
+    host_step_s = exposed_host_step(cfg, offload.get("host_step_s", 0.0), busy_s, world_size)
     step_s = busy_s + exposed_link(cfg, offload, busy_s, world_size) + host_step_s
     return {
         "predicted_step_time_s": step_s,

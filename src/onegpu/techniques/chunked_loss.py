@@ -36,6 +36,7 @@ from onegpu.perf.logits import (  # noqa: F401 - the rule, shared with the JAX b
     logits_share,
     padded_vocab,
     plain_logits_bytes,
+    untimed_chunk,
     valid_timings,
     worth_chunking,
 )
@@ -326,7 +327,7 @@ def resolve_loss_chunk(
     """The chunk size `memory.loss_chunk` stands for: itself unless 'auto'. `chunkable`: the
     model's loss has vocabulary-sized logits the chunked loss computes exactly (not a classifier,
     no logit transform). `timed`: the device is here to time on (a plan for an absent GPU
-    takes UNTIMED_CHUNK wherever the share calls for chunking)."""
+    takes untimed_chunk's size wherever the share calls for chunking)."""
     if value != "auto":
         return int(value)
     bytes_ = torch.empty((), dtype=dtype).element_size()
@@ -335,11 +336,11 @@ def resolve_loss_chunk(
     vocab = padded_vocab(m)
     here = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
     if not timed and not here:
-        return UNTIMED_CHUNK
+        return untimed_chunk(tokens)
     key = f"{device_key(device)}|{dtype}|tokens={tokens}|d={m.d_model}|vocab={vocab}"
     if not timed:  # a plan: what a run here chose, if one did
         found = peek("loss_chunk.json", key, valid=valid_timings, provisional=follows_last_run())
-        return chosen_chunk(found, tokens) if found else UNTIMED_CHUNK
+        return chosen_chunk(found, tokens) if found else untimed_chunk(tokens)
     found = timed_cached(
         "loss_chunk.json",
         key,
