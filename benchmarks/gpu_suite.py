@@ -522,6 +522,7 @@ def _speed_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
             plan = plan_of()
             row["onegpu"] |= {"planned_peak": plan["memory"]["peak"],
                               "predicted_tokens_per_s": plan["predicted_tokens_per_s"],
+                              "bound": plan.get("bound"),
                               "planned_memory": plan["memory"], **_kernels_apart(plan, one)}  # fmt: skip
         except Exception as e:
             row["onegpu"]["plan_failed"] = str(e)[-800:]

@@ -125,8 +125,8 @@ def _overlap(o: dict[str, Any]) -> list[str]:
 
 def _speed(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## Speed against a nanoGPT-style compiled loop", "",
-             "| model | onegpu tok/s | compile | MFU | peak GiB (planned) | loop tok/s | loop MFU | "
-             "loop peak GiB | onegpu / loop |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| model | onegpu tok/s (predicted) | compile | MFU | peak GiB (planned) | loop tok/s | "
+             "loop MFU | loop peak GiB | onegpu / loop |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         if why := _not_run(r):
             half = r.get("onegpu")  # the loop failed or ran out of budget after onegpu's run
@@ -134,12 +134,20 @@ def _speed(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| {r['model']} | {done}{why} | | | | | | | |")
             continue
         o, lp = r["onegpu"], r["loop"]
-        lines.append(f"| {r['model']} | {o['tokens_per_s']:,.0f} | {o.get('compile', '?')} | "
+        lines.append(f"| {r['model']} | {o['tokens_per_s']:,.0f}{_predicted(o)} | {o.get('compile', '?')} | "
                      f"{o['mfu'] or 0:.1%} | "
                      f"{_gib(o['peak'])} ({_gib(o['planned_peak'])}) | {lp['tokens_per_s']:,.0f} | "
                      f"{lp['mfu'] or 0:.1%} | {_gib(lp['peak'])} | {r['ratio']:.2f}x |")  # fmt: skip
     planned = [(r["model"], r["onegpu"]) for r in rows if r.get("onegpu")]
     return lines + [""] + _compile_decisions(rows) + _kernels_apart_lines(planned)
+
+
+def _predicted(o: dict[str, Any]) -> str:
+    """The plan's tokens/s beside the measured, and what bounds its step where the host does."""
+    if not o.get("predicted_tokens_per_s"):
+        return ""
+    host = ", launches" if o.get("bound") == "dispatch" else ""
+    return f" ({o['predicted_tokens_per_s']:,.0f}{host})"
 
 
 def _compile_decisions(rows: list[dict[str, Any]]) -> list[str]:

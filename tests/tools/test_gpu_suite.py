@@ -158,7 +158,9 @@ def test_the_speed_table_says_why_compile_auto_chose_and_where_the_plan_chose_ot
     rows.append(rows[1] | {"model": "B", "onegpu": rows[1]["onegpu"] | {"kernels_apart": {
         "plan": {"attention": "sdpa", "loss_chunk": 1024, "loss_kernel": "eager"},
         "run": {"attention": "sdpa", "loss_chunk": 1024, "loss_kernel": "compiled"}}}})  # fmt: skip
+    rows[0]["onegpu"] |= {"predicted_tokens_per_s": 3.0, "bound": "dispatch"}
     md = markdown({"environment": env, "command": "c", "speed": rows})
+    assert "| A | 1 (3, launches) | none |" in md  # the plan's speed, bound by the host's launches
     assert "- B: the plan followed attention sdpa, loss chunk 1024 (eager kernels), the run chose attention sdpa, loss chunk 1024 (compiled kernels)" in md  # fmt: skip
     assert "- A: compile none: no compiled trial: 5000 micro-batches of 10 ms" in md
     assert "- A: the plan followed attention sdpa, loss chunk 4096, the run chose attention sdpa, loss chunk off" in md  # fmt: skip
