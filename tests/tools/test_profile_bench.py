@@ -40,7 +40,6 @@ def test_on_a_gpu_profile_says_what_the_peak_held_and_which_lines_allocated_it(t
     peak = json.loads((out / "memory_peak.json").read_text())
     assert peak["peak_bytes"] > peak["before_window_bytes"] > 0
     assert any(s["site"].startswith("onegpu/") for s in peak["by_site"])
-    assert sum(s["bytes"] for s in peak["by_site"]) <= peak["peak_bytes"]
     assert "allocated at the recorded window's peak" in (out / "summary.txt").read_text()
     assert (out / "memory_snapshot.pickle").stat().st_size > 0
 

@@ -4,11 +4,16 @@
 the Python stack that made it; `_snapshot()` returns them (the file https://pytorch.org/memory_viz
 draws). The breakdown by kind (memory/breakdown.py) says *what* the peak holds (activations,
 optimizer states, ...); when a plan and a GPU disagree on the peak, the question is *which
-line* allocated the bytes the plan did not follow. Replaying the trace answers it: the
-allocated total after each event (as `torch.cuda.max_memory_allocated` counts it: a block's
-bytes from its `alloc` to its `free_completed`), the moment of the highest, and the blocks
-alive then, summed by the line of onegpu's code nearest to their allocation (and the library
-line below it, torchao's say). Blocks alive since before the window are one sum.
+line* allocated the bytes the plan did not follow. Replaying the trace answers it: the total
+after each event, the moment of the highest, and the blocks alive then, summed by the line of
+onegpu's code nearest to their allocation (and the library line below it, torchao's say).
+Blocks alive since before the window are one sum.
+
+The total counts as `torch.cuda.max_memory_allocated` does, in time: a block from its `alloc`
+to the `free_requested` of it (the allocator counts it freed there, even while a side stream
+that used it holds its memory until `free_completed`). In bytes it is the requested size the
+trace records: the allocator's own count rounds each block up (to 512 bytes, a large one to its
+segment's split), so it reads a little above this one.
 
 Torch-free: the snapshot is a plain dict (tests build one by hand).
 """
@@ -17,10 +22,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-OUR_CODE = "onegpu/"
+PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"
+"""This package's directory: a frame under it is onegpu's code (a checkout's virtual
+environment, also under a folder named onegpu, is not)."""
+LIBRARIES = ("site-packages/", "dist-packages/")
 BEFORE = "before the recorded window (weights, states made at build)"
+NO_PYTHON = "no Python frame (backward's autograd thread, or C++ alone)"
 
 
 @dataclass(slots=True)
@@ -44,11 +54,12 @@ class PeakAllocations:
 
 def site_of(frames: list[dict[str, Any]]) -> str:
     """Where a block was allocated: the innermost frame of onegpu's code, with the innermost
-    Python frame below it where that is another library's ('' frames: C++ only)."""
+    Python frame below it where that is another library's. Backward's allocations are made on
+    the autograd engine's thread, which has no Python frame."""
     python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    ours = next((f for f in python if OUR_CODE in f["filename"]), None)
+    ours = next((f for f in python if str(f["filename"]).startswith(PACKAGE)), None)
     if ours is None:
-        return _frame(python[0]) if python else "(no Python frame)"
+        return _frame(python[0]) if python else NO_PYTHON
     inner = python[0]
     below = f" via {_frame(inner)}" if inner is not ours else ""
     return f"{_frame(ours)}{below}"
@@ -56,9 +67,11 @@ def site_of(frames: list[dict[str, Any]]) -> str:
 
 def _frame(f: dict[str, Any]) -> str:
     path = str(f["filename"])
-    for marker in (OUR_CODE, "site-packages/"):
+    if path.startswith(PACKAGE):
+        path = "onegpu/" + path[len(PACKAGE) :]
+    for marker in LIBRARIES:
         if marker in path:
-            path = path[path.rindex(marker) + (0 if marker == OUR_CODE else len(marker)) :]
+            path = path[path.rindex(marker) + len(marker) :]
             break
     return f"{path}:{f.get('line', '?')} {f.get('name', '')}".strip()
 
@@ -67,20 +80,20 @@ def peak_allocations(snapshot: dict[str, Any], device: int = 0) -> PeakAllocatio
     """Replay `device`'s trace of `snapshot` to its highest allocated total."""
     traces = snapshot.get("device_traces") or []
     events = traces[device] if device < len(traces) else []
-    live_at_end = sum(
-        block["size"]
+    allocated_at_end = sum(
+        block.get("requested_size", block["size"])
         for segment in snapshot.get("segments", [])
         if segment.get("device", device) == device
         for block in segment.get("blocks", [])
-        if block.get("state") in ("active_allocated", "active_pending_free")
+        if block.get("state") == "active_allocated"  # a pending free is counted freed
     )
     net = sum(
         e["size"] if e["action"] == "alloc" else -e["size"]
         for e in events
-        if e["action"] in ("alloc", "free_completed")
+        if e["action"] in ("alloc", "free_requested")
     )
-    # what lived when the window began: what lives at its end, less the window's net
-    return _replayed_peak(events, live_at_end - net)
+    # what was allocated when the window began: what is at its end, less the window's net
+    return _replayed_peak(events, allocated_at_end - net)
 
 
 def _replayed_peak(events: list[dict[str, Any]], at_start: int) -> PeakAllocations:
@@ -93,7 +106,7 @@ def _replayed_peak(events: list[dict[str, Any]], at_start: int) -> PeakAllocatio
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], site_of(e.get("frames", [])))
             total += e["size"]
-        elif e["action"] == "free_completed":
+        elif e["action"] == "free_requested":
             if live.pop(e["addr"], None) is None:
                 before -= e["size"]
             total -= e["size"]
@@ -115,8 +128,8 @@ def format_peak(peak: PeakAllocations, top: int = 12) -> str:
     """summary.txt's lines: the peak and its largest parts by where they were allocated."""
     gib = 2**30
     lines = [
-        f"allocated at the recorded window's peak: {peak.peak_bytes / gib:.2f} GiB "
-        "(torch.cuda.max_memory_allocated's count), by where it was allocated:"
+        f"allocated at the recorded window's peak: {peak.peak_bytes / gib:.2f} GiB (requested "
+        "bytes, counted as torch.cuda.max_memory_allocated counts), by where it was allocated:"
     ]
     for site, size, n in peak.by_site[:top]:
         blocks = f"  {n} block(s)" if n else ""
