@@ -100,5 +100,5 @@ def test_on_a_gpu_the_replayed_peak_is_the_allocators_own():
     assert allocator - 4 * 2**20 <= peak.peak_bytes <= allocator  # blocks rounded up
     site, size, _ = max((r for r in peak.by_site if r[0] != BEFORE), key=lambda r: r[1])
     assert size >= 64 * 2**20 and "test_snapshot.py" in site
-    assert peak.before_bytes == 1_000_001
+    assert peak.before_bytes >= 1_000_001  # and whatever earlier tests left allocated
     del c, kept
