@@ -255,9 +255,13 @@ def section_explain(args: argparse.Namespace) -> list[dict[str, Any]]:
     EXPLAIN_OVER: `onegpu profile` of the same configuration, and its peak by allocation site."""
     rows = args.results.get("memory")
     if rows is None and args.explain_from:
-        rows = json.loads(Path(args.explain_from).read_text()).get("memory", [])
+        rows = json.loads(Path(args.explain_from).read_text()).get("memory")
+    if not rows:  # not "nothing to explain": nothing was read
+        raise RuntimeError(
+            "no memory rows to explain: run the memory section before it, or give --explain-from"
+        )
     explained = []
-    for row in rows or []:
+    for row in rows:
         if abs(row.get("error", 0.0)) <= EXPLAIN_OVER:
             continue
         item = {"name": row["name"], "overrides": row["overrides"], "error": row["error"],

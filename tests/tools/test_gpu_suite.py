@@ -285,3 +285,11 @@ def test_explain_profiles_only_the_rows_planned_more_than_5_percent_off(tmp_path
         "| 1.00 | `onegpu/optim/factory.py:40 step via torchao/optim/adam.py:80 step` | 3 |" in md
     )
     assert "**broken**" in md and "failed:" in md
+
+
+def test_explain_with_no_memory_rows_says_so_and_not_that_all_were_planned_well(tmp_path):
+    import gpu_suite
+
+    args = SimpleNamespace(results={}, explain_from=None)
+    with pytest.raises(RuntimeError, match="no memory rows to explain"):
+        gpu_suite.section_explain(args)
