@@ -90,10 +90,23 @@ def table_gpu(name: str) -> str:
         raise ConfigError("--gpu", f"{name!r} is one of {', '.join(models)}: name one")
     if models:
         return models[0]
-    if " " in name and (spec := gpu_spec_for(name)):  # a device's name, not a wrong size
-        return spec.name
+    if " " in name and (spec := gpu_spec_for(name.upper())):  # a device's name, not a wrong size
+        return _sized(name, spec.name)
     known_gpu(name)
     return name
+
+
+def _sized(name: str, found: str) -> str:
+    """The entry a device's name means where the table has several sizes of its model: the one
+    whose memory the name says (NVIDIA A100-SXM4-80GB), else none (NVIDIA A100)."""
+    model = found.split("-")[0]
+    sizes = [k for k in GPUS if k.split("-")[0] == model]
+    if len(sizes) == 1:
+        return found
+    said = [k for k in sizes if re.search(rf"(?<!\d){k.split('-')[1]}\s*GB", name, re.IGNORECASE)]
+    if len(said) == 1:
+        return said[0]
+    raise ConfigError("--gpu", f"{name!r} is one of {', '.join(sizes)}: name one")
 
 
 def known_gpu(name: str | None) -> None:
