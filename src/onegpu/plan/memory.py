@@ -216,7 +216,8 @@ def plan_memory(
     # Micro-batches after the second repeat it exactly (same shapes, gradients already
     # allocated), so two of them show the step's peak: planning stays fast at any accumulation.
     original_micro = cfg.grad_accum_steps // dp
-    n_micro = min(original_micro, 2)
+    # in backward the last one also steps the optimizer: a third shows a middle one's ops
+    n_micro = min(original_micro, 3 if cfg.optim.in_backward else 2)
     if cfg.dist.pp > 1:  # a pipeline's in-flight micro-batches depend on how many there are
         n_micro = cfg.grad_accum_steps // dp
     B, T = cfg.train.micro_batch_size * n_micro, cfg.train_seq_len
@@ -244,11 +245,12 @@ def plan_memory(
 
 def step_ops(tracker: PlanTracker, followed: int, micro_batches: int) -> int:
     """The dispatched ops of a step of `micro_batches`, from one that ran `followed` of them:
-    each micro-batch past those repeats the last one's ops (its forward and backward)."""
+    each micro-batch past those repeats the second one's ops (its forward and backward, adding
+    into the gradients the first made; never the last's, which steps an optimizer in backward)."""
     ends = tracker.backward_ends
     if micro_batches <= followed or not ends:
         return tracker.dispatched
-    per_micro = ends[-1] - ends[-2] if len(ends) >= 2 else ends[0]
+    per_micro = ends[1] - ends[0] if len(ends) >= 2 else ends[0]
     return tracker.dispatched + (micro_batches - followed) * per_micro
 
 

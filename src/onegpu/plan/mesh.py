@@ -14,7 +14,7 @@ from onegpu.distributed import compression
 from onegpu.plan import links
 from onegpu.plan.memory import MemoryPlan
 from onegpu.plan.ranks import plan_ranks, stage_ranks
-from onegpu.plan.targets import EFFICIENCY, compute_seconds
+from onegpu.plan.targets import EFFICIENCY, busy_seconds, compute_seconds, dispatch_seconds
 
 
 def mesh_plans(
@@ -91,7 +91,10 @@ def predicted_step(
     tokens = cfg.train.batch_size * cfg.train_seq_len
     idle = bubble(layout, cfg.dist.pp_schedule, shape.micro_batches)
     sent_s = links.seconds(sent, interconnect)
-    step_s = links.step_seconds(compute_s, sent_s, idle)
+    # each process launches its own ops: a small model's step waits on its host
+    step_s = links.step_seconds(
+        busy_seconds(compute_s, dispatch_seconds(cfg, plan, gpu)), sent_s, idle
+    )
     out.update(
         compute_s=compute_s,
         bubble=idle,

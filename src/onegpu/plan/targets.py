@@ -33,8 +33,10 @@ launch. A GPU step cannot be shorter than its host's launches of its ops. The H2
 in 15.5 ms: 26-28 us an op (benchmarks/results/gpu-nvidia-h200-2026-11-28.md). Their counted
 FLOPs took 1.1 and 0.9 ms at EFFICIENCY: those steps wait on the host, not the GPU."""
 EAGER_COMPILES = ("none", "auto")
-"""The compile settings whose steps the planner's op count follows (auto left A and B eager);
-a compiled step launches fused kernels, fewer than its ops."""
+"""The compile settings whose steps the planner's op count follows. `auto` is priced eager: a
+run under 100 steps stays eager, and a longer one compiles only where its trial repays it,
+which a plan cannot know. A compiled step launches fused kernels, fewer than its ops, and
+they are not counted: its predicted time is its FLOPs' alone."""
 
 
 def gpu_caps(gpu: str) -> DeviceCaps:
@@ -130,12 +132,20 @@ def compute_seconds(
     return plan.flops_per_token * recompute * tokens / (peak_flops * EFFICIENCY * world_size)
 
 
-def dispatch_seconds(cfg: Config, plan: MemoryPlan, gpu: str | None) -> float:
-    """The host's time to launch an eager step's ops on a GPU (0 on a CPU, whose measured
-    peak already prices its ops, and for a compiled step)."""
-    if not gpu or cfg.train.compile not in EAGER_COMPILES:
+def dispatch_seconds(cfg: Config, plan: MemoryPlan, gpu: str | None) -> float | None:
+    """The host's time to launch an eager step's ops on a GPU: 0 on a CPU, whose measured peak
+    already prices its ops; None for a compiled step, whose launches are not counted."""
+    if not gpu:
         return 0.0
+    if cfg.train.compile not in EAGER_COMPILES:
+        return None
     return plan.dispatched_ops * HOST_SECONDS_PER_OP
+
+
+def busy_seconds(compute_s: float, dispatch_s: float | None) -> float:
+    """A step's time on its device: its FLOPs' or its host's launches', whichever is longer
+    (the GPU runs what the host has launched while the host launches more)."""
+    return max(compute_s, dispatch_s or 0.0)
 
 
 def predicted_speed(
@@ -150,7 +160,7 @@ def predicted_speed(
     recompute = recompute_factor(cfg.memory.checkpointing)
     offload = offload_costs(cfg, plan, gpu, world_size, host_step_rate)
     dispatch_s = dispatch_seconds(cfg, plan, gpu)
-    busy_s = max(compute_s, dispatch_s)  # what the host's work beside the step can hide behind
+    busy_s = busy_seconds(compute_s, dispatch_s)  # what host work beside the step hides behind
     host_step_s = exposed_host_step(cfg, offload.get("host_step_s", 0.0), busy_s, world_size)
     step_s = busy_s + exposed_link(cfg, offload, busy_s, world_size) + host_step_s
     return {
@@ -159,7 +169,7 @@ def predicted_speed(
         "predicted_compute_s": compute_s,
         "predicted_dispatch_s": dispatch_s,
         "dispatched_ops": plan.dispatched_ops,
-        "bound": "dispatch" if dispatch_s > compute_s else "compute",
+        "bound": "dispatch" if busy_s > compute_s else "compute",
         "efficiency_assumed": EFFICIENCY,
         "recompute_factor": recompute,
         **({"offload": offload} if offload else {}),

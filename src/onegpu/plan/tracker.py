@@ -133,7 +133,9 @@ class PlanTracker(LiveTensorBytes):
 
     def _count(self, func) -> None:
         """One more dispatched op, unless it is a view or an allocation alone; the count at
-        the end of each backward (a micro-batch's), seen at the first op after it."""
+        the end of each backward (a micro-batch's), seen at the first op after it. A plan's
+        fake tensors are on the CPU whatever the target, so a host optimizer's ops count too:
+        a few per parameter, which only a step that its launches bound would show."""
         in_backward = torch._C._current_graph_task_id() != -1
         if self._was_backward and not in_backward:
             self.backward_ends.append(self.dispatched)
