@@ -96,8 +96,9 @@ the best inductor gave on our GPT on the EPYCs of docs/cpu-notes.md was below th
 slower than eager). CUDA: a small model's eager step waits on the host's kernel launches,
 which compiling fuses away. On the H200 (benchmarks/results/gpu-nvidia-h200-2026-11-28.md),
 the compiled loop ran model A 1.65x faster than onegpu's eager step, and B 1.40x. Under the
-earlier bound of 1.6, A's 5,000-step run could not repay 20 s of compiling, so it was never
-timed."""
+earlier bound of 1.6, A's 5,000-step run could repay at most about 20 s of compiling, the
+least assumed, so whether a trial ran turned on a few milliseconds of its eager micro-batch;
+that file does not record which way it went."""
 LEAST_COMPILE_S = {"cpu": 15.0, "cuda": 20.0}
 """The least a first compile is assumed to take before this machine has shown less."""
 
