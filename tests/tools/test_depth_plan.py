@@ -43,6 +43,7 @@ def test_a_plan_extrapolated_in_depth_equals_the_full_plan(over, target):
     fast = plan_extrapolated(cfg, target, caps)
     assert fast.memory == full.memory
     assert (fast.n_params, fast.flops_per_token) == (full.n_params, full.flops_per_token)
+    assert fast.dispatched_ops == full.dispatched_ops  # each block launches its own ops
     assert fast.offloaded_per_micro_batch == full.offloaded_per_micro_batch
     assert sum(s.numel for s in fast.param_shapes) == sum(s.numel for s in full.param_shapes)
 

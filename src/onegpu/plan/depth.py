@@ -76,6 +76,7 @@ def plan_extrapolated(
         provisional=tuple(dict.fromkeys(pa.provisional + pb.provisional)),
         n_params=line(pa.n_params, pb.n_params),
         flops_per_token=line(pa.flops_per_token, pb.flops_per_token),
+        dispatched_ops=line(pa.dispatched_ops, pb.dispatched_ops),  # each block its own ops
         seconds=pa.seconds + pb.seconds,
         weight_copies_at_peak=line(pa.weight_copies_at_peak, pb.weight_copies_at_peak),
         # the shallow model's parameters and, per block added, one flat block (the same bytes)

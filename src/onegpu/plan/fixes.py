@@ -115,6 +115,7 @@ class Planned:
     step_s: float | None
     n_params: int = 0
     flops_per_token: int = 0
+    ops_per_micro_batch: float = 0.0  # the step's launched ops over its micro-batches
 
 
 def planned(
@@ -149,7 +150,10 @@ def planned(
     mem = rank_memory(cfg.dist, plan, 1, strategy) if strategy != "none" else plan.memory
     # the speed needs this CPU's measured peaks (seconds, once per machine): only when asked
     step_s = predicted_speed(cfg, plan, gpu, 1).get("predicted_step_time_s") if speed else None
-    return Planned(mem["peak"], mem.get("host", 0), step_s, plan.n_params, plan.flops_per_token)
+    ops = plan.dispatched_ops / cfg.grad_accum_steps
+    return Planned(
+        mem["peak"], mem.get("host", 0), step_s, plan.n_params, plan.flops_per_token, ops
+    )
 
 
 def fixes_for(

@@ -35,7 +35,7 @@ from onegpu.perf.devices import GPUS
 from onegpu.perf.flops import recompute_factor
 from onegpu.perf.host_memory import machine_ram
 from onegpu.plan.fixes import Planned, planned
-from onegpu.plan.targets import EFFICIENCY, gpu_caps
+from onegpu.plan.targets import EAGER_COMPILES, EFFICIENCY, HOST_SECONDS_PER_OP, gpu_caps
 from onegpu.runs.atomic import write_together
 from onegpu.techniques.precision import resolve_precision
 
@@ -49,7 +49,20 @@ class Bound:
     step_s: float  # seconds a step takes at least
 
 
-def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_blocks: int) -> Bound:
+LEAST_OPS_SHARE = 0.4
+"""A candidate launches at least this share of the plain configuration's ops a micro-batch:
+fp32 drops autocast's casts, no chunked loss drops the chunks' ops (together about 0.6 of
+bf16's at A's shape); checkpointing only adds. A floor for the search's bound, not a plan."""
+
+
+def bound(
+    cfg: Config,
+    n_params: int,
+    flops_per_token: int,
+    gpu: str,
+    saved_blocks: int,
+    ops_per_micro_batch: float = 0.0,
+) -> Bound:
     """Lower bounds of a candidate's device bytes, host bytes and step time. On the device at
     least: the weights and states it keeps there, and beside them either the blocks' saved
     activations (at the end of a forward: `saved_blocks` per sequence, planned) or
@@ -82,6 +95,9 @@ def bound(cfg: Config, n_params: int, flops_per_token: int, gpu: str, saved_bloc
     if m.offload_states:  # the states to the device for their step and back
         link = 2 * states / (spec.host_link * LINK_EFFICIENCY)
     host_step = n_params / host_step_rate(o.name, host_weights)[0] if host_states else 0.0
+    if cfg.train.compile in EAGER_COMPILES:  # the host's launches, at their least
+        launches = LEAST_OPS_SHARE * ops_per_micro_batch * cfg.grad_accum_steps
+        compute = max(compute, launches * HOST_SECONDS_PER_OP)
     host_step = exposed_host_step(cfg, host_step, compute, 1)
     return Bound(int(device), int(host), max(compute, link) + host_step)
 
@@ -123,7 +139,7 @@ def _by_bound(
     for change in cands:
         c = with_overrides(cfg, change)
         saved = floors[(_floor_policy(change["memory.checkpointing"]), change["train.precision"])]
-        b = bound(c, base.n_params, base.flops_per_token, gpu, saved)
+        b = bound(c, base.n_params, base.flops_per_token, gpu, saved, base.ops_per_micro_batch)
         if b.device <= budget and b.host <= host_budget:
             scored.append((b.step_s, -c.train.micro_batch_size, change, c))
     return sorted(scored, key=lambda s: (s[0], s[1]))
