@@ -40,7 +40,8 @@ IN_BACKWARD = {"optim.in_backward": "true", "optim.grad_clip": "0"}
 
 @pytest.mark.parametrize(
     "over",
-    [{"train.micro_batch_size": "8"}, {"train.micro_batch_size": "2"},
+    [pytest.param({"train.micro_batch_size": "8"}, marks=pytest.mark.slow),
+     pytest.param({"train.micro_batch_size": "2"}, marks=pytest.mark.slow),
      {"train.micro_batch_size": "2", **IN_BACKWARD}],
     ids=["one micro-batch", "four", "four, the optimizer in the last one's backward"],
 )  # fmt: skip
