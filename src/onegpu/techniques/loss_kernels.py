@@ -45,7 +45,7 @@ def softmax_grad(
     pass (benchmarks/loss_kernels.py --softmax). fp32 logits are a block of that size already:
     there the padding is masked in every pass, so no second fp32 block is added to them."""
     width = logits_cV.shape[1]
-    if n_valid < width and logits_cV.element_size() < 4:
+    if _keeps_valid_exponentials(logits_cV, n_valid):
         loss, g_cV = _valid_softmax_grad(logits_cV[:, :n_valid], safe_t, valid_c1)
         return loss, F.pad(g_cV, (0, width - n_valid)).to(out_dtype)
     if n_valid < width:
@@ -53,6 +53,12 @@ def softmax_grad(
         logits_cV = logits_cV.masked_fill(cols_V >= n_valid, float("-inf"))
     loss, g_cV = _valid_softmax_grad(logits_cV, safe_t, valid_c1)
     return loss, g_cV.to(out_dtype)
+
+
+def _keeps_valid_exponentials(logits_cV: torch.Tensor, n_valid: int) -> bool:
+    """16-bit logits with vocabulary padding: the kernel keeps the valid columns' fp32
+    exponentials (one fp32 block), which its footprint for a plan must hold too."""
+    return n_valid < logits_cV.shape[1] and logits_cV.element_size() < 4
 
 
 def _valid_softmax_grad(
@@ -118,7 +124,7 @@ def footprint_softmax_grad(
     c, width = logits_cV.shape
     vectors = [logits_cV.new_empty((c, 1), dtype=torch.float32) for _ in range(2)]
     exps = None
-    if n_valid < width and logits_cV.element_size() < 4:
+    if _keeps_valid_exponentials(logits_cV, n_valid):
         exps = logits_cV.new_empty((c, n_valid), dtype=torch.float32)
     loss = logits_cV.new_zeros((), dtype=torch.float32)
     g_cV = logits_cV.new_empty((c, width), dtype=out_dtype)
