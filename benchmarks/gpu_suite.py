@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import platform
 import re
 import signal
@@ -130,16 +131,42 @@ def _overrides(base: dict[str, str], extra: dict[str, str], work: Path) -> tuple
     return preset, over
 
 
+def _aside() -> tuple[dict[str, str], Callable[[], None] | None]:
+    """What keeps a plan off a timed run's host CPU: the upper half of this process's cores
+    (as many torch threads), at the lowest priority. A launch-bound GPU step is as fast as
+    the host thread that launches it, so a plan beside it on the same cores would slow it."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 4:  # too few to share: the plan only yields
+        return {}, lambda: os.nice(19)
+    upper = set(cores[len(cores) // 2 :])
+
+    def confine() -> None:
+        os.sched_setaffinity(0, upper)
+        os.nice(19)
+
+    return {"OMP_NUM_THREADS": str(len(upper))}, confine
+
+
 @contextlib.contextmanager
-def _planning(args: argparse.Namespace, preset: str, over: dict[str, str]) -> Iterator[Any]:
+def _planning(
+    args: argparse.Namespace, preset: str, over: dict[str, str], *, aside: bool = False
+) -> Iterator[Any]:
     """`onegpu plan --json` in the background (it plans on the CPU while the GPU runs); the
-    plan, read with `.result()`, is ended with the row whatever happens to it."""
+    plan, read with `.result()`, is ended with the row whatever happens to it. `aside`: beside
+    a timed run, on cores of its own (`_aside`)."""
     cmd = [sys.executable, "-m", "onegpu", "plan", "--preset", preset, "--json"]
     cmd += ["--gpu", args.gpu] if args.gpu else []
     for k, v in over.items():
         cmd += [f"--{k}", v]
+    env, confine = _aside() if aside else ({}, None)
     proc = start(
-        cmd, args.budget.timeout(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        args.budget.timeout(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+        preexec_fn=confine,
     )
 
     def result() -> dict[str, Any]:
@@ -514,7 +541,7 @@ def _speed_row(args: argparse.Namespace, row: dict[str, Any]) -> None:
     preset, over = _overrides({}, _model_overrides(shape), args.work)
     if not args.quick:  # onegpu's defaults decide, as for a long run
         over.pop("train.compile")
-    with _planning(args, preset, over) as plan_of:
+    with _planning(args, preset, over, aside=True) as plan_of:
         one = run_row(preset, None, over, steps, args.work, timeout_s=args.budget.timeout(),
                       horizon=HORIZON)  # fmt: skip
         row["onegpu"] = {"tokens_per_s": one["tokens_per_s"], "mfu": one["mfu"],

@@ -21,7 +21,14 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from gpu_lease import Budget  # noqa: E402
-from gpu_suite import MEMORY_GRID, _host_work, _overrides, _timing_host_work, _trace_overlap  # noqa: E402
+from gpu_suite import (  # noqa: E402
+    MEMORY_GRID,
+    _aside,
+    _host_work,
+    _overrides,
+    _timing_host_work,
+    _trace_overlap,
+)
 from gpu_suite_report import markdown  # noqa: E402
 
 
@@ -293,3 +300,23 @@ def test_explain_with_no_memory_rows_says_so_and_not_that_all_were_planned_well(
     args = SimpleNamespace(results={}, explain_from=None)
     with pytest.raises(RuntimeError, match="no memory rows to explain"):
         gpu_suite.section_explain(args)
+
+
+def test_a_plan_beside_a_timed_run_keeps_to_the_upper_cores_at_the_lowest_priority(monkeypatch):
+    """A launch-bound GPU step is as fast as its host thread: the plan that runs beside the
+    speed rows must not take that thread's core."""
+    import os
+
+    done = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: done.update(cores=cores))
+    monkeypatch.setattr(os, "nice", lambda n: done.update(nice=n))
+    env, confine = _aside()
+    confine()
+    assert env == {"OMP_NUM_THREADS": "4"}
+    assert done == {"cores": {4, 5, 6, 7}, "nice": 19}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    done.clear()
+    env, confine = _aside()
+    confine()
+    assert env == {} and done == {"nice": 19}  # two cores: nothing to share, it only yields

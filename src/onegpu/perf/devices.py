@@ -12,6 +12,7 @@ came from; `onegpu info --refresh` measures again, and a run whose MFU reaches 1
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import re
 import time
@@ -37,37 +38,59 @@ class GPUSpec:
     host_link: float = 0.0
     """The host link's datasheet rate per direction, bytes/s (PCIe x16: gen3 15.75 GB/s, gen4
     31.5, gen5 63): what offloaded gradients and weights cross every step."""
+    capability: tuple[int, int] = (8, 0)
+    """CUDA compute capability: sets the cuBLAS workspace torch gives each handle."""
 
 
 PCIE = {3: 15.75e9, 4: 31.5e9, 5: 63e9}  # x16, per direction
 
 
-def _spec(name, mem_gib, fp32, tf32, bf16, fp16, match, pcie=4):
+def _spec(name, mem_gib, fp32, tf32, bf16, fp16, match, cc, pcie=4):
     peaks = {"fp32": fp32 * 1e12, "fp16": fp16 * 1e12}
     if tf32:
         peaks["tf32"] = tf32 * 1e12
     if bf16:
         peaks["bf16"] = bf16 * 1e12
-    return GPUSpec(name, int(mem_gib * GiB), peaks, match, PCIE[pcie])
+    return GPUSpec(name, int(mem_gib * GiB), peaks, match, PCIE[pcie], cc)
 
 
 GPUS: dict[str, GPUSpec] = {
     s.name: s
     for s in (
-        _spec("T4", 16, 8.1, None, None, 65, ("T4",), pcie=3),
-        _spec("V100-16", 16, 15.7, None, None, 125, ("V100-SXM2-16", "V100-PCIE-16"), pcie=3),
-        _spec("V100-32", 32, 15.7, None, None, 125, ("V100",), pcie=3),
-        _spec("A5000", 24, 27.8, 55.6, 111.1, 111.1, ("A5000",)),
-        _spec("RTX3090", 24, 35.6, 35.6, 71, 71, ("3090",)),
-        _spec("RTX4090", 24, 82.6, 82.6, 165.2, 165.2, ("4090",)),
-        _spec("A10G", 24, 31.2, 35, 70, 70, ("A10G",)),
-        _spec("L4", 24, 30.3, 60, 121, 121, ("L4",)),
-        _spec("A100-40", 40, 19.5, 156, 312, 312, ("A100-SXM4-40", "A100-PCIE-40", "A100 40")),
-        _spec("A100-80", 80, 19.5, 156, 312, 312, ("A100",)),
-        _spec("H100-80", 80, 66.9, 494.5, 989.4, 989.4, ("H100",), pcie=5),
-        _spec("H200-141", 141, 66.9, 494.5, 989.4, 989.4, ("H200",), pcie=5),
+        _spec("T4", 16, 8.1, None, None, 65, ("T4",), (7, 5), pcie=3),
+        _spec(
+            "V100-16", 16, 15.7, None, None, 125, ("V100-SXM2-16", "V100-PCIE-16"), (7, 0), pcie=3
+        ),
+        _spec("V100-32", 32, 15.7, None, None, 125, ("V100",), (7, 0), pcie=3),
+        _spec("A5000", 24, 27.8, 55.6, 111.1, 111.1, ("A5000",), (8, 6)),
+        _spec("RTX3090", 24, 35.6, 35.6, 71, 71, ("3090",), (8, 6)),
+        _spec("RTX4090", 24, 82.6, 82.6, 165.2, 165.2, ("4090",), (8, 9)),
+        _spec("A10G", 24, 31.2, 35, 70, 70, ("A10G",), (8, 6)),
+        _spec("L4", 24, 30.3, 60, 121, 121, ("L4",), (8, 9)),
+        _spec(
+            "A100-40", 40, 19.5, 156, 312, 312, ("A100-SXM4-40", "A100-PCIE-40", "A100 40"), (8, 0)
+        ),
+        _spec("A100-80", 80, 19.5, 156, 312, 312, ("A100",), (8, 0)),
+        _spec("H100-80", 80, 66.9, 494.5, 989.4, 989.4, ("H100",), (9, 0), pcie=5),
+        _spec("H200-141", 141, 66.9, 494.5, 989.4, 989.4, ("H200",), (9, 0), pcie=5),
     )
 }
+
+
+CUBLAS_HANDLES = 2
+"""cuBLAS handles a training step holds: torch gives each thread its own, and on a GPU the
+step's thread runs the forward and the optimizer while autograd's device thread runs backward."""
+
+
+def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
+    """The workspace torch allocates for each cuBLAS handle, through the caching allocator (so
+    `max_memory_allocated` counts it) and kept for the process's life; cuBLASLt shares it. As
+    torch's CublasHandlePool.cpp sets it: CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs),
+    else 32 MiB on compute capability 9.0 and 8 MiB + 128 KiB elsewhere."""
+    pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return 4096 * 8 * 1024 if capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def gpu_spec_for(device_name: str) -> GPUSpec | None:

@@ -8,8 +8,9 @@ a 7B shape plans in seconds on a laptop. Fake tensors behave like CPU tensors: a
 uses the CPU kernels' saved tensors and autocast rules, which match CUDA's for the matmuls.
 
 What the prediction covers: tensor bytes (what `torch.cuda.max_memory_allocated` and the CPU
-profiler's memory timeline measure). Not covered: the CUDA context (~0.3-1 GiB), allocator
-caching and fragmentation (`memory_reserved` above `allocated`), library workspaces.
+profiler's memory timeline measure), and on a GPU the cuBLAS handles' workspaces, which that
+counts too. Not covered: the CUDA context (~0.3-1 GiB), allocator caching and fragmentation
+(`memory_reserved` above `allocated`), other libraries' workspaces.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from onegpu.models.documents import placeholder_positions
 from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim.factory import rule_state_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
+from onegpu.perf.devices import CUBLAS_HANDLES
 from onegpu.plan.tracker import ModuleStack, PlanTracker, saves_on_host
 from onegpu.techniques.precision import DeviceCaps, device_caps
 
@@ -236,22 +238,12 @@ def plan_memory(
             followed = _follow_step(built, target, x, y, positions, by_segment)
     except DynamicOutputShapeException as e:
         raise Unplannable("model.hf", _unplannable(built, e)) from None
-    plan = _label(built, cfg.optim, followed, n_micro, target)
-    plan.dispatched_ops = step_ops(followed.tracker, n_micro, original_micro)
+    workspaces = CUBLAS_HANDLES * caps.blas_workspace if target == "cuda" and caps else 0
+    plan = _label(built, cfg.optim, followed, n_micro, target, workspaces)
+    plan.dispatched_ops = followed.tracker.step_ops(n_micro, original_micro)
     plan.seconds = time.perf_counter() - t0
     plan.provisional = provisional
     return plan
-
-
-def step_ops(tracker: PlanTracker, followed: int, micro_batches: int) -> int:
-    """The dispatched ops of a step of `micro_batches`, from one that ran `followed` of them:
-    each micro-batch past those repeats the second one's ops (its forward and backward, adding
-    into the gradients the first made; never the last's, which steps an optimizer in backward)."""
-    ends = tracker.backward_ends
-    if micro_batches <= followed or not ends:
-        return tracker.dispatched
-    per_micro = ends[1] - ends[0] if len(ends) >= 2 else ends[0]
-    return tracker.dispatched + (micro_batches - followed) * per_micro
 
 
 def _unplannable(built: Built, e: Exception) -> str:
@@ -286,9 +278,11 @@ def _breakdown(
     param_bytes: int,
     state_bytes: int,
     target: str,
+    workspaces: int,
 ) -> tuple[dict[str, int], int]:
     """The measured names' bytes of the storages alive at one moment (and the autocast weight
-    copies among them); offloaded state as host (or disk) bytes."""
+    copies among them), the cuBLAS workspaces among "other"; offloaded state as host (or disk)
+    bytes."""
     tracker, saved = followed.tracker, followed.saved
     at_peak: dict[str, int] = defaultdict(int)
     weight_copies = 0
@@ -302,7 +296,7 @@ def _breakdown(
         "grads": at_peak["grads"],
         "optimizer": state_bytes,
         "activations": at_peak["activations"],
-        "other": at_peak["other"],
+        "other": at_peak["other"] + workspaces,
     }
     memory["peak"] = sum(memory.values())
     opt = built.optimizer
@@ -344,7 +338,12 @@ def _host_by_kind(
 
 
 def _label(
-    built: Built, optim: OptimConfig, followed: _FollowedStep, n_micro: int, target: str
+    built: Built,
+    optim: OptimConfig,
+    followed: _FollowedStep,
+    n_micro: int,
+    target: str,
+    workspaces: int,
 ) -> MemoryPlan:
     """The breakdown at the peak under the measured names, and the saved bytes by kind/block."""
     params = list({id(p): p for p in built.model.parameters()}.values())
@@ -357,7 +356,7 @@ def _label(
     param_bytes = sum(local_tensor(p).untyped_storage().nbytes() for p in params)
 
     def breakdown(storages: dict[int, int]) -> tuple[dict[str, int], int]:
-        return _breakdown(built, followed, storages, param_bytes, state_bytes, target)
+        return _breakdown(built, followed, storages, param_bytes, state_bytes, target, workspaces)
 
     memory, weight_copies = breakdown(tracker.peak_storages)
     by_kind: dict[str, int] = defaultdict(int)

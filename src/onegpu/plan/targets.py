@@ -16,7 +16,7 @@ from onegpu.config.layout import resolve_layout
 from onegpu.distributed.shares import per_rank_memory
 from onegpu.offload.pricing import exposed_host_step, exposed_link, offload_costs
 from onegpu.optim.host_step import host_step_rate
-from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops
+from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops, cublas_workspace_bytes
 from onegpu.perf.flops import recompute_factor
 from onegpu.plan.memory import MemoryPlan
 from onegpu.techniques.precision import DeviceCaps
@@ -41,8 +41,9 @@ they are not counted: its predicted time is its FLOPs' alone."""
 
 def gpu_caps(gpu: str) -> DeviceCaps:
     """What a GPU of the table runs natively: decides `auto` precision as on the real GPU."""
-    peak = GPUS[gpu].peak
-    return DeviceCaps(type="cuda", bf16="bf16" in peak, tf32="tf32" in peak)
+    spec = GPUS[gpu]
+    workspace = cublas_workspace_bytes(spec.capability)
+    return DeviceCaps("cuda", "bf16" in spec.peak, "tf32" in spec.peak, workspace)
 
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

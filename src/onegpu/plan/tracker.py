@@ -131,6 +131,17 @@ class PlanTracker(LiveTensorBytes):
                 snapshot[WORKSPACE] = workspace
             self.segments[-1] = (live, snapshot)
 
+    def step_ops(self, followed: int, micro_batches: int) -> int:
+        """The dispatched ops of a step of `micro_batches`, from one that ran `followed` of them:
+        each micro-batch past those repeats the second one's ops (its forward and backward,
+        adding into the gradients the first made; never the last's, which steps an optimizer in
+        backward)."""
+        ends = self.backward_ends
+        if micro_batches <= followed or not ends:
+            return self.dispatched
+        per_micro = ends[1] - ends[0] if len(ends) >= 2 else ends[0]
+        return self.dispatched + (micro_batches - followed) * per_micro
+
     def _count(self, func) -> None:
         """One more dispatched op, unless it is a view or an allocation alone; the count at
         the end of each backward (a micro-batch's), seen at the first op after it. A plan's

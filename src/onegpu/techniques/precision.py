@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from onegpu.config import ConfigError
+from onegpu.perf.devices import cublas_workspace_bytes
 
 PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
 
@@ -74,6 +75,8 @@ class DeviceCaps:
     type: str  # "cpu", "cuda", "mps"
     bf16: bool
     tf32: bool
+    blas_workspace: int = 0
+    """Bytes of each cuBLAS handle's workspace (CUDA): tensor bytes a plan does not see."""
 
 
 def bf16_native(device: torch.device) -> bool:
@@ -90,7 +93,10 @@ def tf32_capable(device: torch.device) -> bool:
 
 
 def device_caps(device: torch.device) -> DeviceCaps:
-    return DeviceCaps(type=device.type, bf16=bf16_native(device), tf32=tf32_capable(device))
+    workspace = 0
+    if device.type == "cuda":
+        workspace = cublas_workspace_bytes(torch.cuda.get_device_capability(device))
+    return DeviceCaps(device.type, bf16_native(device), tf32_capable(device), workspace)
 
 
 def resolve_precision(name: str, caps: DeviceCaps | torch.device) -> PrecisionPolicy:

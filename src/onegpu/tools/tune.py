@@ -39,6 +39,7 @@ from onegpu.config import (
     with_overrides,
 )
 from onegpu.offload.weights import with_offload_params
+from onegpu.perf.devices import cublas_workspace_bytes
 from onegpu.perf.flops import recompute_factor
 from onegpu.plan.budget import plan_budget
 from onegpu.plan.memory import plan_memory
@@ -135,7 +136,9 @@ def target_caps(device_type: str) -> DeviceCaps:
     import torch
 
     if device_type == "cuda" and not torch.cuda.is_available():
-        return DeviceCaps(type="cuda", bf16=True, tf32=True)
+        return DeviceCaps(
+            "cuda", bf16=True, tf32=True, blas_workspace=cublas_workspace_bytes((9, 0))
+        )
     return device_caps(torch.device(device_type))
 
 
