@@ -5,7 +5,7 @@ PyTorch's FakeTensorMode (meta tensors that carry a device, so autocast and ever
 shape rules apply), and two real training steps run on them: the first creates the optimizer
 states, the second is followed op by op by LiveTensorBytes. Nothing is allocated, so gpt2-xl or
 a 7B shape plans in seconds on a laptop. Fake tensors behave like CPU tensors: a plan for a GPU
-uses the CPU kernels' saved tensors and autocast rules, which match CUDA's for the matmuls.
+uses the CPU kernels' saved tensors, under CUDA's autocast rules (plan/cuda_autocast.py).
 
 What the prediction covers: tensor bytes (what `torch.cuda.max_memory_allocated` and the CPU
 profiler's memory timeline measure), and on a GPU the cuBLAS handles' workspaces, which that
@@ -38,6 +38,7 @@ from onegpu.offload.host_optimizer import HostOffloadOptimizer
 from onegpu.optim.factory import rule_state_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.devices import CUBLAS_HANDLES
+from onegpu.plan.cuda_autocast import autocast_rules
 from onegpu.plan.tracker import ModuleStack, PlanTracker, saves_on_host
 from onegpu.techniques.precision import DeviceCaps, device_caps
 
@@ -231,7 +232,7 @@ def plan_memory(
     built = build(cfg, device, with_data=False, caps=caps, fake=True, dist_ctx=dist_ctx)
     provisional = tuple(dict.fromkeys(provisional_reads[reads:]))
     try:
-        with built.fake_mode:
+        with built.fake_mode, autocast_rules(target):
             x, y = placeholder_batch(B, T, built.classes)
             positions = placeholder_positions(cfg.data.packing, B, T)  # packed rows' path
             built.step(x, y, y.numel(), 0, positions)  # creates the optimizer states
