@@ -248,6 +248,7 @@ def _memory_row(args: argparse.Namespace, extra: dict[str, str], row: dict[str, 
         "predicted_step_time_s": plan.get("predicted_step_time_s"),
         "planned_memory": plan["memory"],
         "measured_memory": run["memory"],
+        "kernels": run["kernels"],  # what the run chose: a later plan can follow the same
     } | _kernels_apart(plan, run)
 
 
