@@ -55,7 +55,7 @@ def main() -> None:
         + (f" --loss-chunk {args.loss_chunk}" if args.loss_chunk else "")
         + "`; planned on this CPU "
         f"({platform.machine()}, {bf16_kind()}, torch {torch.__version__}, onegpu at "
-        f"{commit_of(Path(__file__))}). Measured: `torch.cuda.max_memory_allocated` of the "
+        f"{commit_of(Path(__file__).parent)}). Measured: `torch.cuda.max_memory_allocated` of the "
         f"run's 4-step `onegpu train` on the {env['device']} (torch {env['torch']}).",
         "",
         *(
