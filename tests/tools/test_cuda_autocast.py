@@ -8,8 +8,10 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from onegpu.config import load_config
+from onegpu.models import gpt
 from onegpu.plan import memory as plan_module
 from onegpu.plan.cuda_autocast import CudaAutocastRules, autocast_rules
 from onegpu.plan.memory import plan_memory
@@ -59,16 +61,59 @@ def cpu_rules_on_gpu(monkeypatch):
     monkeypatch.setattr(plan_module, "autocast_rules", lambda target: contextlib.nullcontext())
 
 
-def test_a_bf16_pure_gpu_plan_holds_an_fp32_copy_of_each_layernorms_input(request):
-    cfg = _cfg("bf16-pure")
-    caps = gpu_caps("H100-80")
-    plan = plan_memory(cfg, "cuda", caps)
-    request.getfixturevalue("cpu_rules_on_gpu")
-    before = plan_memory(cfg, "cuda", caps)
+@pytest.fixture
+def stock_layernorm(monkeypatch):
+    """The GPT's LayerNorms as torch's, which autocast runs in fp32 on CUDA whatever the input."""
+    monkeypatch.setattr(gpt.LayerNorm, "forward", nn.LayerNorm.forward)
+
+
+def _fp32_copies(cfg) -> int:
+    """An fp32 copy of each LayerNorm's input, two a block."""
     tokens = cfg.train.batch_size * cfg.train_seq_len
-    copies = 2 * cfg.model.n_layer * tokens * cfg.model.d_model * 4  # fp32, two norms a block
-    assert plan.saved_per_micro_batch - before.saved_per_micro_batch >= copies
-    assert plan.memory["peak"] - before.memory["peak"] >= copies
+    return 2 * cfg.model.n_layer * tokens * cfg.model.d_model * 4
+
+
+def _bf16_pure_gpu_plans(request, change: str):
+    """A bf16-pure GPU plan of tiny, before and after the fixture `change` applies."""
+    cfg = _cfg("bf16-pure")
+    before = plan_memory(cfg, "cuda", gpu_caps("H100-80"))
+    request.getfixturevalue(change)
+    return cfg, before, plan_memory(cfg, "cuda", gpu_caps("H100-80"))
+
+
+def test_a_gpu_plan_holds_the_fp32_copy_cuda_makes_of_a_bf16_layernorms_input(
+    stock_layernorm, request
+):
+    cfg, plan, cpu_rules = _bf16_pure_gpu_plans(request, "cpu_rules_on_gpu")
+    assert plan.saved_per_micro_batch - cpu_rules.saved_per_micro_batch >= _fp32_copies(cfg)
+    assert plan.memory["peak"] - cpu_rules.memory["peak"] >= _fp32_copies(cfg)
+
+
+def test_the_gpts_bf16_pure_layernorms_make_no_fp32_copy(request):
+    """onegpu's LayerNorm runs in bf16 where its weights are (gpt.LayerNorm): a GPU plan holds
+    none of the copies torch's would."""
+    cfg, ours, stock = _bf16_pure_gpu_plans(request, "stock_layernorm")
+    assert stock.saved_per_micro_batch - ours.saved_per_micro_batch >= _fp32_copies(cfg)
+
+
+def test_on_a_cpu_the_gpts_layernorm_gives_torchs_result_bit_for_bit(monkeypatch):
+    """The CPU's autocast keeps a bf16 LayerNorm in bf16 already: the same loss and gradients."""
+    cfg = load_config("tiny", overrides={"model.dropout": "0", "train.precision": "bf16-pure"})
+
+    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = gpt.GPT(cfg.model).to(torch.bfloat16)
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}
+
+    loss, grads = step()
+    monkeypatch.setattr(gpt.LayerNorm, "forward", nn.LayerNorm.forward)
+    stock_loss, stock_grads = step()
+    assert torch.equal(loss, stock_loss)
+    assert all(torch.equal(grads[n], stock_grads[n]) for n in grads)
 
 
 def test_plans_whose_norms_see_fp32_are_unchanged(request):
@@ -80,3 +125,33 @@ def test_plans_whose_norms_see_fp32_are_unchanged(request):
     request.getfixturevalue("cpu_rules_on_gpu")
     assert plan_memory(cfg, "cuda", caps).memory == plan.memory
     assert isinstance(autocast_rules("cpu"), contextlib.nullcontext)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_bf16_layernorm_trains_as_torchs_in_less_memory(monkeypatch):
+    """CUDA's autocast runs torch's LayerNorm on an fp32 copy: onegpu's runs in bf16 (fp32
+    statistics), which loses no accuracy that a bf16 step keeps and holds none of the copies."""
+    from onegpu.backends.torch.build import build
+
+    over = {"model.dropout": "0", "train.precision": "bf16-pure", "train.device": "cuda",
+            "train.compile": "none", "memory.loss_chunk": "0", "train.batch_size": "8",
+            "model.d_model": "256", "model.n_head": "4", "model.seq_len": "256"}  # fmt: skip
+    cfg = load_config("tiny", overrides=over)
+
+    def run() -> tuple[list[float], int]:
+        torch.manual_seed(0)
+        built = build(cfg, with_data=False)
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for i in range(3):
+            x = torch.randint(0, cfg.model.vocab_size, (8, 257), generator=g).cuda()
+            torch.cuda.reset_peak_memory_stats()
+            losses.append(built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), i).loss.item())
+        return losses, torch.cuda.max_memory_allocated()
+
+    ours, ours_peak = run()
+    monkeypatch.setattr(gpt.LayerNorm, "forward", nn.LayerNorm.forward)
+    stock, stock_peak = run()
+    assert ours == pytest.approx(stock, rel=1e-2)
+    assert stock_peak - ours_peak >= _fp32_copies(cfg) // 2

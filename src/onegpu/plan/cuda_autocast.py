@@ -23,14 +23,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-FP32 = frozenset(
-    """
-    layer_norm native_layer_norm group_norm exp expm1 log log10 log2 log1p reciprocal rsqrt pow
-    __pow__ __rpow__ softplus erfinv acos asin cosh sinh tan cosine_similarity nll_loss kl_div
-    l1_loss smooth_l1_loss huber_loss mse_loss binary_cross_entropy_with_logits dist pdist cdist
-    renorm logsumexp
-    """.split()
-)
+_NORMS = {"layer_norm", "native_layer_norm", "group_norm", "renorm"}
+_POINTWISE = {"exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "erfinv"}
+_POWERS = {"pow", "__pow__", "__rpow__", "softplus", "acos", "asin", "cosh", "sinh", "tan"}
+_LOSSES = {"nll_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss"}
+_OTHERS = {"binary_cross_entropy_with_logits", "cosine_similarity", "dist", "pdist", "cdist"}
+FP32 = frozenset(_NORMS | _POINTWISE | _POWERS | _LOSSES | _OTHERS | {"logsumexp"})
 """Run in fp32: every 16-bit floating-point argument is cast to an fp32 copy first."""
 FP32_OUTPUT = frozenset({"softmax", "log_softmax", "sum", "cumsum", "prod", "cumprod"})
 """Given no dtype, computed into fp32 (`dtype=torch.float32`): the output is fp32."""
