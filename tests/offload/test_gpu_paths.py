@@ -11,6 +11,7 @@ import torch
 
 from onegpu.backends.torch.build import build, processes
 from onegpu.config import load_config
+from onegpu.models import gpt
 from onegpu.plan.budget import plan_budget
 from onegpu.plan.memory import plan_memory
 from onegpu.techniques.precision import device_caps
@@ -93,12 +94,16 @@ def test_weights_on_the_host_through_fsdp2_follow_the_device_run(initial_weights
 
 @pytest.mark.parametrize(
     "precision, policy",
-    [("bf16", "none"), ("bf16", "block"), ("bf16", "budget:1100000000"), ("bf16-pure", "none")],
-)
-def test_the_planned_peak_on_a_gpu_is_within_ten_percent(precision, policy):
-    """The planner's step peak against the caching allocator's, cuBLAS's workspaces included
-    (made afresh here), and under bf16-pure the fp32 copies CUDA's autocast makes of a
-    LayerNorm's bf16 input (plan/cuda_autocast.py)."""
+    [("bf16", "none"), ("bf16", "block"), ("bf16", "budget:1100000000"), ("bf16-pure", "none"),
+     ("bf16-pure, torch's LayerNorm", "none")],
+)  # fmt: skip
+def test_the_planned_peak_on_a_gpu_is_within_ten_percent(precision, policy, monkeypatch):
+    """The planner's step peak against the caching allocator's, cuBLAS's workspaces included;
+    under bf16-pure with torch's LayerNorm, the fp32 copies CUDA's autocast makes of its bf16
+    input (plan/cuda_autocast.py); with onegpu's, none."""
+    if precision.endswith("torch's LayerNorm"):
+        monkeypatch.setattr(gpt.LayerNorm, "forward", torch.nn.LayerNorm.forward)
+        precision = "bf16-pure"
     over = {"train.precision": precision, "model.n_layer": "8", "model.d_model": "512",
             "model.n_head": "8", "model.seq_len": "512", "model.vocab_size": "8192",
             "train.batch_size": "8", "train.micro_batch_size": "8", "model.attention": "auto",
@@ -111,8 +116,10 @@ def test_the_planned_peak_on_a_gpu_is_within_ten_percent(precision, policy):
         assert decided["planned_peak"] <= decided["budget"]
     planned = plan_memory(cfg, "cuda", caps).memory["peak"]
     gc.collect()
-    torch._C._cuda_clearCublasWorkspaces()  # this step makes its own, as a run's first does
-    before = torch.cuda.memory_allocated()  # what earlier tests left alive, if anything
+    # what earlier tests left alive, if anything: the cuBLAS workspaces of this thread and of
+    # autograd's among it where earlier tests made them (torch keeps them per thread), which
+    # the plan counts: then the plan is up to 64 MiB over, within the tolerance
+    before = torch.cuda.memory_allocated()
     built = build(cfg, with_data=False)
     x = torch.randint(0, 8192, (8, 513), device=cuda)
     built.step(x[:, :-1], x[:, 1:], x[:, 1:].numel(), 0)

@@ -20,7 +20,7 @@ MiB = 2**20
 
 @pytest.mark.parametrize(
     "capability, config, nbytes",
-    [((9, 0), None, 32 * MiB), ((8, 9), None, 8 * MiB + 128 * 1024),
+    [((9, 0), None, 32 * MiB), ((10, 0), None, 32 * MiB), ((8, 9), None, 8 * MiB + 128 * 1024),
      ((8, 0), None, 8 * MiB + 128 * 1024), ((9, 0), ":4096:2:16:8", 8 * MiB + 128 * 1024),
      ((8, 0), ":4096:8", 32 * MiB), ((9, 0), ":16:8", 128 * 1024)],
 )  # fmt: skip
@@ -58,6 +58,7 @@ def test_a_gpu_plan_counts_the_workspaces_of_both_threads(monkeypatch):
 
 FRESH_PROCESS = """
 import torch
+from onegpu.techniques.precision import device_caps
 device = torch.device("cuda")
 w = torch.randn(256, 256, device=device, requires_grad=True)
 x = torch.randn(64, 256, device=device)

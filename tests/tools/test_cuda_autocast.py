@@ -1,5 +1,6 @@
 """A GPU plan follows CUDA's autocast, not the CPU's: CUDA runs a LayerNorm (a softmax, a sum) of
-a bf16 tensor on an fp32 copy, which a bf16-pure GPT saves for backward in every block."""
+a bf16 tensor on an fp32 copy, which a bf16-pure model with torch's LayerNorm saves for backward
+in every block."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import hf_overrides
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from onegpu.config import load_config
 from onegpu.models import gpt
 from onegpu.plan import memory as plan_module
-from onegpu.plan.cuda_autocast import CudaAutocastRules, autocast_rules
+from onegpu.plan.cuda_autocast import autocast_rules, cuda_autocast_rules
 from onegpu.plan.memory import plan_memory
+from onegpu.plan.report import plan_report
 from onegpu.plan.targets import gpu_caps
 
 
@@ -24,25 +28,37 @@ def test_under_autocast_the_ops_cuda_keeps_in_fp32_run_in_fp32():
     ones = torch.ones(8, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert F.layer_norm(x, (8,), ones, ones).dtype == torch.bfloat16  # the CPU's rule
-        with CudaAutocastRules() as rules:
+        with cuda_autocast_rules() as applied:
             assert F.layer_norm(x, (8,), ones, ones).dtype == torch.float32
             assert x.softmax(-1).dtype == torch.float32
             assert x.sum().dtype == torch.float32
+            assert (x**2).dtype == torch.float32
             assert x.softmax(-1, dtype=torch.bfloat16).dtype == torch.bfloat16  # asked for
+            assert x.softmax(-1, torch.bfloat16).dtype == torch.bfloat16  # positionally too
             assert (x @ w).dtype == torch.bfloat16  # matmuls: both run them in 16 bits
             assert F.gelu(x).dtype == torch.bfloat16  # on neither list
             assert F.layer_norm(x.float(), (8,)).dtype == torch.float32
-    assert rules.applied == {"layer_norm": 1, "softmax": 1, "sum": 1}
-    with CudaAutocastRules():  # outside autocast nothing is cast
+        assert F.layer_norm(x, (8,), ones, ones).dtype == torch.bfloat16  # unregistered after
+    assert applied == {
+        "layer_norm.default": 1,
+        "softmax.int": 1,
+        "sum.default": 1,
+        "pow.Tensor_Scalar": 1,
+    }
+    with cuda_autocast_rules():  # outside autocast nothing is cast
         assert F.layer_norm(x, (8,), ones, ones).dtype == torch.bfloat16
         assert x.sum().dtype == torch.bfloat16
 
 
-def test_the_fp32_copy_is_differentiable_and_gives_the_same_gradient():
-    """The copy is made above autograd, as CUDA's autocast makes it: backward goes through it."""
+def test_the_fp32_copy_is_recorded_and_recomputed_as_cudas():
+    """The copy is made above autograd, as CUDA's autocast makes it: backward goes through it,
+    and a checkpoint's recomputation (in backward) makes it again, with the same dtypes."""
     x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastRules():
-        F.layer_norm(x, (8,)).square().sum().backward()
+    with cuda_autocast_rules() as applied:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = checkpoint(lambda t: F.layer_norm(t, (8,)).square(), x, use_reentrant=False)
+        y.sum().backward()
+    assert applied == {"layer_norm.default": 2}  # the forward and its recomputation
     expected = x.detach().float().requires_grad_()
     F.layer_norm(expected, (8,)).square().sum().backward()
     assert x.grad.dtype == torch.bfloat16
@@ -94,6 +110,44 @@ def test_the_gpts_bf16_pure_layernorms_make_no_fp32_copy(request):
     none of the copies torch's would."""
     cfg, ours, stock = _bf16_pure_gpu_plans(request, "stock_layernorm")
     assert stock.saved_per_micro_batch - ours.saved_per_micro_batch >= _fp32_copies(cfg)
+
+
+@pytest.mark.parametrize("checkpointing", ["block", "selective"])
+def test_a_checkpointed_gpu_plan_recomputes_under_cudas_rules(
+    stock_layernorm, checkpointing, request
+):
+    """Backward recomputes a checkpointed block under the rules its forward ran under: the same
+    fp32 copies again (had backward run under the CPU's, the checkpoint would find other
+    dtypes than it saved and raise)."""
+    cfg = load_config("tiny", overrides={"model.dropout": "0", "train.precision": "bf16-pure",
+                                         "memory.checkpointing": checkpointing})  # fmt: skip
+    plan = plan_memory(cfg, "cuda", gpu_caps("H100-80"))
+    request.getfixturevalue("cpu_rules_on_gpu")
+    assert plan.memory["peak"] > plan_memory(cfg, "cuda", gpu_caps("H100-80")).memory["peak"]
+
+
+def test_a_transformers_model_plans_on_a_gpu_with_its_checkpointed_norms_in_fp32(hf_folder):
+    """GPT-2's transformers model keeps torch's LayerNorm: under bf16-pure, CUDA runs each in
+    fp32, in its recomputation too."""
+    over = hf_overrides(hf_folder("gpt2"), seq_len=64, **{"train.precision": "bf16-pure",
+                        "memory.checkpointing": "block", "train.device": "cpu"})  # fmt: skip
+    cfg = load_config("tiny", overrides=over)
+    with cuda_autocast_rules() as applied:
+        plan = plan_memory(cfg, "cuda", gpu_caps("H100-80"))
+    n_norms = 2 * cfg.model.n_layer + 1  # forward; the blocks' again in backward
+    assert applied["layer_norm.default"] >= 2 * n_norms
+    assert plan.peak_phase
+
+
+def test_an_fsdp_plan_on_gpus_runs_its_16_bit_gathers_norms_in_fp32(stock_layernorm):
+    """FSDP's mixed precision gathers the weights in bf16, so the residual stream is bf16 and
+    CUDA runs torch's LayerNorm on fp32 copies, in each block's recomputation too."""
+    over = {"model.dropout": "0", "train.precision": "bf16", "memory.checkpointing": "block",
+            "dist.strategy": "fsdp", "dist.tp": "2"}  # fmt: skip
+    cfg = load_config("tiny", overrides=over)
+    with cuda_autocast_rules() as applied:  # 2 x 2: each rank's plan follows FSDP's gathers
+        plan_report(cfg, "H100-80", None, world_size=4)
+    assert applied["layer_norm.default"] >= 2 * (2 * cfg.model.n_layer + 1)
 
 
 def test_on_a_cpu_the_gpts_layernorm_gives_torchs_result_bit_for_bit(monkeypatch):

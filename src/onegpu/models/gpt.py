@@ -58,21 +58,18 @@ def plain_attention(
 
 
 class LayerNorm(nn.LayerNorm):
-    """A LayerNorm that runs in 16 bits when its input and weights are 16-bit (bf16-pure), its
-    statistics in fp32 inside the kernel. Under autocast, CUDA would otherwise run it on an fp32
-    copy of the input, save that copy for backward and cast the fp32 output back to 16 bits for
-    every projection after it: GPT-2 124M, bf16-pure, batch 8 x 1024 on an H200 held 0.6 GiB of
-    such copies in 4.3 (plan/cuda_autocast.py). The CPU's autocast already leaves it in 16 bits,
-    so on a CPU nothing changes; with fp32 weights (bf16 autocast) it takes the fp32 path as
-    before."""
+    """A LayerNorm that runs in 16 bits when its input and weights are 16-bit (bf16-pure, or
+    FSDP's 16-bit gathers), its statistics in fp32 inside the kernel. Under autocast, CUDA would
+    otherwise run it on an fp32 copy of the input, save that copy for backward and cast the fp32
+    output back to 16 bits for every projection after it: GPT-2 124M, bf16-pure, batch 8 x 1024
+    on an H200 held 0.6 GiB of such copies in 4.3 (plan/cuda_autocast.py). The CPU's autocast
+    leaves it in 16 bits already, so on a CPU nothing changes; with fp32 weights (bf16 autocast)
+    it takes the fp32 path as before."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
-        if (
-            sixteen_bit
-            and x.dtype == self.weight.dtype
-            and torch.is_autocast_enabled(x.device.type)
-        ):
+        weights_too = self.weight is not None and self.weight.dtype == x.dtype
+        if sixteen_bit and weights_too and torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
                 return super().forward(x)
         return super().forward(x)

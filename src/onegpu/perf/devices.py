@@ -86,11 +86,12 @@ def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
     """The workspace torch allocates for each cuBLAS handle, through the caching allocator (so
     `max_memory_allocated` counts it) and kept for the process's life; cuBLASLt shares it. As
     torch's CublasHandlePool.cpp sets it: CUBLAS_WORKSPACE_CONFIG (":SIZE_KIB:COUNT" pairs),
-    else 32 MiB on compute capability 9.0 and 8 MiB + 128 KiB elsewhere."""
+    else 32 MiB from compute capability 9 on (Hopper; Blackwell too since early 2026, 8 MiB +
+    128 KiB in torch before that: this plans the larger) and 8 MiB + 128 KiB below."""
     pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
     if pairs:
         return sum(int(size) * 1024 * int(count) for size, count in pairs)
-    return 4096 * 8 * 1024 if capability == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return 4096 * 8 * 1024 if capability >= (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def gpu_spec_for(device_name: str) -> GPUSpec | None:
