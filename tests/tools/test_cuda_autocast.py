@@ -50,6 +50,21 @@ def test_under_autocast_the_ops_cuda_keeps_in_fp32_run_in_fp32():
         assert x.sum().dtype == torch.bfloat16
 
 
+def test_the_rules_are_the_installed_torchs_and_nested_uses_share_them():
+    """An op is followed where this torch's CUDA autocast has a rule for it (RMSNorm's is newer
+    than torch 2.11), and a nested use leaves the rules in force for the outer one."""
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    cuda_has = torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
+    with cuda_autocast_rules() as outer, torch.autocast("cpu", dtype=torch.bfloat16):
+        with cuda_autocast_rules() as inner:
+            expected = torch.float32 if cuda_has else torch.bfloat16
+            assert F.rms_norm(x, (8,)).dtype == expected
+        assert inner is outer
+        assert F.layer_norm(x, (8,)).dtype == torch.float32  # still in force
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.layer_norm(x, (8,)).dtype == torch.bfloat16  # gone with the last use
+
+
 def test_the_fp32_copy_is_recorded_and_recomputed_as_cudas():
     """The copy is made above autograd, as CUDA's autocast makes it: backward goes through it,
     and a checkpoint's recomputation (in backward) makes it again, with the same dtypes."""

@@ -13,14 +13,18 @@ The rules are CUDA's own, registered for the plan's duration as kernels of the d
 AutocastCPU key, where autocast itself acts: above autograd (the fp32 copy is recorded, saved
 and cast back in backward, as on the GPU), in backward and in a checkpoint's recomputation too,
 and for the ops a composite one dispatches (`x.square()`'s `pow`). The op lists are torch's
-(aten/src/ATen/autocast_mode.h: AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), less the ops the
-CPU's autocast already keeps in fp32 and `norm`'s overloads. The registrations are the whole
-process's while a plan runs: no CPU training may run beside a GPU plan in one process.
+(aten/src/ATen/autocast_mode.h: AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), each op kept
+where the installed torch's CUDA autocast has a rule for it, less the ops the CPU's autocast
+keeps in fp32 too and `norm`'s overloads. Not followed: CUDA's rules for ops neither list
+holds (the 16-bit `mv`, `dot`, ...; the promoting `addcmul`, `index_put`, ...). The
+registrations are the whole process's while a plan runs: no CPU training may run beside a GPU
+plan in one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,6 +52,7 @@ FP32 = [
     "pow.Scalar",
     "softplus",
     "layer_norm",
+    "rms_norm",
     "native_layer_norm",
     "group_norm",
     "frobenius_norm.dim",
@@ -111,7 +116,8 @@ FP32_OUTPUT = [
 """Given no dtype, computed into fp32 (dtype=float32): a 16-bit input gives an fp32 output."""
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 _NO_AUTOCAST = DispatchKeySet(DispatchKey.AutocastCPU)
-_active: list[Counter[str]] = []  # the registrations in force, at most one
+_lock = threading.Lock()
+_in_force: dict[str, Any] = {"users": 0}  # the registrations, while any plan uses them
 
 
 def _fp32(value: Any) -> Any:
@@ -141,6 +147,8 @@ def _fp32_output_kernel(op: torch._ops.OpOverload, applied: Counter[str]) -> Cal
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with _ExcludeDispatchKeyGuard(_NO_AUTOCAST):
             sixteen = isinstance(args[0], torch.Tensor) and args[0].dtype in SIXTEEN_BIT
+            # the dispatcher drops trailing arguments left at their default: a dtype of None
+            # comes as a keyword, or not at all
             if sixteen and len(args) > at and args[at] is None:
                 args = (*args[:at], torch.float32, *args[at + 1 :])
                 applied[op.__name__] += 1
@@ -153,34 +161,46 @@ def _fp32_output_kernel(op: torch._ops.OpOverload, applied: Counter[str]) -> Cal
 
 
 def _overload(name: str) -> torch._ops.OpOverload | None:
-    """aten's `name` ('pow.Tensor_Scalar', 'exp'), or None where this torch has no such op
-    or the CPU's autocast already has a kernel for it (its fp32 list: the same rule)."""
+    """aten's `name` ('pow.Tensor_Scalar', 'exp') where this torch's CUDA autocast has a rule
+    for it, unless the CPU's autocast has one too (its fp32 list: an fp32 result as well)."""
     packet, _, overload = name.partition(".")
     op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
-    if op is None or torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCPU"):
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    if op is None or not has(f"aten::{name}", "AutocastCUDA"):
         return None
-    return op
+    return None if has(f"aten::{name}", "AutocastCPU") else op
 
 
-@contextlib.contextmanager
-def cuda_autocast_rules() -> Iterator[Counter[str]]:
-    """Under the CPU's autocast, what CUDA's would do to the ops it keeps in fp32; yields the
-    count of casts made, by op. Nested uses share the outermost's registrations."""
-    if _active:
-        yield _active[0]
-        return
-    applied: Counter[str] = Counter()
+def _register(applied: Counter[str]) -> torch.library.Library:
     library = torch.library.Library("aten", "IMPL")
     try:
         for names, make in ((FP32, _fp32_kernel), (FP32_OUTPUT, _fp32_output_kernel)):
             for name in names:
                 if (op := _overload(name)) is not None:
                     library.impl(name, make(op, applied), "AutocastCPU")
-        _active.append(applied)
-        yield applied
-    finally:
-        _active.clear()
+    except BaseException:
         library._destroy()
+        raise
+    return library
+
+
+@contextlib.contextmanager
+def cuda_autocast_rules() -> Iterator[Counter[str]]:
+    """Under the CPU's autocast, what CUDA's would do to the ops it keeps in fp32; yields the
+    count of casts made, by op. Uses at once (nested, or in threads) share one registration,
+    removed when the last ends."""
+    with _lock:
+        if _in_force["users"] == 0:
+            applied: Counter[str] = Counter()
+            _in_force.update(applied=applied, library=_register(applied))
+        _in_force["users"] += 1
+    try:
+        yield _in_force["applied"]
+    finally:
+        with _lock:
+            _in_force["users"] -= 1
+            if _in_force["users"] == 0:
+                _in_force.pop("library")._destroy()
 
 
 def autocast_rules(target: str) -> contextlib.AbstractContextManager:
