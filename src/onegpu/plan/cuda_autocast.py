@@ -147,13 +147,9 @@ def _fp32_output_kernel(op: torch._ops.OpOverload, applied: Counter[str]) -> Cal
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with _ExcludeDispatchKeyGuard(_NO_AUTOCAST):
             sixteen = isinstance(args[0], torch.Tensor) and args[0].dtype in SIXTEEN_BIT
-            # the dispatcher drops trailing arguments left at their default: a dtype of None
-            # comes as a keyword, or not at all
-            if sixteen and len(args) > at and args[at] is None:
-                args = (*args[:at], torch.float32, *args[at + 1 :])
-                applied[op.__name__] += 1
-            elif sixteen and len(args) <= at and kwargs.get("dtype") is None:
-                kwargs = {**kwargs, "dtype": torch.float32}
+            given = args[at] if len(args) > at else kwargs.get("dtype")
+            if sixteen and given is None:  # dtype is each overload's last argument
+                args, kwargs = args[:at], {**kwargs, "dtype": torch.float32}
                 applied[op.__name__] += 1
             return op(*args, **kwargs)
 
