@@ -320,3 +320,31 @@ def test_a_plan_beside_a_timed_run_keeps_to_the_upper_cores_at_the_lowest_priori
     env, confine = _aside()
     confine()
     assert env == {} and done == {"nice": 19}  # two cores: nothing to share, it only yields
+
+
+def test_a_memory_row_records_the_kernels_its_run_chose(tmp_path, monkeypatch):
+    """A later replan (benchmarks/replan_gpu_rows.py) follows the run's choices, not its own."""
+    import gpu_suite
+
+    chose = {"attention": "flash", "loss_chunk": 2048, "loss_kernel": "eager"}
+    run = {"peak_mem_bytes": 2, "peak_mem_kind": "cuda", "step_time_s": 0.1, "memory": {},
+           "kernels": chose}  # fmt: skip
+    plan = {"memory": {"peak": 1}, "config": {"attention": "flash", "loss_chunk": 4096,
+                                              "loss_kernel": "eager"}}  # fmt: skip
+    monkeypatch.setattr(gpu_suite, "run_row", lambda *a, **k: run)
+    monkeypatch.setattr(gpu_suite, "_planning", lambda *a, **k: _yields(lambda: plan))
+    args = SimpleNamespace(quick=False, work=tmp_path, budget=Budget(None))
+    row: dict = {}
+    gpu_suite._memory_row(args, {}, row)
+    assert row["kernels"] == chose
+    assert row["kernels_apart"]["plan"]["loss_chunk"] == 4096
+
+
+def _yields(value):
+    import contextlib
+
+    @contextlib.contextmanager
+    def once():
+        yield value
+
+    return once()
