@@ -40,10 +40,11 @@ def write_result(stem: str, lines: list[str], *, show: bool = False) -> Path:
 
 
 def commit_of(src: Path) -> str:
-    """The commit of the checkout `src` is in (with '+changes' where its tree differs)."""
+    """The commit of the checkout `src` is in (with '+changes' where its tree, or the package's
+    source beside it, differs)."""
     git = ["git", "-C", str(src)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "."], capture_output=True, text=True
+        [*git, "status", "--porcelain", "--", ".", ":/src"], capture_output=True, text=True
     )
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")

@@ -9,8 +9,10 @@ those of one device); this turns that plan into what each process holds:
   for computing: the root's (embeddings, final norm, output layer: kept from forward to
   backward) and, per block, the one being computed and the next one being prefetched (with
   `reshard_after_forward false`, every block stays gathered from its forward to its backward),
-  in the gathered dtype (bf16 under FSDP's mixed precision), plus one block's full gradient
-  before its reduce-scatter. With `cpu_offload`, shards live in host memory.
+  in the gathered dtype (bf16 under FSDP's mixed precision), plus, in backward, one block's
+  full gradient before its reduce-scatter. A peak in forward outside the blocks (the loss, as
+  a GPT's forward peak usually is) holds no block gathered: each was resharded after its
+  forward. With `cpu_offload`, shards live in host memory.
 - DDP: every process holds everything (gradients are views into DDP's buckets: no second copy).
 
 A prediction, labelled as one: the communication buffers of NCCL and the CUDA context are not
@@ -58,6 +60,8 @@ def per_rank_memory(
     cpu_offload: bool = False,
     gather_bytes: int = 4,
     reduce_bytes: int = 4,
+    peak_in_backward: bool = True,
+    peak_in_a_block: bool = True,
 ) -> dict[str, int]:
     """What rank 0 holds at its step's peak, from the single-device plan `single` of one
     process's share (the measured breakdown's names; `gathered` and `host` added)."""
@@ -68,8 +72,14 @@ def per_rank_memory(
     total_numel = sum(p.numel for p in params)
     root = total_numel - sum(block_numels)
     largest = max(block_numels, default=0)
-    blocks_gathered = sum(block_numels) if not reshard_after_forward else 2 * largest
-    gathered = (root + blocks_gathered) * gather_bytes + largest * reduce_bytes
+    if not reshard_after_forward:
+        blocks_gathered = sum(block_numels)
+    elif peak_in_backward or peak_in_a_block:
+        blocks_gathered = 2 * largest  # the one computing and the next, prefetched
+    else:
+        blocks_gathered = 0
+    gathered = (root + blocks_gathered) * gather_bytes
+    gathered += largest * reduce_bytes if peak_in_backward else 0
     if world_size == 1 and not cpu_offload:
         gathered = 0  # one process: FSDP's "shards" are the whole parameters, nothing gathered
     # on the host, every shard's gradient exists by the end of backward, whenever the

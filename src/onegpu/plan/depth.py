@@ -78,7 +78,7 @@ def plan_extrapolated(
         flops_per_token=line(pa.flops_per_token, pb.flops_per_token),
         dispatched_ops=line(pa.dispatched_ops, pb.dispatched_ops),  # each block its own ops
         seconds=pa.seconds + pb.seconds,
-        weight_copies_at_peak=line(pa.weight_copies_at_peak, pb.weight_copies_at_peak),
+        weight_copies_at_peak=lines(pa.weight_copies_at_peak, pb.weight_copies_at_peak),
         # the shallow model's parameters and, per block added, one flat block (the same bytes)
         param_shapes=pb.param_shapes + [ParamShape((block,), elt)] * (depth - b),
         block_numels=[block] * depth,

@@ -71,9 +71,12 @@ class MemoryPlan:
     busy CPUs, perf/contention.py): the next run times them again, and may choose otherwise."""
     compute_dtype: torch.dtype = torch.float32
     param_dtype: torch.dtype = torch.float32
-    weight_copies_at_peak: int = 0
-    """Of `activations`: autocast's 16-bit copies of weights, saved for backward, alive at the
-    peak (under FSDP's mixed precision the gathered 16-bit weights take their place)."""
+    weight_copies_at_peak: dict[str, int] = field(default_factory=dict)
+    """Autocast's 16-bit copies of weights alive at the peak, by group: saved for backward or
+    not (`other`: biases, the chunked loss's output layer); FSDP's mixed precision has none."""
+    peak_in_a_block: bool = True
+    """The peak came while a transformer block ran (FSDP holds a block gathered, and the next
+    one prefetched, only then and in backward)."""
     param_shapes: list[ParamShape] = field(default_factory=list)
     """Every parameter once (tied ones once): how FSDP would shard them."""
     block_numels: list[int] = field(default_factory=list)
@@ -280,18 +283,19 @@ def _breakdown(
     state_bytes: int,
     target: str,
     workspaces: int,
-) -> tuple[dict[str, int], int]:
+) -> tuple[dict[str, int], dict[str, int]]:
     """The measured names' bytes of the storages alive at one moment (and the autocast weight
     copies among them), the cuBLAS workspaces among "other"; offloaded state as host (or disk)
     bytes."""
     tracker, saved = followed.tracker, followed.saved
     at_peak: dict[str, int] = defaultdict(int)
-    weight_copies = 0
+    weight_copies: dict[str, int] = defaultdict(int)
     for serial, nbytes in storages.items():
         in_grads, in_saved = serial in followed.grad_serials, serial in saved
-        at_peak["grads" if in_grads else "activations" if in_saved else "other"] += nbytes
-        if in_saved and serial in tracker.weight_copies:
-            weight_copies += nbytes
+        group = "grads" if in_grads else "activations" if in_saved else "other"
+        at_peak[group] += nbytes
+        if serial in tracker.weight_copies:
+            weight_copies[group] += nbytes
     memory = {
         "params": param_bytes,
         "grads": at_peak["grads"],
@@ -316,7 +320,7 @@ def _breakdown(
         memory["optimizer"] = 0  # those on the device for their step are among "other"
     if tracker.host_peak:  # offloaded activations, at their most (the end of forward)
         memory["host"] = memory.get("host", 0) + tracker.host_peak
-    return memory, weight_copies
+    return memory, dict(weight_copies)
 
 
 def _host_by_kind(
@@ -356,7 +360,7 @@ def _label(
     tracker, saved = followed.tracker, followed.saved
     param_bytes = sum(local_tensor(p).untyped_storage().nbytes() for p in params)
 
-    def breakdown(storages: dict[int, int]) -> tuple[dict[str, int], int]:
+    def breakdown(storages: dict[int, int]) -> tuple[dict[str, int], dict[str, int]]:
         return _breakdown(built, followed, storages, param_bytes, state_bytes, target, workspaces)
 
     memory, weight_copies = breakdown(tracker.peak_storages)
@@ -386,6 +390,7 @@ def _label(
         compute_dtype=built.policy.compute_dtype,
         param_dtype=built.policy.param_dtype,
         weight_copies_at_peak=weight_copies,
+        peak_in_a_block=_block_of(tracker.peak_module, prefixes).startswith("blocks."),
         param_shapes=[ParamShape(tuple(p.shape), p.element_size()) for p in params],
         block_numels=[sum(p.numel() for p in b.parameters()) for b in built.model.blocks],
     )

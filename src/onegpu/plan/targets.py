@@ -102,8 +102,9 @@ def rank_memory(
     single = dict(plan.memory)
     if gathered_16bit and strategy == "fsdp":
         # FSDP's mixed precision computes with the gathered 16-bit weights themselves (counted
-        # under `gathered`): autocast's saved copies of the weights do not exist
-        single["activations"] -= plan.weight_copies_at_peak
+        # under `gathered`): autocast's copies of the weights do not exist
+        for group, nbytes in plan.weight_copies_at_peak.items():
+            single[group] -= nbytes
     return per_rank_memory(
         single,
         plan.param_shapes,
@@ -112,6 +113,8 @@ def rank_memory(
         strategy=strategy,
         reshard_after_forward=dist.reshard_after_forward,
         cpu_offload=dist.cpu_offload,
+        peak_in_backward=plan.peak_phase != "forward",
+        peak_in_a_block=plan.peak_in_a_block,
         gather_bytes=2 if gathered_16bit else plan.param_shapes[0].element_size,
     )
 

@@ -68,6 +68,7 @@ class PlanTracker(LiveTensorBytes):
         self.made_by: dict[int, tuple[str, str]] = {}
         self.peak_op = ""
         self.peak_in_backward = False
+        self.peak_module = ""  # the module running when the peak came ("" outside the model)
         self._op = ""
         self.param_storages: set[int] = set()
         self.weight_copies: set[int] = set()  # allocation numbers of 16-bit copies of weights
@@ -115,8 +116,7 @@ class PlanTracker(LiveTensorBytes):
         if new:
             self.made_by[self.serials[sid]] = (self._op, self.modules.current)
         if self.peak > before:
-            self.peak_op = self._op
-            self.peak_in_backward = torch._C._current_graph_task_id() != -1
+            self._mark_peak()
         if self.by_segment:
             self._segment_peak(self.current, None)
 
@@ -174,9 +174,14 @@ class PlanTracker(LiveTensorBytes):
             # the kernel's own buffer, alive while the op runs: counted at the peak as "other"
             self.peak = self.current + workspace
             self.peak_storages = {**self.live_by_serial(), WORKSPACE: workspace}
-            self.peak_op = self._op
-            self.peak_in_backward = torch._C._current_graph_task_id() != -1
+            self._mark_peak()
         return out
+
+    def _mark_peak(self) -> None:
+        """Where the step is as its peak comes: the op, forward or backward, the module."""
+        self.peak_op = self._op
+        self.peak_in_backward = torch._C._current_graph_task_id() != -1
+        self.peak_module = self.modules.current
 
     def _cpu_gemm_workspace(self, func, args) -> int:
         """Measured on this CPU: a 16-bit GEMM (oneDNN) first copies each transposed operand
