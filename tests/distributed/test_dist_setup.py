@@ -4,6 +4,8 @@ group (gloo, in this process)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -109,6 +111,37 @@ def test_a_forward_peak_holds_no_gradient_and_outside_the_blocks_only_the_roots_
         reshard_after_forward=False, **kwargs,
     )  # fmt: skip
     assert kept["gathered"] == (100 + 200) * 2  # every block stays gathered to its backward
+
+
+def test_a_ranks_peak_is_the_most_over_the_steps_moments():
+    """One process peaks at the end of backward, every gradient alive; sharded over 8, those
+    gradients shrink, and the rank's peak is its forward's (the activations at the loss)."""
+    from onegpu.plan.memory import MemoryPlan, Moment
+    from onegpu.plan.targets import rank_memory
+
+    def moment(activations: int, grads: int, in_backward: bool) -> Moment:
+        memory = {"params": 800, "grads": grads, "optimizer": 1600}
+        memory |= {"activations": activations, "other": 0}
+        memory["peak"] = sum(memory.values())
+        return Moment(memory, {}, in_backward, in_a_block=False)
+
+    forward, backward = moment(1000, 0, False), moment(300, 800, True)
+    plan = MemoryPlan(
+        memory=backward.memory,
+        peak_phase="backward/optimizer",
+        peak_op="aten.add_",
+        param_shapes=[ParamShape((200,), 4)],  # 25 rows of 200 on each of 8 ranks
+        block_numels=[20] * 10,  # ten blocks of 20 weights
+        segments=[forward, backward],
+    )
+    assert backward.memory["peak"] > forward.memory["peak"]  # one process: backward's
+    rank = rank_memory(DistConfig(), plan, 8, "fsdp")
+    # rank 0 of 8 holds 1/8 of weights, gradients and states; in forward, no gradient
+    assert rank["activations"] == 1000 and rank["grads"] == 0
+    assert rank["gathered"] == 0  # at the loss: every block resharded, the root has none
+    assert rank["peak"] == 100 + 200 + 1000
+    only_backward = rank_memory(DistConfig(), dataclasses.replace(plan, segments=[]), 8, "fsdp")
+    assert only_backward["peak"] < rank["peak"]  # the peak moment alone would under-plan
 
 
 def test_the_gpu_plan_of_fsdp_mixed_precision_holds_no_autocast_copy_of_a_weight():

@@ -17,7 +17,7 @@ import math
 
 from onegpu.config import Config, DistConfig, parse_checkpointing, with_overrides
 from onegpu.distributed.shares import ParamShape
-from onegpu.plan.memory import MemoryPlan, plan_memory
+from onegpu.plan.memory import MemoryPlan, Moment, plan_memory
 from onegpu.plan.shapes import block_pattern, shape_of, with_depth
 from onegpu.techniques.precision import DeviceCaps
 
@@ -43,11 +43,11 @@ def plan_extrapolated(
     a, b = shallow_depths(cfg)
     per_block = parse_checkpointing(cfg.memory.checkpointing).kind == "blocks"
     if depth <= b + (b - a) or per_block:  # a per-block plan has no shallow copy
-        return plan_memory(cfg, target, caps)
+        return plan_memory(cfg, target, caps, by_segment=True)
     pa = plan_memory(with_depth(cfg, a), target, caps, by_segment=True)
     pb = plan_memory(with_depth(cfg, b), target, caps, by_segment=True)
-    if len(pa.segments) != len(pb.segments):
-        return plan_memory(cfg, target, caps)  # the step runs differently: no line to follow
+    if len(pa.segments) != len(pb.segments):  # the step runs differently: no line to follow
+        return plan_memory(cfg, target, caps, by_segment=True)
 
     def line(va: int, vb: int) -> int:
         return round(va + (vb - va) * (depth - a) / (b - a))
@@ -56,16 +56,25 @@ def plan_extrapolated(
         return {k: line(da.get(k, 0), db.get(k, 0)) for k in {**da, **db}}
 
     # the step's peak is the highest of its stretches' peaks, each a line in depth
-    memory = max(
-        (lines(sa, sb) for sa, sb in zip(pa.segments, pb.segments, strict=True)),
-        key=lambda m: m["peak"],
-    )
+    segments = [
+        Moment(
+            lines(sa.memory, sb.memory),
+            lines(sa.weight_copies, sb.weight_copies),
+            sb.in_backward,
+            sb.in_a_block,
+        )
+        for sa, sb in zip(pa.segments, pb.segments, strict=True)
+    ]
+    peak = max(segments, key=lambda m: m.memory["peak"])
     block = pb.block_numels[-1] if pb.block_numels else 0
     elt = pb.param_shapes[-1].element_size if pb.param_shapes else 4
     return dataclasses.replace(
         pb,
-        memory=memory,
-        segments=[],
+        memory=peak.memory,
+        segments=segments,
+        peak_phase="backward/optimizer" if peak.in_backward else "forward",
+        peak_in_a_block=peak.in_a_block,
+        weight_copies_at_peak=peak.weight_copies,
         saved_by_kind=lines(pa.saved_by_kind, pb.saved_by_kind),
         # the middle blocks all alike: the shallow model's last block stands for each one
         saved_by_block={
@@ -78,7 +87,6 @@ def plan_extrapolated(
         flops_per_token=line(pa.flops_per_token, pb.flops_per_token),
         dispatched_ops=line(pa.dispatched_ops, pb.dispatched_ops),  # each block its own ops
         seconds=pa.seconds + pb.seconds,
-        weight_copies_at_peak=lines(pa.weight_copies_at_peak, pb.weight_copies_at_peak),
         # the shallow model's parameters and, per block added, one flat block (the same bytes)
         param_shapes=pb.param_shapes + [ParamShape((block,), elt)] * (depth - b),
         block_numels=[block] * depth,

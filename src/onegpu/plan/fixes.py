@@ -146,7 +146,10 @@ def planned(
     strategy = resolve_strategy(cfg.dist, 1)
     check_distributed(cfg, strategy, 1)
     share = process_share(cfg, 1)
-    plan = plan_extrapolated(share, target, caps) if fast else plan_memory(share, target, caps)
+    if fast:
+        plan = plan_extrapolated(share, target, caps)
+    else:
+        plan = plan_memory(share, target, caps, by_segment=strategy != "none")
     mem = rank_memory(cfg.dist, plan, 1, strategy) if strategy != "none" else plan.memory
     # the speed needs this CPU's measured peaks (seconds, once per machine): only when asked
     step_s = predicted_speed(cfg, plan, gpu, 1).get("predicted_step_time_s") if speed else None

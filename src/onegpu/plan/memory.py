@@ -22,7 +22,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from onegpu.backends.torch.build import FAKE_UNSAFE_OPTIMIZERS, Built, build
 from onegpu.backends.torch.loader import placeholder_batch
@@ -39,6 +38,7 @@ from onegpu.optim.factory import rule_state_bytes
 from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.devices import CUBLAS_HANDLES
 from onegpu.plan.cuda_autocast import autocast_rules
+from onegpu.plan.labels import block_of, block_prefixes, saved_kind
 from onegpu.plan.tracker import ModuleStack, PlanTracker, saves_on_host
 from onegpu.techniques.precision import DeviceCaps, device_caps
 
@@ -46,6 +46,20 @@ from onegpu.techniques.precision import DeviceCaps, device_caps
 class Unplannable(ConfigError):
     """The model's step has shapes that depend on the data (a mixture of experts routing with
     `nonzero`): fake tensors carry no values, so no plan can follow it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """One moment of the step, as a process's share under FSDP needs it (plan/targets.py): the
+    breakdown then, autocast's 16-bit copies of weights among it by group (saved for backward
+    or not: biases, the chunked loss's output layer; FSDP's mixed precision makes none), and
+    where the step was (FSDP holds a block gathered, and the next prefetched, in a block's
+    forward and in backward only)."""
+
+    memory: dict[str, int]
+    weight_copies: dict[str, int]
+    in_backward: bool
+    in_a_block: bool
 
 
 @dataclass
@@ -71,19 +85,15 @@ class MemoryPlan:
     busy CPUs, perf/contention.py): the next run times them again, and may choose otherwise."""
     compute_dtype: torch.dtype = torch.float32
     param_dtype: torch.dtype = torch.float32
-    weight_copies_at_peak: dict[str, int] = field(default_factory=dict)
-    """Autocast's 16-bit copies of weights alive at the peak, by group: saved for backward or
-    not (`other`: biases, the chunked loss's output layer); FSDP's mixed precision has none."""
-    peak_in_a_block: bool = True
-    """The peak came while a transformer block ran (FSDP holds a block gathered, and the next
-    one prefetched, only then and in backward)."""
+    weight_copies_at_peak: dict[str, int] = field(default_factory=dict)  # as Moment's
+    peak_in_a_block: bool = True  # the peak came while a transformer block ran
     param_shapes: list[ParamShape] = field(default_factory=list)
     """Every parameter once (tied ones once): how FSDP would shard them."""
     block_numels: list[int] = field(default_factory=list)
     """Parameters per block (FSDP gathers one block at a time)."""
-    segments: list[dict[str, int]] = field(default_factory=list)
-    """With plan_memory(..., by_segment=True): the breakdown at the peak of each stretch of the
-    step in or out of backward (forward, backward, ..., the optimizer step)."""
+    segments: list[Moment] = field(default_factory=list)
+    """With plan_memory(..., by_segment=True): the peak of each stretch of the step in or out
+    of backward (forward, backward, ..., the optimizer step)."""
     offloaded_per_micro_batch: int = 0
     """Bytes activation offload copies to the host per micro-batch (and back in backward)."""
     host_by_kind: dict[str, int] = field(default_factory=dict)
@@ -91,36 +101,20 @@ class MemoryPlan:
     staging, activations (the offload tiers' shares of host memory)."""
 
     @property
+    def moments(self) -> list[Moment]:
+        """Each stretch's peak where the plan followed them, else the step's peak alone."""
+        peak = Moment(
+            self.memory,
+            self.weight_copies_at_peak,
+            self.peak_phase != "forward",
+            self.peak_in_a_block,
+        )
+        return self.segments or [peak]
+
+    @property
     def peak_key(self) -> str:
         """The column of a GPU's datasheet peaks its matmuls run at (fp32/tf32/bf16/fp16)."""
         return {"bf16-pure": "bf16"}.get(self.precision, self.precision)
-
-
-def _kind(op: str, module: str, dtype: torch.dtype) -> str:
-    """What a saved tensor is, from the op that made it and the module it was made in."""
-    if dtype in (torch.bool, torch.uint8) or "dropout" in op or "bernoulli" in op:
-        return "dropout masks / bit codes"
-    if "attention" in op:
-        return "attention (outputs, logsumexp)"
-    if "layer_norm" in op:
-        return "norms (outputs, mean, rstd)"
-    if "gelu" in op:
-        return "GELU"
-    if module.endswith("lm_head") or "cross_entropy" in op or "log_softmax" in op:
-        return "logits / loss"
-    if op in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"):
-        return "matmul outputs"
-    if module.endswith("attn") and op in ("aten._softmax", "aten._to_copy"):
-        return "attention scores / probabilities"
-    if op == "aten._to_copy":
-        return "16-bit copies (autocast)"
-    if op in ("aten.add", "aten.add_"):
-        return "residual stream"
-    if op in ("aten.clone", "aten._unsafe_view", "aten.view", "aten.cat", "aten.transpose"):
-        return "reshaped copies"
-    if "embedding" in op or module in ("wte", "wpe", "drop"):
-        return "embeddings"
-    return "other"
 
 
 @dataclass
@@ -260,21 +254,6 @@ def _unplannable(built: Built, e: Exception) -> str:
     )
 
 
-def _block_prefixes(model: nn.Module) -> dict[str, str]:
-    """Module name of each block -> 'blocks.N' (a transformers model's blocks live deeper,
-    e.g. hf.model.layers.N)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    return {names[id(b)]: f"blocks.{i}" for i, b in enumerate(model.blocks) if id(b) in names}
-
-
-def _block_of(module: str, prefixes: dict[str, str]) -> str:
-    for prefix, block in prefixes.items():
-        if module == prefix or module.startswith(prefix + "."):
-            return block
-    head = module.split(".")[0]
-    return "loss" if not head else "embeddings/head" if head == "hf" else head
-
-
 def _breakdown(
     built: Built,
     followed: _FollowedStep,
@@ -366,11 +345,11 @@ def _label(
     memory, weight_copies = breakdown(tracker.peak_storages)
     by_kind: dict[str, int] = defaultdict(int)
     by_block: dict[str, int] = defaultdict(int)
-    prefixes = _block_prefixes(built.model)
+    prefixes = block_prefixes(built.model)
     for serial, (nbytes, dtype, module) in saved.items():
         op, made_in = tracker.made_by.get(serial, ("", module))
-        by_kind[_kind(op, made_in or module, dtype)] += nbytes // n_micro
-        by_block[_block_of(module or made_in, prefixes)] += nbytes // n_micro
+        by_kind[saved_kind(op, made_in or module, dtype)] += nbytes // n_micro
+        by_block[block_of(module or made_in, prefixes)] += nbytes // n_micro
     return MemoryPlan(
         host_by_kind=_host_by_kind(built, memory, tracker.host_peak, target),
         memory=memory,
@@ -380,7 +359,10 @@ def _label(
         saved_by_block=dict(by_block),
         saved_per_micro_batch=followed.saved_bytes // n_micro,
         offloaded_per_micro_batch=tracker.host_total // n_micro,
-        segments=[breakdown(storages)[0] for _, storages in tracker.segments],
+        segments=[
+            Moment(*breakdown(st.storages), st.in_backward, _in_a_block(st.module, prefixes))
+            for st in tracker.segments
+        ],
         n_params=built.n_params,  # vocabulary padding left out, as everywhere
         flops_per_token=built.flops_per_token,
         precision=built.policy.name,
@@ -390,10 +372,14 @@ def _label(
         compute_dtype=built.policy.compute_dtype,
         param_dtype=built.policy.param_dtype,
         weight_copies_at_peak=weight_copies,
-        peak_in_a_block=_block_of(tracker.peak_module, prefixes).startswith("blocks."),
+        peak_in_a_block=_in_a_block(tracker.peak_module, prefixes),
         param_shapes=[ParamShape(tuple(p.shape), p.element_size()) for p in params],
         block_numels=[sum(p.numel() for p in b.parameters()) for b in built.model.blocks],
     )
 
 
-__all__ = ["GROUPS", "MemoryPlan", "plan_memory"]
+def _in_a_block(module: str, prefixes: dict[str, str]) -> bool:
+    return block_of(module, prefixes).startswith("blocks.")
+
+
+__all__ = ["GROUPS", "MemoryPlan", "Moment", "plan_memory"]

@@ -91,8 +91,8 @@ def _plan_report(
     cfg, budgeted = _decide_budget(cfg, gpu, memory_bytes)
     if needs_rank_plans(cfg, world_size):
         return _mesh_report(cfg, gpu, memory_bytes, world_size, host_memory, interconnect)
-    plan = plan_memory(process_share(cfg, world_size), target, caps)
-    distributed = strategy != "none"
+    distributed = strategy != "none"  # FSDP's bytes are the most over the step's stretches
+    plan = plan_memory(process_share(cfg, world_size), target, caps, by_segment=distributed)
     mem = rank_memory(cfg.dist, plan, world_size, strategy) if distributed else plan.memory
     report = _memory_report(cfg, plan, mem)
     if budgeted:
@@ -255,14 +255,16 @@ def gpus_needed(
     into are left out. A share of one micro-batch per process and a share of several peak
     differently (gradients are alive across micro-batches), so each kind is planned once."""
     t = cfg.train
-    shares: dict[bool, MemoryPlan] = {cfg.grad_accum_steps // world_size > 1: plan}
+    shares: dict[bool, MemoryPlan] = {}
+    if plan.segments:  # each stretch followed, as FSDP's bytes need
+        shares[cfg.grad_accum_steps // world_size > 1] = plan
     rows = []
     for n in GPU_COUNTS:
         if t.batch_size % (t.micro_batch_size * n):
             continue
         several = cfg.grad_accum_steps // n > 1
         if several not in shares:
-            shares[several] = plan_memory(process_share(cfg, n), target, caps)
+            shares[several] = plan_memory(process_share(cfg, n), target, caps, by_segment=True)
         peak = rank_memory(cfg.dist, shares[several], n, "fsdp" if n > 1 else "none")["peak"]
         rows.append({"world_size": n, "peak": peak, "fits": peak + CUDA_OVERHEAD_BYTES <= capacity})
     fewest = next((r["world_size"] for r in rows if r["fits"]), None)

@@ -18,7 +18,7 @@ from onegpu.offload.pricing import exposed_host_step, exposed_link, offload_cost
 from onegpu.optim.host_step import host_step_rate
 from onegpu.perf.devices import GPUS, GiB, cpu_peak_flops, cublas_workspace_bytes
 from onegpu.perf.flops import recompute_factor
-from onegpu.plan.memory import MemoryPlan
+from onegpu.plan.memory import MemoryPlan, Moment
 from onegpu.techniques.precision import DeviceCaps
 
 # Reserved on a GPU beyond tensors: CUDA context and kernels (~0.3-1 GiB) and allocator slack.
@@ -97,26 +97,33 @@ def as_a_process_of(world_size: int, target: str = "cpu") -> Iterator[None]:
 def rank_memory(
     dist: DistConfig, plan: MemoryPlan, world_size: int, strategy: str
 ) -> dict[str, int]:
-    """Rank 0's planned bytes (distributed/shares.py) from the plan of one process's share."""
+    """Rank 0's planned bytes (distributed/shares.py) from the plan of one process's share: the
+    most over the step's moments where the plan followed each stretch (`by_segment`). A rank's
+    peak can come at another moment than one process's: its gradients are sharded, and what
+    FSDP holds gathered differs between forward and backward."""
     gathered_16bit = plan.param_dtype == torch.float32 and plan.compute_dtype != torch.float32
-    single = dict(plan.memory)
-    if gathered_16bit and strategy == "fsdp":
-        # FSDP's mixed precision computes with the gathered 16-bit weights themselves (counted
-        # under `gathered`): autocast's copies of the weights do not exist
-        for group, nbytes in plan.weight_copies_at_peak.items():
-            single[group] -= nbytes
-    return per_rank_memory(
-        single,
-        plan.param_shapes,
-        plan.block_numels,
-        world_size=world_size,
-        strategy=strategy,
-        reshard_after_forward=dist.reshard_after_forward,
-        cpu_offload=dist.cpu_offload,
-        peak_in_backward=plan.peak_phase != "forward",
-        peak_in_a_block=plan.peak_in_a_block,
-        gather_bytes=2 if gathered_16bit else plan.param_shapes[0].element_size,
-    )
+
+    def at(moment: Moment) -> dict[str, int]:
+        single = dict(moment.memory)
+        if gathered_16bit and strategy == "fsdp":
+            # FSDP's mixed precision computes with the gathered 16-bit weights themselves
+            # (counted under `gathered`): autocast's copies of the weights do not exist
+            for group, nbytes in moment.weight_copies.items():
+                single[group] -= nbytes
+        return per_rank_memory(
+            single,
+            plan.param_shapes,
+            plan.block_numels,
+            world_size=world_size,
+            strategy=strategy,
+            reshard_after_forward=dist.reshard_after_forward,
+            cpu_offload=dist.cpu_offload,
+            gather_bytes=2 if gathered_16bit else plan.param_shapes[0].element_size,
+            peak_in_backward=moment.in_backward,
+            peak_in_a_block=moment.in_a_block,
+        )
+
+    return max((at(m) for m in plan.moments), key=lambda mem: mem["peak"])
 
 
 def compute_seconds(

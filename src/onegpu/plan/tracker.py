@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,6 +44,19 @@ class ModuleStack:
 
 
 WORKSPACE = -1  # pseudo storage id of a kernel's workspace in a peak snapshot
+
+
+@dataclass(slots=True)
+class Stretch:
+    """The most a stretch of the step (in or out of backward) held: its live storages at that
+    moment, and the module running then."""
+
+    in_backward: bool
+    live: int = 0
+    storages: dict[int, int] = field(default_factory=dict)
+    module: str = ""
+
+
 NO_KERNEL = frozenset(
     {
         torch.ops.aten.empty,
@@ -76,7 +90,7 @@ class PlanTracker(LiveTensorBytes):
         # With `by_segment`: the peak of each stretch of the step in or out of backward
         # (forward, backward, forward, ..., optimizer), for plans extrapolated in depth.
         self.by_segment = False
-        self.segments: list[tuple[int, dict[int, int]]] = []
+        self.segments: list[Stretch] = []
         self._in_backward: bool | None = None
         self._host_refs: dict[int, int] = {}
         self._host_sizes: dict[int, int] = {}
@@ -124,12 +138,13 @@ class PlanTracker(LiveTensorBytes):
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward != self._in_backward:
             self._in_backward = in_backward
-            self.segments.append((0, {}))
-        if live > self.segments[-1][0]:
-            snapshot = self.live_by_serial()
+            self.segments.append(Stretch(in_backward))
+        stretch = self.segments[-1]
+        if live > stretch.live:
+            stretch.live, stretch.storages = live, self.live_by_serial()
+            stretch.module = self.modules.current
             if workspace:
-                snapshot[WORKSPACE] = workspace
-            self.segments[-1] = (live, snapshot)
+                stretch.storages[WORKSPACE] = workspace
 
     def step_ops(self, followed: int, micro_batches: int) -> int:
         """The dispatched ops of a step of `micro_batches`, from one that ran `followed` of them:
