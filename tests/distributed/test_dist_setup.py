@@ -103,7 +103,8 @@ def test_a_forward_peak_holds_no_gradient_and_outside_the_blocks_only_the_roots_
     at_loss = per_rank_memory(
         single, params, [200], peak_in_backward=False, peak_in_a_block=False, **kwargs
     )
-    assert backward["gathered"] == (100 + 2 * 200) * 2 + 200 * 4
+    # in backward: a block's fp32 gradient before its reduce-scatter, the root's until the end
+    assert backward["gathered"] == (100 + 2 * 200) * 2 + 200 * 4 + 100 * 2
     assert in_block["gathered"] == (100 + 2 * 200) * 2
     assert at_loss["gathered"] == 100 * 2
     kept = per_rank_memory(
@@ -142,6 +143,26 @@ def test_a_ranks_peak_is_the_most_over_the_steps_moments():
     assert rank["peak"] == 100 + 200 + 1000
     only_backward = rank_memory(DistConfig(), dataclasses.replace(plan, segments=[]), 8, "fsdp")
     assert only_backward["peak"] < rank["peak"]  # the peak moment alone would under-plan
+
+
+def test_each_stretch_of_a_followed_step_gives_its_most_and_its_most_besides_gradients():
+    """A rank of FSDP shards its gradients, so its backward peaks where the step holds the
+    most besides them (early in backward), not where one process's does (the end)."""
+    from onegpu.plan.memory import plan_memory
+
+    over = {"train.device": "cpu", "train.precision": "fp32", "train.batch_size": "1"}
+    # wide and short: gradients outweigh activations, and backward holds the most at its end
+    over |= {"train.micro_batch_size": "1", "model.d_model": "256", "model.seq_len": "16"}
+    plan = plan_memory(load_config("tiny", overrides=over), by_segment=True)
+    assert max(m.memory["peak"] for m in plan.segments) == plan.memory["peak"]
+    pairs = list(zip(plan.segments[::2], plan.segments[1::2], strict=True))
+    for most, besides in pairs:
+        assert most.in_backward == besides.in_backward
+        assert besides.memory["peak"] <= most.memory["peak"]
+        besides_grads = besides.memory["peak"] - besides.memory["grads"]
+        assert besides_grads >= most.memory["peak"] - most.memory["grads"]
+    backward = [(m, b) for m, b in pairs if m.in_backward]
+    assert backward and any(b.memory["grads"] < m.memory["grads"] for m, b in backward)
 
 
 def test_the_gpu_plan_of_fsdp_mixed_precision_holds_no_autocast_copy_of_a_weight():

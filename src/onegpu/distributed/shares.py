@@ -10,7 +10,8 @@ those of one device); this turns that plan into what each process holds:
   backward) and, per block, the one being computed and the next one being prefetched (with
   `reshard_after_forward false`, every block stays gathered from its forward to its backward),
   in the gathered dtype (bf16 under FSDP's mixed precision), plus, in backward, one block's
-  full gradient before its reduce-scatter. A peak in forward outside the blocks (the loss, as
+  full gradient before its reduce-scatter and the root's full gradient (reduced when backward
+  ends). A peak in forward outside the blocks (the loss, as
   a GPT's forward peak usually is) holds no block gathered: each was resharded after its
   forward. With `cpu_offload`, shards live in host memory.
 - DDP: every process holds everything (gradients are views into DDP's buckets: no second copy).
@@ -79,7 +80,10 @@ def per_rank_memory(
     else:
         blocks_gathered = 0
     gathered = (root + blocks_gathered) * gather_bytes
-    gathered += largest * reduce_bytes if peak_in_backward else 0
+    if peak_in_backward:
+        # a block's full gradient before its reduce-scatter, and the root's: it reduces once,
+        # when backward ends (its inputs are token ids, no gradient flows past it)
+        gathered += largest * reduce_bytes + root * gather_bytes
     if world_size == 1 and not cpu_offload:
         gathered = 0  # one process: FSDP's "shards" are the whole parameters, nothing gathered
     # on the host, every shard's gradient exists by the end of backward, whenever the

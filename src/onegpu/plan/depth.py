@@ -61,7 +61,7 @@ def plan_extrapolated(
             lines(sa.memory, sb.memory),
             lines(sa.weight_copies, sb.weight_copies),
             sb.in_backward,
-            sb.in_a_block,
+            sa.in_a_block or sb.in_a_block,
         )
         for sa, sb in zip(pa.segments, pb.segments, strict=True)
     ]

@@ -92,8 +92,9 @@ class MemoryPlan:
     block_numels: list[int] = field(default_factory=list)
     """Parameters per block (FSDP gathers one block at a time)."""
     segments: list[Moment] = field(default_factory=list)
-    """With plan_memory(..., by_segment=True): the peak of each stretch of the step in or out
-    of backward (forward, backward, ..., the optimizer step)."""
+    """With plan_memory(..., by_segment=True): two moments of each stretch of the step in or out
+    of backward (forward, backward, ..., the optimizer step): its most, its most besides
+    gradients."""
     offloaded_per_micro_batch: int = 0
     """Bytes activation offload copies to the host per micro-batch (and back in backward)."""
     host_by_kind: dict[str, int] = field(default_factory=dict)
@@ -170,6 +171,7 @@ def _follow_step(
         serial = tracker.serials.get(storage_id(p.grad))
         if serial is not None:
             followed.grad_serials.add(serial)
+            tracker.mark_grad(p.grad)
 
     params = list({id(p): p for p in model.parameters()}.values())
     host_saves = saves_on_host(tracker) if target != "cpu" else contextlib.nullcontext()
@@ -360,8 +362,9 @@ def _label(
         saved_per_micro_batch=followed.saved_bytes // n_micro,
         offloaded_per_micro_batch=tracker.host_total // n_micro,
         segments=[
-            Moment(*breakdown(st.storages), st.in_backward, _in_a_block(st.module, prefixes))
+            Moment(*breakdown(at.storages), st.in_backward, _in_a_block(at.module, prefixes))
             for st in tracker.segments
+            for at in (st.most, st.most_besides_grads)
         ],
         n_params=built.n_params,  # vocabulary padding left out, as everywhere
         flops_per_token=built.flops_per_token,

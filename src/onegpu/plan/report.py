@@ -91,8 +91,10 @@ def _plan_report(
     cfg, budgeted = _decide_budget(cfg, gpu, memory_bytes)
     if needs_rank_plans(cfg, world_size):
         return _mesh_report(cfg, gpu, memory_bytes, world_size, host_memory, interconnect)
-    distributed = strategy != "none"  # FSDP's bytes are the most over the step's stretches
-    plan = plan_memory(process_share(cfg, world_size), target, caps, by_segment=distributed)
+    distributed = strategy != "none"
+    # FSDP's bytes are the most over the step's stretches (and with a GPU, `gpus_needed`'s)
+    stretches = distributed or gpu is not None
+    plan = plan_memory(process_share(cfg, world_size), target, caps, by_segment=stretches)
     mem = rank_memory(cfg.dist, plan, world_size, strategy) if distributed else plan.memory
     report = _memory_report(cfg, plan, mem)
     if budgeted:

@@ -47,14 +47,23 @@ WORKSPACE = -1  # pseudo storage id of a kernel's workspace in a peak snapshot
 
 
 @dataclass(slots=True)
-class Stretch:
-    """The most a stretch of the step (in or out of backward) held: its live storages at that
-    moment, and the module running then."""
+class Snapshot:
+    """The live storages at one moment (allocation number -> bytes), and the module running."""
 
-    in_backward: bool
-    live: int = 0
+    live: int = -1
     storages: dict[int, int] = field(default_factory=dict)
     module: str = ""
+
+
+@dataclass(slots=True)
+class Stretch:
+    """A stretch of the step in or out of backward: the moment it held the most, and the moment
+    it held the most besides gradients (where a process whose gradients are sharded, under
+    FSDP, holds its most: early in backward rather than at its end)."""
+
+    in_backward: bool
+    most: Snapshot = field(default_factory=Snapshot)
+    most_besides_grads: Snapshot = field(default_factory=Snapshot)
 
 
 NO_KERNEL = frozenset(
@@ -91,6 +100,8 @@ class PlanTracker(LiveTensorBytes):
         # (forward, backward, forward, ..., optimizer), for plans extrapolated in depth.
         self.by_segment = False
         self.segments: list[Stretch] = []
+        self._grad_sids: set[int] = set()  # live storages marked as gradients
+        self._grad_bytes = 0
         self._in_backward: bool | None = None
         self._host_refs: dict[int, int] = {}
         self._host_sizes: dict[int, int] = {}
@@ -134,17 +145,34 @@ class PlanTracker(LiveTensorBytes):
         if self.by_segment:
             self._segment_peak(self.current, None)
 
+    def mark_grad(self, t: torch.Tensor) -> None:
+        """`t` is a gradient: its bytes count apart while it lives."""
+        sid = storage_id(t)
+        if sid in self.sizes and sid not in self._grad_sids:
+            self._grad_sids.add(sid)
+            self._grad_bytes += self.sizes[sid]
+
+    def _release(self, sid: int) -> None:
+        if self._refs[sid] == 1 and sid in self._grad_sids:
+            self._grad_sids.discard(sid)
+            self._grad_bytes -= self.sizes[sid]
+        super()._release(sid)
+
     def _segment_peak(self, live: int, workspace: int | None) -> None:
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward != self._in_backward:
             self._in_backward = in_backward
             self.segments.append(Stretch(in_backward))
         stretch = self.segments[-1]
-        if live > stretch.live:
-            stretch.live, stretch.storages = live, self.live_by_serial()
-            stretch.module = self.modules.current
-            if workspace:
-                stretch.storages[WORKSPACE] = workspace
+        for snapshot, bytes_ in (
+            (stretch.most, live),
+            (stretch.most_besides_grads, live - self._grad_bytes),
+        ):
+            if bytes_ > snapshot.live:
+                snapshot.live, snapshot.storages = bytes_, self.live_by_serial()
+                snapshot.module = self.modules.current
+                if workspace:
+                    snapshot.storages[WORKSPACE] = workspace
 
     def step_ops(self, followed: int, micro_batches: int) -> int:
         """The dispatched ops of a step of `micro_batches`, from one that ran `followed` of them:
