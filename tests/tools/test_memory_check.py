@@ -42,6 +42,10 @@ def test_the_start_plan_is_cached_by_what_changes_memory(monkeypatch):
     assert memory_check.planned_need(other_run, "cpu") == first
     with pytest.raises(AssertionError, match="planned again"):
         memory_check.planned_need(load_config("tiny", overrides={"model.n_layer": "4"}), "cpu")
+    # another onegpu (its planner changed since the plan was cached) plans again
+    monkeypatch.setattr(memory_check, "source_fingerprint", lambda: "another onegpu")
+    with pytest.raises(AssertionError, match="planned again"):
+        memory_check.planned_need(cfg, "cpu")
 
 
 def test_a_configuration_the_planner_cannot_follow_is_one_line_and_the_run_starts(tmp_path, capsys):

@@ -11,9 +11,11 @@ context) and the host's available memory for what is offloaded there.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +41,18 @@ _IRRELEVANT_TRAIN = (
 )
 
 
+@functools.cache
+def source_fingerprint() -> str:
+    """onegpu's own code, hashed: a plan cached by another version of the planner (or of what
+    it builds) is planned again, not served."""
+    import onegpu
+
+    digest = hashlib.sha256(onegpu.__version__.encode())
+    for path in sorted(Path(onegpu.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def planned_need(cfg: Config, target: str, world_size: int = 1) -> dict[str, int]:
     """{'peak', 'host'} of `cfg` on `target` (of one of `world_size` processes: its share),
     planned once per configuration."""
@@ -47,7 +61,8 @@ def planned_need(cfg: Config, target: str, world_size: int = 1) -> dict[str, int
         key_cfg.pop(section, None)
     for name in _IRRELEVANT_TRAIN:
         key_cfg["train"].pop(name, None)
-    blob = json.dumps([key_cfg, target, world_size, torch.__version__], sort_keys=True, default=str)
+    parts = [key_cfg, target, world_size, torch.__version__, source_fingerprint()]
+    blob = json.dumps(parts, sort_keys=True, default=str)
     key = hashlib.sha256(blob.encode()).hexdigest()[:24]
     return cached(
         "start-plans.json", key, lambda: _plan(cfg, target, world_size), valid=has("peak", "host")
