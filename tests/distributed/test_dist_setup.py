@@ -118,7 +118,7 @@ def test_a_ranks_peak_is_the_most_over_the_steps_moments():
     """One process peaks at the end of backward, every gradient alive; sharded over 8, those
     gradients shrink, and the rank's peak is its forward's (the activations at the loss)."""
     from onegpu.plan.memory import MemoryPlan, Moment
-    from onegpu.plan.targets import rank_memory
+    from onegpu.plan.targets import rank_memory, rank_peak
 
     def moment(activations: int, grads: int, in_backward: bool) -> Moment:
         memory = {"params": 800, "grads": grads, "optimizer": 1600}
@@ -136,7 +136,8 @@ def test_a_ranks_peak_is_the_most_over_the_steps_moments():
         segments=[forward, backward],
     )
     assert backward.memory["peak"] > forward.memory["peak"]  # one process: backward's
-    rank = rank_memory(DistConfig(), plan, 8, "fsdp")
+    rank, moment = rank_peak(DistConfig(), plan, 8, "fsdp")
+    assert moment is forward and rank == rank_memory(DistConfig(), plan, 8, "fsdp")
     # rank 0 of 8 holds 1/8 of weights, gradients and states; in forward, no gradient
     assert rank["activations"] == 1000 and rank["grads"] == 0
     assert rank["gathered"] == 0  # at the loss: every block resharded, the root has none

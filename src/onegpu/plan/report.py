@@ -34,6 +34,7 @@ from onegpu.plan.targets import (
     predicted_speed,
     process_share,
     rank_memory,
+    rank_peak,
 )
 
 
@@ -95,7 +96,14 @@ def _plan_report(
     # FSDP's bytes are the most over the step's stretches (and with a GPU, `gpus_needed`'s)
     stretches = distributed or gpu is not None
     plan = plan_memory(process_share(cfg, world_size), target, caps, by_segment=stretches)
-    mem = rank_memory(cfg.dist, plan, world_size, strategy) if distributed else plan.memory
+    mem = plan.memory
+    if distributed:  # rank 0's peak, and where it comes: not always where one process's does
+        mem, moment = rank_peak(cfg.dist, plan, world_size, strategy)
+        phase = "backward/optimizer" if moment.in_backward else "forward"
+        if (moment.memory["peak"], phase) != (plan.memory["peak"], plan.peak_phase):
+            where = "in a block" if moment.in_a_block else "outside the blocks"
+            op = f"rank 0's own peak, {where}"
+            plan = dataclasses.replace(plan, peak_phase=phase, peak_op=op)
     report = _memory_report(cfg, plan, mem)
     if budgeted:
         report["checkpointing_budget"] = budgeted

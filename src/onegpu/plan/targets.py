@@ -97,10 +97,17 @@ def as_a_process_of(world_size: int, target: str = "cpu") -> Iterator[None]:
 def rank_memory(
     dist: DistConfig, plan: MemoryPlan, world_size: int, strategy: str
 ) -> dict[str, int]:
-    """Rank 0's planned bytes (distributed/shares.py) from the plan of one process's share: the
-    most over the step's moments where the plan followed each stretch (`by_segment`). A rank's
-    peak can come at another moment than one process's: its gradients are sharded, and what
-    FSDP holds gathered differs between forward and backward."""
+    """Rank 0's planned bytes (distributed/shares.py) from the plan of one process's share."""
+    return rank_peak(dist, plan, world_size, strategy)[0]
+
+
+def rank_peak(
+    dist: DistConfig, plan: MemoryPlan, world_size: int, strategy: str
+) -> tuple[dict[str, int], Moment]:
+    """Rank 0's planned bytes and the moment they come at: the most over the step's moments
+    where the plan followed each stretch (`by_segment`). A rank's peak can come at another
+    moment than one process's: its gradients are sharded, and what FSDP holds gathered differs
+    between forward and backward."""
     gathered_16bit = plan.param_dtype == torch.float32 and plan.compute_dtype != torch.float32
 
     def at(moment: Moment) -> dict[str, int]:
@@ -123,7 +130,7 @@ def rank_memory(
             peak_in_a_block=moment.in_a_block,
         )
 
-    return max((at(m) for m in plan.moments), key=lambda mem: mem["peak"])
+    return max(((at(m), m) for m in plan.moments), key=lambda pair: pair[0]["peak"])
 
 
 def compute_seconds(
