@@ -164,15 +164,18 @@ class PlanTracker(LiveTensorBytes):
             self._in_backward = in_backward
             self.segments.append(Stretch(in_backward))
         stretch = self.segments[-1]
+        storages = None  # one copy of the live storages serves both moments when they coincide
         for snapshot, bytes_ in (
             (stretch.most, live),
             (stretch.most_besides_grads, live - self._grad_bytes),
         ):
             if bytes_ > snapshot.live:
-                snapshot.live, snapshot.storages = bytes_, self.live_by_serial()
+                if storages is None:
+                    storages = self.live_by_serial()
+                    if workspace:
+                        storages[WORKSPACE] = workspace
+                snapshot.live, snapshot.storages = bytes_, storages
                 snapshot.module = self.modules.current
-                if workspace:
-                    snapshot.storages[WORKSPACE] = workspace
 
     def step_ops(self, followed: int, micro_batches: int) -> int:
         """The dispatched ops of a step of `micro_batches`, from one that ran `followed` of them:
