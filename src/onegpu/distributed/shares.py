@@ -11,9 +11,9 @@ those of one device); this turns that plan into what each process holds:
   `reshard_after_forward false`, every block stays gathered from its forward to its backward),
   in the gathered dtype (bf16 under FSDP's mixed precision), plus, in backward, one block's
   full gradient before its reduce-scatter and the root's full gradient (reduced when backward
-  ends). A peak in forward outside the blocks (the loss, as
-  a GPT's forward peak usually is) holds no block gathered: each was resharded after its
-  forward. With `cpu_offload`, shards live in host memory.
+  ends). A peak in forward outside the blocks (the loss, as a GPT's forward peak usually is)
+  holds no block gathered: each was resharded after its forward. With `cpu_offload`, shards
+  live in host memory.
 - DDP: every process holds everything (gradients are views into DDP's buckets: no second copy).
 
 A prediction, labelled as one: the communication buffers of NCCL and the CUDA context are not

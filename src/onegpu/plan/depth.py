@@ -72,7 +72,7 @@ def plan_extrapolated(
         pb,
         memory=peak.memory,
         segments=segments,
-        peak_phase="backward/optimizer" if peak.in_backward else "forward",
+        peak_phase=peak.phase,
         peak_in_a_block=peak.in_a_block,
         weight_copies_at_peak=peak.weight_copies,
         saved_by_kind=lines(pa.saved_by_kind, pb.saved_by_kind),

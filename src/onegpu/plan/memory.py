@@ -61,6 +61,11 @@ class Moment:
     in_backward: bool
     in_a_block: bool
 
+    @property
+    def phase(self) -> str:
+        """As `MemoryPlan.peak_phase` says it."""
+        return "backward/optimizer" if self.in_backward else "forward"
+
 
 @dataclass
 class MemoryPlan:

@@ -99,11 +99,10 @@ def _plan_report(
     mem = plan.memory
     if distributed:  # rank 0's peak, and where it comes: not always where one process's does
         mem, moment = rank_peak(cfg.dist, plan, world_size, strategy)
-        phase = "backward/optimizer" if moment.in_backward else "forward"
-        if (moment.memory["peak"], phase) != (plan.memory["peak"], plan.peak_phase):
+        if (moment.memory["peak"], moment.phase) != (plan.memory["peak"], plan.peak_phase):
             where = "in a block" if moment.in_a_block else "outside the blocks"
             op = f"rank 0's own peak, {where}"
-            plan = dataclasses.replace(plan, peak_phase=phase, peak_op=op)
+            plan = dataclasses.replace(plan, peak_phase=moment.phase, peak_op=op)
     report = _memory_report(cfg, plan, mem)
     if budgeted:
         report["checkpointing_budget"] = budgeted
