@@ -31,7 +31,8 @@ from onegpu.perf.allocator import active_allocator
 from onegpu.perf.contention import MAX_WAIT_SHARE, RunQueueWatch
 from onegpu.perf.devices import cpu_identity, measure_matmul_flops
 from onegpu.techniques.attention import AttentionCall, measure_cpu_attention
-from onegpu.techniques.loss_kernel_auto import LossShape, choose, measure_loss_kernel
+from onegpu.techniques.kernel_trial import choose
+from onegpu.techniques.loss_kernel_auto import LossShape, measure_loss_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_peers import RESULTS, _new_stem  # noqa: E402

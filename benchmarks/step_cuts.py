@@ -29,11 +29,13 @@ from onegpu.perf.devices import cpu_identity
 sys.path.insert(0, str(Path(__file__).parent))
 from vs_peers import MODELS, RESULTS, _new_stem  # noqa: E402
 
-BASE = ["--train.compile", "none", "--model.attention", "sdpa", "--train.loss_kernel", "eager"]
+BASE = ["--train.compile", "none", "--model.attention", "sdpa", "--train.loss_kernel", "eager",
+        "--train.gelu_kernel", "eager"]  # fmt: skip
 CUTS: dict[str, tuple[list[str], str]] = {
     "base": (
         [],
-        "eager, CPU flash attention (sdpa), auto loss chunk (ATen's kernels), onegpu's allocator",
+        "eager, CPU flash attention (sdpa), auto loss chunk (ATen's kernels), ATen's GELU, "
+        "onegpu's allocator",
     ),
     "compile-default": (["--train.compile", "default"], "the whole forward + loss compiled"),
     "compile-regional": (["--train.compile", "regional"], "each block compiled, reused"),
@@ -73,6 +75,21 @@ CUTS: dict[str, tuple[list[str], str]] = {
             "compiled",
         ],
         "blocked attention, each block compiled, the chunked loss's kernels compiled",
+    ),
+    "gelu-compiled": (
+        ["--train.gelu_kernel", "compiled"],
+        "the eager GELU as two inductor kernels (sigmoid form)",
+    ),
+    "blocked+gelu+loss-compiled": (
+        [
+            "--model.attention",
+            "blocked",
+            "--train.gelu_kernel",
+            "compiled",
+            "--train.loss_kernel",
+            "compiled",
+        ],
+        "blocked attention, GELU and the chunked loss's kernels compiled, the rest eager",
     ),
     "glibc": ([], "ONEGPU_ALLOCATOR=system: glibc malloc, tuned in-process"),
 }

@@ -16,7 +16,8 @@ from onegpu.perf import contention
 from onegpu.plan.memory import plan_memory
 from onegpu.techniques import loss_kernel_auto, loss_kernels
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
-from onegpu.techniques.loss_kernel_auto import LossShape, choose, resolve_loss_kernel
+from onegpu.techniques.kernel_trial import choose
+from onegpu.techniques.loss_kernel_auto import LossShape, resolve_loss_kernel
 from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels
 
 CPU = torch.device("cpu")
@@ -217,14 +218,16 @@ def test_a_run_follows_the_cached_timing_and_says_so(monkeypatch, tmp_path):
     with pytest.raises(AssertionError, match="compiled kernel ran"):  # the kernels are the run's
         x = torch.zeros(1, 16, dtype=torch.long)
         built.loss_fn(built.model, x, x)
-    from onegpu.backends.torch.report import describe_auto, loss_kernel_record
+    from onegpu.backends.torch.report import describe_auto, kernel_record
 
     line = describe_auto(built)
     assert (
         "loss kernel compiled (a micro-batch's loss: eager 500 ms, compiled 250 ms, "
         "+3.0 s to compile)" in line
     )
-    assert loss_kernel_record(built) == timing | {"cached": False, "chosen": "compiled"}
+    assert kernel_record(
+        built.resolved.loss_kernel_timing, built.cfg.train.loss_kernel
+    ) == timing | {"cached": False, "chosen": "compiled"}
     assert (cache_root() / "loss_kernel.json").exists()
 
 

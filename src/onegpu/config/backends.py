@@ -60,6 +60,12 @@ def validate_backend(cfg: Config) -> None:
         )
         _refuse_loss_kernel(cfg)
         _refuse(
+            cfg.train.gelu_kernel == "compiled" and bool(cfg.model.hf or cfg.memory.gelu_bits),
+            "train.gelu_kernel",
+            "compiled runs onegpu's GPT's tanh GELU, which a Hugging Face model (its own GELU) "
+            "or memory.gelu_bits (few-bit GELU) replaces: leave it auto or set eager",
+        )
+        _refuse(
             cfg.model.scan_layers,
             "model.scan_layers",
             "scans the blocks on the JAX backend only; on torch, --train.compile regional "
@@ -85,6 +91,11 @@ def validate_backend(cfg: Config) -> None:
         "train.loss_kernel",
         "picks the torch backend's chunked-loss kernels; XLA fuses the JAX chunked loss "
         "already: leave it auto",
+    )
+    _refuse(
+        t.gelu_kernel != "auto",
+        "train.gelu_kernel",
+        "picks the torch backend's GELU kernel; XLA fuses the JAX GELU already: leave it auto",
     )
     _refuse(
         t.compile not in ("auto", "none"),

@@ -123,6 +123,14 @@ class TrainConfig:
     'auto': a run of 100+ micro-batches times both once per shape and device (cached) and
     compiles where the saving over the run outweighs the compile time; shorter runs, tensor
     parallelism and a biased head stay eager (docs/auto-defaults.md)."""
+    gelu_kernel: Literal["auto", "eager", "compiled"] = "auto"
+    """The tanh GELU of onegpu's GPT where its blocks run eagerly (train.compile none or
+    default's eager parts): 'compiled' runs it forward and backward as two inductor kernels in
+    its sigmoid form, the same function (needs a C++ compiler on CPUs, Triton on GPUs);
+    'eager': ATen's kernel, whose vectorised tanh is slow on some CPUs (5x the erf GELU on
+    the AMX Xeon). 'auto': a CPU run of 100+ micro-batches times both once per shape and device
+    (cached) and compiles where the saving over the run outweighs the compile time; a compiled
+    model, a GPU, a Hugging Face model and few-bit GELU keep ATen's (docs/auto-defaults.md)."""
     measure_memory: bool = False
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'). Off by default: the

@@ -10,6 +10,7 @@ Build under `torch.device("meta")`, move with `to_empty(device=...)`, then `init
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -130,21 +131,31 @@ class Attention(nn.Module):
         return self.resid_dropout(self.proj(y_BTD))
 
 
+def tanh_gelu_sigmoid_form(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU written as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), in fp32
+    and cast back: the same function (1 + tanh(u) = 2 sigmoid(2u)), for inductor to fuse."""
+    x32 = x.float()
+    u2 = (2 * math.sqrt(2 / math.pi)) * (x32 + 0.044715 * x32 * x32 * x32)
+    return (x32 * torch.sigmoid(u2)).to(x.dtype)
+
+
 class TanhGELU(nn.GELU):
-    """GPT-2's GELU (tanh approximation). Compiled, it is written as x * sigmoid(2u) with
-    u = sqrt(2/pi) (x + 0.044715 x^3): the same function, since 1 + tanh(u) = 2 sigmoid(2u).
-    Inductor's vectorised tanh on CPUs is slow (forward + backward 14.9 ms vs 7.0 ms this way
-    at B's 4,096 x 1,536 in bf16, 2 Zen 4 cores); eager keeps torch's own GELU kernel."""
+    """GPT-2's GELU (tanh approximation). Compiled, it is written in its sigmoid form
+    (`tanh_gelu_sigmoid_form`): inductor's vectorised tanh on CPUs is slow (forward + backward
+    14.9 ms vs 7.0 ms this way at B's 4,096 x 1,536 in bf16, 2 Zen 4 cores). Eager, it runs
+    torch's own GELU kernel, or `kernel` where one is set (`train.gelu_kernel`,
+    techniques/gelu_kernel.py)."""
 
     def __init__(self) -> None:
         super().__init__(approximate="tanh")
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            return super().forward(x)
-        x32 = x.float()
-        u2 = (2 * math.sqrt(2 / math.pi)) * (x32 + 0.044715 * x32 * x32 * x32)
-        return (x32 * torch.sigmoid(u2)).to(x.dtype)
+        if torch.compiler.is_compiling():
+            return tanh_gelu_sigmoid_form(x)
+        if self.kernel is not None:
+            return self.kernel(x)
+        return super().forward(x)
 
 
 class MLP(nn.Module):

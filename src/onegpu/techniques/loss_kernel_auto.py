@@ -10,25 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
 
-from onegpu.cache import peek
-from onegpu.config import ConfigError
 from onegpu.perf.allocator import active_allocator
-from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
+from onegpu.techniques.kernel_trial import resolve, time_both
 from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels, missing_compiler
 
 MIN_STEPS = 100
 """Runs of fewer micro-batches keep the eager kernels without timing: a first compile of the two
 kernels costs seconds that a short run does not win back."""
-MIN_GAIN = 1.02
-"""The compiled kernels are kept only where the chunked loss runs at least this much faster
-(two timings of one kernel differ by about 1%)."""
 CACHE = "loss_kernel.json"
-ROUNDS = 4
-"""Timed rounds, eager and compiled interleaved; the first warms up (the compiled one compiles)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +44,8 @@ class LossShape:
 
 
 def measure_loss_kernel(shape: LossShape, device: torch.device) -> dict[str, Any]:
-    """The chunked loss's forward + backward on random inputs of `shape`, eager and compiled,
-    interleaved: each one's minimum after the first round; the compiled first round's excess is
-    the compile time. A compile that fails (no C++ compiler, say) is recorded as such."""
+    """The chunked loss's forward + backward on random inputs of `shape`, eager and compiled
+    (kernel_trial.time_both)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     h_ND = torch.randn(shape.tokens, shape.d_model, generator=g)
     w_VD = torch.randn(shape.vocab, shape.d_model, generator=g) * 0.02
@@ -72,40 +63,7 @@ def measure_loss_kernel(shape: LossShape, device: torch.device) -> dict[str, Any
         h_ND.grad = w_VD.grad = None
         return time.perf_counter() - t0
 
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    for _ in range(ROUNDS):
-        times["eager"].append(run(None))
-        try:
-            times["compiled"].append(run(compiled_kernels()))
-        except BackendCompilerFailed as e:  # inductor could not build them: stay eager
-            first = (str(e).splitlines() or [""])[0]
-            return {"failed": f"{type(e).__name__}: {first[:200]}"}
-    eager_s, compiled_s = min(times["eager"][1:]), min(times["compiled"][1:])
-    return {
-        "eager_s": round(eager_s, 5),
-        "compiled_s": round(compiled_s, 5),
-        "compile_s": round(max(0.0, times["compiled"][0] - compiled_s), 3),
-    }
-
-
-def _valid(found: Any) -> bool:
-    if not isinstance(found, dict):
-        return False
-    if isinstance(found.get("failed"), str):
-        return True
-    return all(
-        isinstance(found.get(k), (int, float)) for k in ("eager_s", "compiled_s", "compile_s")
-    )
-
-
-def choose(found: dict[str, Any], micro_steps: int) -> str:
-    """The rule, applied to a timing: compiled where it is MIN_GAIN faster and saves more over
-    the run than it costs to compile."""
-    if "failed" in found or found["compiled_s"] <= 0:
-        return "eager"
-    gain = found["eager_s"] / found["compiled_s"]
-    saves = (found["eager_s"] - found["compiled_s"]) * micro_steps - found["compile_s"]
-    return "compiled" if gain >= MIN_GAIN and saves > 0 else "eager"
+    return time_both(lambda compiled: run(compiled_kernels() if compiled else None))
 
 
 def resolve_loss_kernel(
@@ -123,30 +81,19 @@ def resolve_loss_kernel(
     process's whole vocabulary with no bias (a vocabulary-sharded loss keeps ATen's kernels
     between its all-reduces; the fused kernel takes no bias). `timed` False (a plan): what a
     run here cached, if any."""
-    if value == "compiled" and timed and (why := missing_compiler(device)):
-        raise ConfigError("train.loss_kernel", f"compiled needs inductor: {why}; or set eager")
-    if value != "auto":
-        return value, None
-    if not shape.chunk:
+    if value == "auto" and not shape.chunk:
         return "eager", None
-    if why := _not_timed(shape, micro_steps, fusable):
-        return "eager", {"skipped": why}
-    key = shape.key(device)
-    found = peek(CACHE, key, valid=_valid, provisional=not timed and follows_last_run())
-    if found is not None:
-        return choose(found, micro_steps), found | {"cached": not measured_here(CACHE, key)}
-    if not timed:
-        return "eager", {"skipped": "a plan times nothing, and no run here has timed this shape"}
-    if why := missing_compiler(device):
-        return "eager", {"skipped": why}
-    found = timed_cached(
-        CACHE,
-        key,
-        lambda: measure_loss_kernel(shape, device),
-        what="the loss kernels (train.loss_kernel auto)",
-        valid=_valid,
+    return resolve(
+        "train.loss_kernel",
+        value,
+        micro_steps,
+        cache=CACHE,
+        key=shape.key(device),
+        measure=lambda: measure_loss_kernel(shape, device),
+        compiler_missing=lambda: missing_compiler(device),
+        skipped=_not_timed(shape, micro_steps, fusable),
+        timed=timed,
     )
-    return choose(found, micro_steps), found | {"cached": False}
 
 
 def _not_timed(shape: LossShape, micro_steps: int, fusable: bool) -> str:

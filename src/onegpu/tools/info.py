@@ -22,6 +22,7 @@ AUTO_CACHES = {
     "attention": "attention.json",
     "loss chunk": "loss_chunk.json",
     "loss kernel": "loss_kernel.json",
+    "GELU kernel": "gelu_kernel.json",
     "compile": "compile.json",
 }
 

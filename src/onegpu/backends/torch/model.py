@@ -47,6 +47,7 @@ from onegpu.techniques import compile as compile_
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum, vocab_parallel_chunked_loss
+from onegpu.techniques.gelu_kernel import use_gelu_kernel
 from onegpu.techniques.loss import classification_loss_sum, logits_loss_sum, token_loss_sum
 from onegpu.techniques.loss_kernels import LossKernels, kernels_for
 
@@ -98,6 +99,8 @@ def apply_techniques(
     # 3. The loss: the output layer and cross-entropy, in chunks if asked for (under tensor
     #    parallelism on vocabulary-sharded logits, never gathered).
     loss_fn, loss_context = split_loss(model, mem.loss_chunk, ctx, cfg.train.loss_kernel)
+    #    The eager GELU's kernel (a plan's fake tensors run ATen's: the same allocations).
+    use_gelu_kernel(model, "eager" if planning() else cfg.train.gelu_kernel)
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
     #    the eager loss too, and times both once the weights exist (8.).

@@ -72,7 +72,11 @@ def describe_auto(built: Built) -> str:
     if built.asked and built.asked.memory.loss_chunk == "auto":
         parts.append(f"loss chunk {cfg.memory.loss_chunk or 'off'}")
     if timing := built.resolved.loss_kernel_timing:
-        parts.append(f"loss kernel {cfg.train.loss_kernel} ({describe_loss_timing(timing)})")
+        loss = describe_kernel_timing(timing, "a micro-batch's loss")
+        parts.append(f"loss kernel {cfg.train.loss_kernel} ({loss})")
+    if timing := built.resolved.gelu_kernel_timing:
+        gelu = describe_kernel_timing(timing, "a layer's GELU forward + backward")
+        parts.append(f"GELU kernel {cfg.train.gelu_kernel} ({gelu})")
     if (trial := built.compile_trial) and trial.skipped:
         parts.append(f"compile none (not timed: {trial.skipped})")
     elif trial:
@@ -94,22 +98,21 @@ def describe_attention_timing(timing: dict[str, Any]) -> str:
     return f"a layer's forward + backward: {times}{', cached' if timing.get('cached') else ''}"
 
 
-def loss_kernel_record(built: Built) -> dict[str, Any] | None:
-    """summary.json's record of `train.loss_kernel auto`: its timing and choice (None: not
-    timed)."""
-    timing = built.resolved.loss_kernel_timing
-    return timing | {"chosen": built.cfg.train.loss_kernel} if timing else None
+def kernel_record(timing: dict[str, Any] | None, chosen: str) -> dict[str, Any] | None:
+    """summary.json's record of a kernel's `auto` (`train.loss_kernel`, `train.gelu_kernel`):
+    its timing, or why none, and its choice (None: not auto)."""
+    return timing | {"chosen": chosen} if timing else None
 
 
-def describe_loss_timing(timing: dict[str, Any]) -> str:
-    """The chunked loss's timing, eager against compiled, as the first line shows it."""
+def describe_kernel_timing(timing: dict[str, Any], what: str) -> str:
+    """A kernel's timing, eager against compiled (of `what`), as the first line shows it."""
     if "skipped" in timing:
         return f"not timed: {timing['skipped']}"
     if "failed" in timing:
         return f"compile failed: {timing['failed']}"
     compile_ = "cached" if timing.get("cached") else f"+{timing['compile_s']:.1f} s to compile"
     return (
-        f"a micro-batch's loss: eager {timing['eager_s'] * 1e3:,.0f} ms, compiled "
+        f"{what}: eager {timing['eager_s'] * 1e3:,.0f} ms, compiled "
         f"{timing['compiled_s'] * 1e3:,.0f} ms, {compile_}"
     )
 
@@ -146,7 +149,7 @@ def torch_summary(
 ) -> dict[str, Any]:
     """The torch backend's fields of summary.json: memory, device, versions, compilation, the
     step's matmul floor (not after a signal: a stopped run writes its summary at once)."""
-    cfg, device = built.cfg, built.device
+    cfg, device, r = built.cfg, built.device, built.resolved
     compiled = cfg.train.compile != "none"
     trial = built.compile_trial
     return {
@@ -155,8 +158,9 @@ def torch_summary(
         # compiled before the loop when `auto` timed it in this run
         "compile_before_s": trials_compile_s(trial),
         "compile_auto": trial.as_dict() | {"chosen": cfg.train.compile} if trial else None,
-        "loss_kernel_auto": loss_kernel_record(built),
-        "attention_auto": built.resolved.attention_timing,
+        "loss_kernel_auto": kernel_record(r.loss_kernel_timing, cfg.train.loss_kernel),
+        "gelu_kernel_auto": kernel_record(r.gelu_kernel_timing, cfg.train.gelu_kernel),
+        "attention_auto": r.attention_timing,
         "floor_s": None if interrupted else run_floor(built, step_s),
         "peak_mem_bytes": peak_bytes(device),
         "peak_mem_kind": peak_kind(device),

@@ -20,6 +20,8 @@ from onegpu.models.hf import chunkable_loss, default_attention, hf_head_bias, re
 from onegpu.perf.logits import vocab_shard
 from onegpu.techniques.attention import AttentionCall, attention_choice
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
+from onegpu.techniques.gelu_kernel import MIN_STEPS as GELU_MIN_STEPS
+from onegpu.techniques.gelu_kernel import GeluShape, resolve_gelu_kernel
 from onegpu.techniques.loss_kernel_auto import LossShape, resolve_loss_kernel
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
 
@@ -38,6 +40,8 @@ class Resolved:
     """The eager-vs-compiled timing `train.loss_kernel auto` decided from (None: not timed)."""
     attention_timing: dict[str, Any] | None = None
     """The kernels' timing `model.attention auto` picked from (None: not timed)."""
+    gelu_kernel_timing: dict[str, Any] | None = None
+    """The timing (or why none) `train.gelu_kernel auto` decided from (None: not auto)."""
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -133,10 +137,16 @@ def resolve(
     loss_kernel, timing = _loss_kernel(
         cfg, model_cfg, policy, loss_chunk, device, timed=timed and caps_given is None, ctx=ctx
     )
+    gelu_kernel, gelu_timing = _gelu_kernel(
+        cfg, model_cfg, policy, device, timed=timed and caps_given is None, ctx=ctx
+    )
+    train = dataclasses.replace(
+        cfg.train, precision=policy.name, loss_kernel=loss_kernel, gelu_kernel=gelu_kernel
+    )
     config = dataclasses.replace(
         cfg,
         model=model_cfg,
-        train=dataclasses.replace(cfg.train, precision=policy.name, loss_kernel=loss_kernel),
+        train=train,
         memory=dataclasses.replace(cfg.memory, loss_chunk=loss_chunk),
     )
     return Resolved(
@@ -147,6 +157,7 @@ def resolve(
         config=config,
         loss_kernel_timing=timing,
         attention_timing=attention_timing,
+        gelu_kernel_timing=gelu_timing,
     )
 
 
@@ -197,6 +208,43 @@ def _loss_kernel(
     )
 
 
+def _gelu_kernel(
+    cfg: Config,
+    m: ModelConfig,
+    policy: PrecisionPolicy,
+    device: torch.device,
+    *,
+    timed: bool,
+    ctx: DistContext | None,
+) -> tuple[str, dict[str, Any] | None]:
+    """`train.gelu_kernel` for the GELU calls this process runs eagerly (each of its layers,
+    each of its micro-batches; under tensor parallelism its share of the MLP's width)."""
+    dp = ctx.dp_size if ctx is not None else 1
+    micro_steps = cfg.train.max_steps * cfg.grad_accum_steps // dp
+    skipped = ""
+    if device.type != "cpu":
+        skipped = "a GPU: ATen's GELU is one fused kernel there"
+    elif m.hf or cfg.memory.gelu_bits:
+        skipped = "no tanh GELU of onegpu's GPT (a Hugging Face model, or few-bit GELU)"
+    elif cfg.train.compile not in ("auto", "none"):
+        skipped = f"train.compile {cfg.train.compile} fuses the GELU into its graph"
+    elif micro_steps < GELU_MIN_STEPS:
+        skipped = f"a run of {micro_steps} micro-batches, under {GELU_MIN_STEPS}"
+    shape = GeluShape(
+        tokens=cfg.train.micro_batch_size * cfg.train_seq_len,
+        hidden=m.mlp_ratio * m.d_model // cfg.dist.tp,
+        dtype=policy.compute_dtype,
+    )
+    return resolve_gelu_kernel(
+        cfg.train.gelu_kernel,
+        shape,
+        device,
+        micro_steps * m.n_layer,
+        skipped=skipped,
+        timed=timed,
+    )
+
+
 def resolve_agreed(
     cfg: Config, device: torch.device, caps: DeviceCaps | None, ctx: DistContext, *, timed: bool
 ) -> Resolved:
@@ -213,10 +261,12 @@ def resolve_agreed(
             "model.attention": chosen.model.attention,
             "memory.loss_chunk": str(chosen.memory.loss_chunk),
             "train.loss_kernel": chosen.train.loss_kernel,
+            "train.gelu_kernel": chosen.train.gelu_kernel,
         }
         timings = {
             "loss_kernel_timing": resolved.loss_kernel_timing,
             "attention_timing": resolved.attention_timing,
+            "gelu_kernel_timing": resolved.gelu_kernel_timing,
         }
         return overrides, timings
 
