@@ -144,7 +144,7 @@ def resolve_gelu_kernel(
         value,
         calls,
         cache=CACHE,
-        key=shape.key(device),
+        key=lambda: shape.key(device),
         measure=lambda: measure_gelu_kernel(shape, device),
         compiler_missing=lambda: missing_compiler(device),
         skipped=skipped,

@@ -68,15 +68,15 @@ def resolve(
     calls: int,
     *,
     cache: str,
-    key: str,
+    key: Callable[[], str],
     measure: Callable[[], dict[str, Any]],
     compiler_missing: Callable[[], str],
     skipped: str = "",
     timed: bool = True,
 ) -> tuple[str, dict[str, Any] | None]:
     """(what `setting` stands for, what it was decided by): `value` unless 'auto', then the
-    timing cached under `key` (`cached` True where it was read, not run; `measure` where absent
-    and `timed`), or why nothing was timed (`skipped`, set by the caller, or no compiler here).
+    timing cached under `key()` (`cached` True where it was read, not run; `measure` where
+    absent and `timed`), or why nothing was timed (`skipped`, set by the caller, or no compiler here).
     `timed` False (a plan): what a run here cached, if any. `compiled` set by hand where
     inductor cannot build is refused in one line."""
     if value == "compiled" and timed and (why := compiler_missing()):
@@ -85,12 +85,13 @@ def resolve(
         return value, None
     if skipped:
         return "eager", {"skipped": skipped}
-    found = peek(cache, key, valid=valid, provisional=not timed and follows_last_run())
+    at = key()  # only now: a GPU's key reads the device, which a plan for one may not have
+    found = peek(cache, at, valid=valid, provisional=not timed and follows_last_run())
     if found is not None:
-        return choose(found, calls), found | {"cached": not measured_here(cache, key)}
+        return choose(found, calls), found | {"cached": not measured_here(cache, at)}
     if not timed:
         return "eager", {"skipped": "a plan times nothing, and no run here has timed this shape"}
     if why := compiler_missing():
         return "eager", {"skipped": why}
-    found = timed_cached(cache, key, measure, what=f"{setting} auto", valid=valid)
+    found = timed_cached(cache, at, measure, what=f"{setting} auto", valid=valid)
     return choose(found, calls), found | {"cached": False}

@@ -88,7 +88,7 @@ def resolve_loss_kernel(
         value,
         micro_steps,
         cache=CACHE,
-        key=shape.key(device),
+        key=lambda: shape.key(device),
         measure=lambda: measure_loss_kernel(shape, device),
         compiler_missing=lambda: missing_compiler(device),
         skipped=_not_timed(shape, micro_steps, fusable),
