@@ -87,7 +87,14 @@ def _meta_model(arch: str, **changes):
     ("arch", "tp", "changes", "says"),
     [
         ("gpt2", 2, {}, "no tensor-parallel plan"),
-        ("mixtral", 2, {}, "moe_tp_experts"),
+        # Mixtral's plan split its experts with this style up to transformers 5.2x; it is
+        # named here so the refusal is tested whatever the installed version's plan says
+        (
+            "mixtral",
+            2,
+            {"base_model_tp_plan": {"layers.*.mlp.experts": "moe_tp_experts"}},
+            "moe_tp_experts",
+        ),
         ("llama", 3, {}, "attention heads"),
         ("llama", 4, {}, "key-value heads"),
         ("llama", 2, {"vocab_size": 321}, "vocabulary"),

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from onegpu.models.gpt import GPT
@@ -99,7 +100,7 @@ def test_auto_attention_is_measured_once_then_cached(tiny_cfg, monkeypatch):
     first = _chosen(attention, tiny_cfg.model, cpu, torch.bfloat16, call)
     assert first in attention.cpu_candidates(tiny_cfg.model)
 
-    def no_measuring(*a):
+    def no_measuring(*a, **k):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(attention, "measure_cpu_attention", no_measuring)
@@ -124,7 +125,7 @@ def test_a_plan_takes_what_a_run_chose_under_the_runs_allocator(tiny_cfg, monkey
     monkeypatch.setattr(attention, "run_allocator", lambda: "mimalloc")
     timed = []
     monkeypatch.setattr(
-        attention, "measure_cpu_attention", lambda *a: timed.append(a) or _timed_as("sdpa")
+        attention, "measure_cpu_attention", lambda *a, **k: timed.append(a) or _timed_as("sdpa")
     )
     tiny_cfg.model.attention = "auto"
     call = AttentionCall(batch=3, heads=2, seq_len=tiny_cfg.model.seq_len, head_dim=16)
@@ -132,7 +133,7 @@ def test_a_plan_takes_what_a_run_chose_under_the_runs_allocator(tiny_cfg, monkey
     assert _chosen(attention, tiny_cfg.model, cpu, torch.bfloat16, call) == "sdpa"
     assert len(timed) == 1  # a run under glibc timed under its own key
     monkeypatch.setattr(attention, "active_allocator", lambda: "mimalloc")  # a run of `train`
-    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: _timed_as("plain"))
+    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a, **k: _timed_as("plain"))
     assert _chosen(attention, tiny_cfg.model, cpu, torch.bfloat16, call) == "plain"
     monkeypatch.setattr(attention, "active_allocator", lambda: "system")  # a plan again
     monkeypatch.setattr(attention, "measure_cpu_attention", _refuse_timing)
@@ -145,7 +146,7 @@ def _chosen(attention, *args, **kwargs) -> str:
     return attention.attention_choice(*args, **kwargs)[0]
 
 
-def _refuse_timing(*a):
+def _refuse_timing(*a, **k):
     raise AssertionError("timed although a run's choice was cached")
 
 
@@ -163,7 +164,7 @@ def test_auto_times_the_call_each_process_makes(tiny_cfg, monkeypatch, tmp_path)
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # nothing timed before this test
     timed = []
 
-    def measure(call, dtype, candidates):
+    def measure(call, dtype, candidates, compiled=False):
         timed.append(call)
         return _timed_as("sdpa")
 
@@ -266,7 +267,7 @@ def test_processes_take_rank_zeros_timed_choices(tiny_cfg, monkeypatch):
             }
             return chosen | {"train.loss_kernel": "eager"}, timings
 
-    def no_measuring(*a):
+    def no_measuring(*a, **k):
         raise AssertionError("timed on a process other than rank 0")
 
     monkeypatch.setattr(attention, "measure_cpu_attention", no_measuring)
@@ -288,7 +289,7 @@ def test_the_first_line_gives_the_attention_timing(tiny_cfg, monkeypatch, tmp_pa
     from onegpu.techniques import attention
 
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
-    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a: _timed_as("plain"))
+    monkeypatch.setattr(attention, "measure_cpu_attention", lambda *a, **k: _timed_as("plain"))
     tiny_cfg.model.attention = "auto"
     built = build(tiny_cfg, torch.device("cpu"), with_data=False)
     assert built.cfg.model.attention == "plain"
@@ -303,3 +304,77 @@ def test_the_first_line_gives_the_attention_timing(tiny_cfg, monkeypatch, tmp_pa
     assert f"attention plain ({timing}, cached)" in describe_auto(later)
     tiny_cfg.model.attention = "sdpa"  # set by hand: nothing to say
     assert "attention" not in describe_auto(build(tiny_cfg, torch.device("cpu"), with_data=False))
+
+
+def test_a_compiling_run_is_decided_by_the_kernels_compiled(tiny_cfg, monkeypatch, tmp_path):
+    """Inductor fuses the matmul attentions' softmax, never SDPA's kernel: a run that
+    compiles its blocks times the candidates compiled, cached apart from the eager timing; a
+    run that does not, eagerly."""
+    from onegpu.backends.torch.resolve import resolve
+    from onegpu.techniques import attention
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    timed = []
+
+    def measure(call, dtype, candidates, compiled=False):
+        timed.append(compiled)
+        return _timed_as("plain" if compiled else "sdpa") | ({"compiled": True} if compiled else {})
+
+    monkeypatch.setattr(attention, "measure_cpu_attention", measure)
+    tiny_cfg.model.attention = "auto"
+    tiny_cfg.train.compile = "regional"
+    regional = resolve(tiny_cfg, torch.device("cpu"))
+    assert regional.config.model.attention == "plain"
+    assert regional.attention_if_eager is None  # set to compile: never eager
+    tiny_cfg.train.compile = "none"
+    assert resolve(tiny_cfg, torch.device("cpu")).config.model.attention == "sdpa"
+    tiny_cfg.train.compile = "default"
+    assert resolve(tiny_cfg, torch.device("cpu")).config.model.attention == "plain"  # cached
+    assert timed == [True, False]
+
+
+def test_compile_auto_staying_eager_takes_the_leaner_eager_choice(tiny_cfg, monkeypatch, tmp_path):
+    """`train.compile auto` on a run long enough to compile picks attention by the compiled
+    timing (what the plan follows); if the compile trial then keeps the run eager, the run
+    takes the kernel eager timings pick where it keeps less, and says so in its config."""
+    from onegpu.backends.torch.build import build
+    from onegpu.models.gpt import Attention
+    from onegpu.techniques import attention
+    from onegpu.techniques import compile as compile_
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+
+    def measure(call, dtype, candidates, compiled=False):
+        return _timed_as("plain" if compiled else "sdpa") | ({"compiled": True} if compiled else {})
+
+    monkeypatch.setattr(attention, "measure_cpu_attention", measure)
+    stays_eager = compile_.CompileTrial(1.0, 1.0, 30.0, mode="default")
+    monkeypatch.setattr(compile_, "decide", lambda *a, **k: ("none", stays_eager))
+    tiny_cfg.model.attention, tiny_cfg.train.compile = "auto", "auto"
+    tiny_cfg.train.max_steps, tiny_cfg.train.gelu_kernel = 500, "eager"
+    built = build(tiny_cfg, torch.device("cpu"), with_data=False)
+    assert built.resolved.attention_if_eager == "sdpa"
+    assert built.cfg.train.compile == "none"
+    assert built.cfg.model.attention == "sdpa"
+    from onegpu.backends.torch.report import describe_auto
+
+    assert (
+        "attention sdpa (a layer's forward + backward compiled: sdpa 2.0 ms, plain 1.0 ms; "
+        "the run stays eager: sdpa, which keeps less)"
+    ) in describe_auto(built)
+    impls = {m.impl for m in built.model.modules() if isinstance(m, Attention)}
+    assert impls == {"sdpa"}
+    monkeypatch.setattr(compile_, "decide", lambda *a, **k: ("default", stays_eager))
+    compiled = build(tiny_cfg, torch.device("cpu"), with_data=False)
+    assert compiled.cfg.model.attention == "plain"
+    assert {m.impl for m in compiled.model.modules() if isinstance(m, Attention)} == {"plain"}
+
+
+@pytest.mark.slow
+def test_the_compiled_timing_runs_each_candidate_compiled():
+    from onegpu.techniques.attention import AttentionCall, measure_cpu_attention
+
+    call = AttentionCall(batch=2, heads=2, seq_len=32, head_dim=16)
+    found = measure_cpu_attention(call, torch.float32, ("sdpa", "plain"), compiled=True)
+    assert found["compiled"] is True and found["choice"] in ("sdpa", "plain")
+    assert set(found["ms"]) == {"sdpa", "plain"} and all(t > 0 for t in found["ms"].values())

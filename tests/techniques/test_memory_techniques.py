@@ -177,8 +177,12 @@ def test_chunked_loss_under_bf16_tracks_the_plain_path(precision, monkeypatch):
     plain_loss, plain_grads, _ = _step(_built(**common, **{"memory.loss_chunk": "0"}), x, x)
     loss, grads, _ = _step(_built(**common, **{"memory.loss_chunk": "64"}), x, x)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=0)
+    whole = torch.cat([g.flatten() for g in plain_grads.values()]).norm()
     for name, g in grads.items():
-        assert (g - plain_grads[name]).norm() < 1e-2 * plain_grads[name].norm() + 1e-6, name
+        # the keys' biases: rounding alone, judged against the whole gradient (on AMX, bf16
+        # products round differently: 3e-5 apart at a norm of 5e-5)
+        scale = whole if name.endswith(".k.bias") else plain_grads[name].norm()
+        assert (g - plain_grads[name]).norm() < 1e-2 * scale + 1e-6, name
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ def test_the_measured_step_runs_the_kernels_its_plan_followed(monkeypatch):
     plan followed "blocked", the measured step timed "sdpa", and they were 11% apart."""
     from onegpu.backends.torch import resolve as resolve_module
 
-    def by_whether_timed(model_cfg, device, dtype, call, *, keeps_products, timed):
+    def by_whether_timed(model_cfg, device, dtype, call, *, keeps_products, timed, compiled):
         if model_cfg.attention != "auto":
             return model_cfg.attention, None
         return ("sdpa" if timed else "blocked"), None
@@ -135,7 +135,7 @@ def test_a_plan_for_torchruns_processes_times_with_the_threads_each_runs(
 
     timed_at = []
 
-    def measure(call, dtype, candidates):
+    def measure(call, dtype, candidates, compiled=False):
         timed_at.append(torch.get_num_threads())
         return {"choice": "plain", "ms": {name: 1.0 for name in candidates}}
 

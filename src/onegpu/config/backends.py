@@ -5,7 +5,7 @@ runs, as is the JAX-only model.scan_layers on the torch backend."""
 from __future__ import annotations
 
 from onegpu.config.environment import world_size_from_env
-from onegpu.config.options import LOW_RANK_OPTIMIZERS, Config, ConfigError
+from onegpu.config.options import LOW_RANK_OPTIMIZERS, Config, ConfigError, TrainConfig
 
 JAX_ATTENTION = ("auto", "plain", "sdpa")
 """JAX attention is one kernel (scores and softmax in model.softmax_dtype): these names map
@@ -59,12 +59,7 @@ def validate_backend(cfg: Config) -> None:
             "or use --train.backend jax",
         )
         _refuse_loss_kernel(cfg)
-        _refuse(
-            cfg.train.gelu_kernel == "compiled" and bool(cfg.model.hf or cfg.memory.gelu_bits),
-            "train.gelu_kernel",
-            "compiled runs onegpu's GPT's tanh GELU, which a Hugging Face model (its own GELU) "
-            "or memory.gelu_bits (few-bit GELU) replaces: leave it auto or set eager",
-        )
+        _refuse_gelu_kernel(cfg)
         _refuse(
             cfg.model.scan_layers,
             "model.scan_layers",
@@ -86,17 +81,7 @@ def validate_backend(cfg: Config) -> None:
         "train.precision",
         f"{t.precision} {none_yet} (bf16, bf16-pure and fp32 run on JAX)",
     )
-    _refuse(
-        t.loss_kernel != "auto",
-        "train.loss_kernel",
-        "picks the torch backend's chunked-loss kernels; XLA fuses the JAX chunked loss "
-        "already: leave it auto",
-    )
-    _refuse(
-        t.gelu_kernel != "auto",
-        "train.gelu_kernel",
-        "picks the torch backend's GELU kernel; XLA fuses the JAX GELU already: leave it auto",
-    )
+    _refuse_torch_kernels(t)
     _refuse(
         t.compile not in ("auto", "none"),
         "train.compile",
@@ -110,6 +95,31 @@ def validate_backend(cfg: Config) -> None:
         f"(several processes) {none_yet}; the JAX backend trains on one process",
     )
     _refuse_mesh(cfg, none_yet)
+
+
+def _refuse_torch_kernels(t: TrainConfig) -> None:
+    """The torch backend's kernel choices set on JAX, whose XLA fuses both already."""
+    _refuse(
+        t.loss_kernel != "auto",
+        "train.loss_kernel",
+        "picks the torch backend's chunked-loss kernels; XLA fuses the JAX chunked loss "
+        "already: leave it auto",
+    )
+    _refuse(
+        t.gelu_kernel != "auto",
+        "train.gelu_kernel",
+        "picks the torch backend's GELU kernel; XLA fuses the JAX GELU already: leave it auto",
+    )
+
+
+def _refuse_gelu_kernel(cfg: Config) -> None:
+    """`train.gelu_kernel compiled` where no GELU of onegpu's GPT runs."""
+    _refuse(
+        cfg.train.gelu_kernel == "compiled" and bool(cfg.model.hf or cfg.memory.gelu_bits),
+        "train.gelu_kernel",
+        "compiled runs onegpu's GPT's tanh GELU, which a Hugging Face model (its own GELU) "
+        "or memory.gelu_bits (few-bit GELU) replaces: leave it auto or set eager",
+    )
 
 
 def _refuse_loss_kernel(cfg: Config) -> None:

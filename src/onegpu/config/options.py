@@ -47,7 +47,7 @@ class ModelConfig:
     """Share the token embedding with the output layer (GPT-2 does)."""
     attention: Literal["auto", "sdpa", "flash", "efficient", "math", "plain", "blocked"] = "auto"
     """'auto': the fastest exact one here (sdpa on GPUs; on CPUs sdpa, plain or blocked, timed
-    once and cached); 'sdpa': torch scaled_dot_product_attention, which picks its fastest
+    once and cached, compiled where the run compiles); 'sdpa': torch scaled_dot_product_attention, which picks its fastest
     kernel; 'flash', 'efficient', 'math': SDPA restricted to that kernel (an error if the device
     has none); 'plain': explicit softmax in model.softmax_dtype, the numerical reference;
     'blocked': batched matmuls over query blocks that skip the masked ones, fp32 scores and
@@ -115,22 +115,14 @@ class TrainConfig:
     settings (cached) and compiles if the saving over max_steps outweighs the compile time;
     otherwise 'none' (docs/auto-defaults.md). Compile time is reported apart."""
     loss_kernel: Literal["auto", "eager", "compiled"] = "auto"
-    """The chunked loss's per-chunk math (memory.loss_chunk above 0): 'compiled' runs each
-    chunk's softmax, log-sum-exp and one-hot gradient as one inductor kernel that reads the
-    [chunk, vocab] logits in the matmul's dtype and writes the gradient once in it (at most one
-    fp32 block where ATen's path keeps two), and adds the output weight's gradient in one pass
-    (needs a C++ compiler on CPUs, Triton on GPUs); 'eager': ATen's kernels.
-    'auto': a run of 100+ micro-batches times both once per shape and device (cached) and
-    compiles where the saving over the run outweighs the compile time; shorter runs, tensor
-    parallelism and a biased head stay eager (docs/auto-defaults.md)."""
+    """The chunked loss's per-chunk math: 'compiled' fuses each chunk's softmax, log-sum-exp
+    and gradient into one inductor kernel over the 16-bit logits and adds the head's gradient in
+    one pass; 'eager': ATen's kernels. 'auto': compiled where a run of 100+ micro-batches'
+    timing says it repays its compile (docs/auto-defaults.md); needs a C++ compiler or Triton."""
     gelu_kernel: Literal["auto", "eager", "compiled"] = "auto"
-    """The tanh GELU of onegpu's GPT where its blocks run eagerly (train.compile none or
-    default's eager parts): 'compiled' runs it forward and backward as two inductor kernels in
-    its sigmoid form, the same function (needs a C++ compiler on CPUs, Triton on GPUs);
-    'eager': ATen's kernel, whose vectorised tanh is slow on some CPUs (5x the erf GELU on
-    the AMX Xeon). 'auto': a CPU run of 100+ micro-batches times both once per shape and device
-    (cached) and compiles where the saving over the run outweighs the compile time; a compiled
-    model, a GPU, a Hugging Face model and few-bit GELU keep ATen's (docs/auto-defaults.md)."""
+    """onegpu's GPT's tanh GELU where its blocks run eagerly: 'compiled' as two inductor kernels
+    in its sigmoid form (the same function), 'eager' ATen's (slow on some CPUs); 'auto' as
+    loss_kernel, on CPUs only (docs/auto-defaults.md)."""
     measure_memory: bool = False
     """Profile the second step's allocations to split peak memory into parameters, gradients,
     optimizer states, activations and the rest (summary.json 'memory'). Off by default: the

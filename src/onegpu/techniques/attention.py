@@ -35,6 +35,7 @@ from onegpu.perf.attention_blocks import saved_prob_bytes
 from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
+from onegpu.techniques.loss_kernels import missing_compiler
 
 ROUNDS = 5
 """Interleaved rounds per candidate (after one warm-up each); the medians are compared."""
@@ -76,6 +77,14 @@ _KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+def _as_compiled(name: str) -> Callable[..., torch.Tensor]:
+    """The kernel as a compiled model runs it: SDPA's fused kernel is one ATen op inside a
+    graph too; the matmul attentions have their softmax, mask and casts fused by inductor."""
+    if name == "sdpa":
+        return _KERNELS[name]
+    return torch.compile(_KERNELS[name], dynamic=False)
+
+
 def _fwd_bwd_s(kernel: Callable[..., torch.Tensor], q, k, v, mask) -> float:
     t0 = time.perf_counter()
     kernel(q, k, v, mask).sum().backward()
@@ -103,23 +112,26 @@ def pick(median: dict[str, float]) -> str:
 
 
 def measure_cpu_attention(
-    call: AttentionCall, dtype: torch.dtype, candidates: tuple[str, ...]
+    call: AttentionCall, dtype: torch.dtype, candidates: tuple[str, ...], *, compiled: bool = False
 ) -> dict[str, Any]:
     """{'choice': the candidate `pick` takes, 'ms': each one's median forward + backward of
-    the run's attention (one layer's, ms)}."""
+    the run's attention (one layer's, ms)}; `compiled`: each as a compiled model runs it (the
+    warm-up compiles, and is not counted: the run compiles anyway)."""
+    kernels = {name: _as_compiled(name) if compiled else _KERNELS[name] for name in candidates}
     B, H, T, K = call.batch, call.heads, call.seq_len, call.head_dim
     q, k, v = (  # laid out as the model makes them: [B, T, H, K] seen as [B, H, T, K]
         torch.randn(B, T, H, K, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3)
     )
     mask = _timing_mask(call)
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    for name in candidates:  # warm-up: kernel selection, page faults
-        _fwd_bwd_s(_KERNELS[name], q, k, v, mask)
+    for name in candidates:  # warm-up: kernel selection, page faults, compiling
+        _fwd_bwd_s(kernels[name], q, k, v, mask)
     for _ in range(ROUNDS):  # interleaved: a busy moment of a shared machine hits all alike
         for name in candidates:
-            times[name].append(_fwd_bwd_s(_KERNELS[name], q, k, v, mask))
+            times[name].append(_fwd_bwd_s(kernels[name], q, k, v, mask))
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    return {"choice": pick(median), "ms": {n: round(t * 1e3, 3) for n, t in median.items()}}
+    found = {"choice": pick(median), "ms": {n: round(t * 1e3, 3) for n, t in median.items()}}
+    return found | ({"compiled": True} if compiled else {})
 
 
 def cpu_candidates(
@@ -152,6 +164,7 @@ def attention_choice(
     *,
     keeps_products: bool = False,
     timed: bool = True,
+    compiled: bool = False,
 ) -> tuple[str, dict[str, Any] | None]:
     """(the implementation `model.attention` stands for here, the timing it was picked by:
     `cached` True where it was read, not run; None where nothing was timed; any setting but
@@ -159,17 +172,20 @@ def attention_choice(
     torch, allocator (kernels time differently under each: docs/cpu-notes.md), dtype, call and
     candidates. Plans (`timed` False) time it too, the kernel deciding what a block saves, but
     first take what a run here chose under the allocator `onegpu train` runs with: a plan must
-    follow the run's choice."""
+    follow the run's choice. `compiled`: for a run that compiles its blocks, timed as compiled
+    (cached apart): inductor fuses the matmul attentions' softmax, never SDPA's kernel."""
     if cfg.attention != "auto":
         return cfg.attention, None
     if device.type != "cpu" or cfg.softmax_dtype != "float32":
         return "sdpa", None
     candidates = cpu_candidates(cfg, dtype, seq_len=call.seq_len, keeps_products=keeps_products)
+    compiled = compiled and len(candidates) > 1 and not missing_compiler(device)
 
     def key(allocator: str) -> str:
         return (
             f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
             f"|allocator={allocator}|{dtype}|{call.key()}|{'+'.join(candidates)}"
+            + ("|compiled" if compiled else "")
         )
 
     def valid(found: Any) -> bool:
@@ -186,7 +202,7 @@ def attention_choice(
     found = timed_cached(
         "attention.json",
         keys[-1],
-        lambda: measure_cpu_attention(call, dtype, candidates),
+        lambda: measure_cpu_attention(call, dtype, candidates, compiled=compiled),
         what="attention (model.attention auto)",
         valid=valid,
     )

@@ -135,9 +135,7 @@ def build(
         cfg = plannable(cfg)
     with fake_mode:
         applied = _model_with_techniques(cfg, resolved, device, ctx, fake)
-        cfg = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, compile=applied.compile)
-        )
+        cfg = _as_applied(cfg, applied)
         resolved = dataclasses.replace(resolved, config=cfg)
         model = applied.model
         optimizer = _optimizer(model, cfg, resolved, device, ctx, fake)
@@ -167,6 +165,17 @@ def build(
         compile_trial=applied.compile_trial,
         asked=asked,
         comm_state=applied.comm_state,
+    )
+
+
+def _as_applied(cfg: Config, applied: Applied) -> Config:
+    """The config as the model was built: what `train.compile auto` ran as, and the attention
+    kernel where its staying eager changed it."""
+    attention = applied.attention or cfg.model.attention
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, compile=applied.compile),
+        model=dataclasses.replace(cfg.model, attention=attention),
     )
 
 

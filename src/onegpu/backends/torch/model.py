@@ -38,7 +38,7 @@ from onegpu.distributed.tensor_parallel import (
     loss_parallel_context,
     vocab_parallel_loss,
 )
-from onegpu.models.gpt import GPT
+from onegpu.models.gpt import GPT, Attention
 from onegpu.models.hf import build_hf_model
 from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.models.qkv import split_fused_qkv
@@ -71,6 +71,39 @@ class Applied:
     """What `train.compile` ran as ('auto' decided)."""
     compile_trial: compile_.CompileTrial | None = None
     """The timing `auto` decided from (None: not 'auto', or nothing to decide)."""
+    attention: str | None = None
+    """The attention kernel, where `train.compile auto` staying eager changed it (None: as
+    resolved)."""
+
+
+def _compile_auto(
+    model: LanguageModel,
+    raw: LossFn,
+    eager: LossFn,
+    cfg: Config,
+    resolved: Resolved,
+    device: torch.device,
+) -> Applied:
+    """`train.compile auto` on the materialised model: eager or a compile mode, whichever the
+    (cached) timing says saves the most over the run. A run that stays eager takes the leaner
+    attention kernel eager timings pick, where compiled ones picked another."""
+    policy, offloads = resolved.precision, cfg.memory.offload_activations
+    autocast = lambda: policy.autocast(device)  # noqa: E731
+    wrap = (lambda f: with_offload(f, device)) if offloads else (lambda f: f)
+    candidates = compile_.auto_candidates(model, raw, wrap)
+    mode, trial = compile_.decide(cfg, model, eager, candidates, autocast, device)
+    chosen = candidates[mode].enter() if mode != "none" else eager
+    attention = resolved.attention_if_eager if mode == "none" else None
+    if attention:
+        use_attention(model, attention)
+    return Applied(model, chosen, compile=mode, compile_trial=trial, attention=attention)
+
+
+def use_attention(model: nn.Module, impl: str) -> None:
+    """Every attention layer of our GPT on the kernel `impl`."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.impl = impl
 
 
 def make_model(m: ModelConfig) -> LanguageModel:
@@ -132,12 +165,7 @@ def apply_techniques(
     # 8. `train.compile auto`: eager or a compile mode, whichever the (cached) timing says
     #    saves the most over the run.
     if timed:
-        autocast = lambda: policy.autocast(device)  # noqa: E731
-        wrap = (lambda f: with_offload(f, device)) if mem.offload_activations else (lambda f: f)
-        candidates = compile_.auto_candidates(model, raw, wrap)
-        mode, trial = compile_.decide(cfg, model, eager, candidates, autocast, device)
-        chosen = candidates[mode].enter() if mode != "none" else eager
-        return Applied(model, chosen, compile=mode, compile_trial=trial)
+        return _compile_auto(model, raw, eager, cfg, resolved, device)
     pipeline = make_pipeline(model, cfg, resolved, device, ctx, ranges, stages) if stages else None
     return Applied(model, loss_fn, compile=mode, loss_context=loss_context, pipeline=pipeline)
 

@@ -68,7 +68,10 @@ def describe_auto(built: Built) -> str:
     auto)."""
     cfg, parts = built.cfg, []
     if timing := built.resolved.attention_timing:
-        parts.append(f"attention {cfg.model.attention} ({describe_attention_timing(timing)})")
+        said = describe_attention_timing(timing)
+        if cfg.model.attention != built.resolved.attention:  # compile auto stayed eager
+            said += f"; the run stays eager: {cfg.model.attention}, which keeps less"
+        parts.append(f"attention {cfg.model.attention} ({said})")
     if built.asked and built.asked.memory.loss_chunk == "auto":
         parts.append(f"loss chunk {cfg.memory.loss_chunk or 'off'}")
     if timing := built.resolved.loss_kernel_timing:
@@ -95,7 +98,8 @@ def describe_auto(built: Built) -> str:
 def describe_attention_timing(timing: dict[str, Any]) -> str:
     """The candidates' times, as the first line shows them."""
     times = ", ".join(f"{name} {ms:,.1f} ms" for name, ms in timing["ms"].items())
-    return f"a layer's forward + backward: {times}{', cached' if timing.get('cached') else ''}"
+    how = " compiled" if timing.get("compiled") else ""
+    return f"a layer's forward + backward{how}: {times}{', cached' if timing.get('cached') else ''}"
 
 
 def kernel_record(timing: dict[str, Any] | None, chosen: str) -> dict[str, Any] | None:

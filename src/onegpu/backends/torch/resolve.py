@@ -18,7 +18,8 @@ from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import fsdp_mixed_precision
 from onegpu.models.hf import chunkable_loss, default_attention, hf_head_bias, resolve_model_config
 from onegpu.perf.logits import vocab_shard
-from onegpu.techniques.attention import AttentionCall, attention_choice
+from onegpu.techniques import compile as compile_
+from onegpu.techniques.attention import BY_SAVED_BYTES, AttentionCall, attention_choice
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
 from onegpu.techniques.gelu_kernel import MIN_STEPS as GELU_MIN_STEPS
 from onegpu.techniques.gelu_kernel import GeluShape, resolve_gelu_kernel
@@ -42,6 +43,10 @@ class Resolved:
     """The kernels' timing `model.attention auto` picked from (None: not timed)."""
     gelu_kernel_timing: dict[str, Any] | None = None
     """The timing (or why none) `train.gelu_kernel auto` decided from (None: not auto)."""
+    attention_if_eager: str | None = None
+    """`model.attention auto` picked from compiled timings for a run that may compile
+    (`train.compile auto`): the leaner kernel eager timings pick, for a run that then stays
+    eager (None: the same kernel, or one that keeps more than the plan followed)."""
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -109,19 +114,13 @@ def resolve(
     caps_given, caps = caps, caps or device_caps(device)
     policy = resolve_precision(cfg.train.precision, caps)
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
-    attention_timing = None
+    attention_timing = attention_if_eager = None
     if cfg.model.hf and cfg.model.attention == "auto":
         # the CPU timing compares our plain kernel, not the model's eager one
         attention = default_attention(cfg.model)
     else:
-        attention, attention_timing = attention_choice(
-            model_cfg,
-            device,
-            policy.compute_dtype,
-            attention_call(cfg, model_cfg),
-            # selective checkpointing, alone, per block or as budget's choice
-            keeps_products=any(p in cfg.memory.checkpointing for p in SAVES_PRODUCTS),
-            timed=timed and caps_given is None,
+        attention, attention_timing, attention_if_eager = _attention(
+            cfg, model_cfg, policy, device, timed=timed and caps_given is None, ctx=ctx
         )
     model_cfg = dataclasses.replace(model_cfg, attention=attention)
     loss_chunk = resolve_loss_chunk(
@@ -158,6 +157,7 @@ def resolve(
         loss_kernel_timing=timing,
         attention_timing=attention_timing,
         gelu_kernel_timing=gelu_timing,
+        attention_if_eager=attention_if_eager,
     )
 
 
@@ -206,6 +206,44 @@ def _loss_kernel(
         fusable=cfg.dist.tp == 1 and not biased,
         timed=timed,
     )
+
+
+def _attention(
+    cfg: Config,
+    m: ModelConfig,
+    policy: PrecisionPolicy,
+    device: torch.device,
+    *,
+    timed: bool,
+    ctx: DistContext | None,
+) -> tuple[str, dict[str, Any] | None, str | None]:
+    """`model.attention` for our GPT, the timing behind it, and the kernel an eager run takes
+    instead (Resolved.attention_if_eager). A run that compiles its blocks (a compile mode set,
+    or `auto` on a run long enough to time one) is decided by the kernels compiled: inductor
+    fuses blocked attention's softmax into its graph, never SDPA's kernel (model B on the AMX
+    Xeon: blocked + compile 1.27x eager, SDPA + compile 1.17x; benchmarks/results/
+    step-cuts-B-2026-12-06.md)."""
+    distributed = ctx is not None and ctx.enabled
+    compiles = compile_.auto_candidate(cfg, device, distributed) != "none"
+
+    def choice(compiled: bool) -> tuple[str, dict[str, Any] | None]:
+        return attention_choice(
+            m,
+            device,
+            policy.compute_dtype,
+            attention_call(cfg, m),
+            # selective checkpointing, alone, per block or as budget's choice
+            keeps_products=any(p in cfg.memory.checkpointing for p in SAVES_PRODUCTS),
+            timed=timed,
+            compiled=compiled,
+        )
+
+    attention, timing = choice(compiles)
+    if not (compiles and cfg.train.compile == "auto" and timing and timing.get("compiled")):
+        return attention, timing, None
+    eager, _ = choice(False)
+    leaner = BY_SAVED_BYTES.index(eager) < BY_SAVED_BYTES.index(attention)
+    return attention, timing, eager if leaner else None
 
 
 def _gelu_kernel(
