@@ -127,3 +127,10 @@ def test_auto_says_why_it_did_not_time(monkeypatch, tmp_path, over, why):
     resolved = resolve(_cfg(**over), CPU)
     assert resolved.config.train.gelu_kernel == "eager"
     assert why in resolved.gelu_kernel_timing["skipped"]
+
+
+@pytest.mark.slow
+def test_the_timing_runs_both_kernels():
+    """The real timing (fast tests record the compile as failed: conftest.py)."""
+    found = gelu_kernel.measure_gelu_kernel(GeluShape(256, 384, torch.bfloat16), CPU)
+    assert all(found[k] > 0 for k in ("eager_s", "compiled_s")) and found["compile_s"] >= 0

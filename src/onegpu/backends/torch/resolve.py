@@ -224,7 +224,9 @@ def _attention(
     Xeon: blocked + compile 1.27x eager, SDPA + compile 1.17x; benchmarks/results/
     step-cuts-B-2026-12-06.md)."""
     distributed = ctx is not None and ctx.enabled
-    compiles = compile_.auto_candidate(cfg, device, distributed) != "none"
+    mode = compile_.auto_candidate(cfg, device, distributed)
+    # several processes compile only regionally (a whole graph is refused: check_distributed)
+    compiles = mode == "regional" if distributed else mode != "none"
 
     def choice(compiled: bool) -> tuple[str, dict[str, Any] | None]:
         return attention_choice(
