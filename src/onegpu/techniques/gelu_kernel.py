@@ -2,10 +2,11 @@
 
 ATen's tanh GELU passes over the MLP's [tokens, 4 x d_model] activation once forward and once
 backward, as a fused kernel should; what it costs is its vectorised tanh, which differs by CPU.
-On the 2-core AMX-BF16 Xeon, at model B's 4,096 x 1,536 in bf16, it took 7.9 ms forward and
-8.4 ms backward, where the erf GELU takes 1.3 ms and torch.tanh over fp32 1.6 ms. Compiled in
+On the 2-core AMX-BF16 Xeon, at model B's 4,096 x 1,536 in bf16, it took 11.0 ms forward and
+11.3 ms backward, where the erf GELU takes 2.3 ms and torch.tanh over fp32 2.8 ms. Compiled in
 its sigmoid form (models/gpt.py's `tanh_gelu_sigmoid_form`, the same function), forward and
-backward ran in 3.0 and 4.7 ms: 52 ms a step over B's 6 layers. A compiled model (blocks or
+backward ran in 4.3 and 5.1 ms: 78 ms a step over B's 6 layers
+(benchmarks/results/gelu-kernels-2026-12-06.md, a slow hour of that VM). A compiled model (blocks or
 whole) fuses the same form into its graph already; this is the eager path's share of it.
 
 The backward kernel recomputes the sigmoid from the saved input, as ATen's does: what is saved
@@ -33,8 +34,6 @@ from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.kernel_trial import resolve, time_both
 from onegpu.techniques.loss_kernels import missing_compiler
 
-MIN_STEPS = 100
-"""Runs of fewer micro-batches keep ATen's kernel without timing (as the loss kernel's)."""
 CACHE = "gelu_kernel.json"
 _U = math.sqrt(2 / math.pi)
 _CUBIC = 0.044715
@@ -53,13 +52,16 @@ _COMPILED: list[tuple[Callable, Callable]] = []
 
 
 def _kernels() -> tuple[Callable, Callable]:
-    """Forward and backward compiled (lazily, on first call; dynamo keeps one graph per shape),
-    whole graphs or an error: a graph break would run part of them eagerly without a word."""
+    """Forward and backward compiled (lazily, on first call), whole graphs or an error: a graph
+    break would run part of them eagerly without a word. Shapes are left to dynamo (a second
+    shape compiles one dynamic kernel): elementwise kernels lose nothing to it, and a process
+    that meets many shapes (a trial, training, evaluation, several models) never runs into
+    the recompile limit, which a whole-graph compile turns into an error."""
     if not _COMPILED:
         _COMPILED.append(
             (
-                torch.compile(tanh_gelu_sigmoid_form, dynamic=False, fullgraph=True),
-                torch.compile(tanh_gelu_grad, dynamic=False, fullgraph=True),
+                torch.compile(tanh_gelu_sigmoid_form, fullgraph=True),
+                torch.compile(tanh_gelu_grad, fullgraph=True),
             )
         )
     return _COMPILED[0]

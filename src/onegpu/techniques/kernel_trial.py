@@ -14,6 +14,9 @@ from onegpu.cache import peek
 from onegpu.config import ConfigError
 from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 
+MIN_MICRO_BATCHES = 100
+"""Runs of fewer micro-batches keep ATen's kernels without timing: a first compile costs
+seconds that a short run does not win back."""
 MIN_GAIN = 1.02
 """The compiled kernel is kept only where it runs at least this much faster (two timings of
 one kernel differ by about 1%)."""

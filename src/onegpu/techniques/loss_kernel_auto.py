@@ -14,12 +14,10 @@ import torch
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
+from onegpu.techniques.kernel_trial import MIN_MICRO_BATCHES as MIN_STEPS
 from onegpu.techniques.kernel_trial import resolve, time_both
 from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels, missing_compiler
 
-MIN_STEPS = 100
-"""Runs of fewer micro-batches keep the eager kernels without timing: a first compile of the two
-kernels costs seconds that a short run does not win back."""
 CACHE = "loss_kernel.json"
 
 

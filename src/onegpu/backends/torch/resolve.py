@@ -21,8 +21,8 @@ from onegpu.perf.logits import vocab_shard
 from onegpu.techniques import compile as compile_
 from onegpu.techniques.attention import BY_SAVED_BYTES, AttentionCall, attention_choice
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
-from onegpu.techniques.gelu_kernel import MIN_STEPS as GELU_MIN_STEPS
 from onegpu.techniques.gelu_kernel import GeluShape, resolve_gelu_kernel
+from onegpu.techniques.kernel_trial import MIN_MICRO_BATCHES
 from onegpu.techniques.loss_kernel_auto import LossShape, resolve_loss_kernel
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
 
@@ -268,8 +268,8 @@ def _gelu_kernel(
         skipped = "no tanh GELU of onegpu's GPT (a Hugging Face model, or few-bit GELU)"
     elif cfg.train.compile not in ("auto", "none"):
         skipped = f"train.compile {cfg.train.compile} fuses the GELU into its graph"
-    elif micro_steps < GELU_MIN_STEPS:
-        skipped = f"a run of {micro_steps} micro-batches, under {GELU_MIN_STEPS}"
+    elif micro_steps < MIN_MICRO_BATCHES:
+        skipped = f"a run of {micro_steps} micro-batches, under {MIN_MICRO_BATCHES}"
     shape = GeluShape(
         tokens=cfg.train.micro_batch_size * cfg.train_seq_len,
         hidden=m.mlp_ratio * m.d_model // cfg.dist.tp,
@@ -279,7 +279,7 @@ def _gelu_kernel(
         cfg.train.gelu_kernel,
         shape,
         device,
-        micro_steps * m.n_layer,
+        micro_steps * m.n_layer // cfg.dist.pp,  # a pipeline stage runs its share of layers
         skipped=skipped,
         timed=timed,
     )
