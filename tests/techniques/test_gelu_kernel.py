@@ -90,8 +90,9 @@ def test_a_run_takes_the_compiled_kernel_and_says_so(monkeypatch, tmp_path):
     assert built.cfg.train.gelu_kernel == "compiled"
     gelus = [m for m in built.model.modules() if isinstance(m, TanhGELU)]
     assert gelus and all(m.kernel is compiled_gelu for m in gelus)
-    assert "GELU kernel compiled (a layer's GELU forward + backward: eager 8 ms, compiled 4 ms" in (
-        describe_auto(built)
+    assert (
+        "GELU kernel compiled (a layer's GELU forward + backward: eager 8.00 ms, compiled 4.00 ms"
+        in (describe_auto(built))
     )
     assert kernel_record(built.resolved.gelu_kernel_timing, "compiled")["chosen"] == "compiled"
 

@@ -116,9 +116,15 @@ def describe_kernel_timing(timing: dict[str, Any], what: str) -> str:
         return f"compile failed: {timing['failed']}"
     compile_ = "cached" if timing.get("cached") else f"+{timing['compile_s']:.1f} s to compile"
     return (
-        f"{what}: eager {timing['eager_s'] * 1e3:,.0f} ms, compiled "
-        f"{timing['compiled_s'] * 1e3:,.0f} ms, {compile_}"
+        f"{what}: eager {_ms(timing['eager_s'])} ms, compiled {_ms(timing['compiled_s'])} ms, "
+        f"{compile_}"
     )
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds to three significant figures or so: a GELU's few ms, a loss's hundreds."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
 
 
 def run_floor(built: Built, step_s: float | None) -> float | None:
