@@ -349,7 +349,22 @@ def test_compile_auto_staying_eager_takes_the_leaner_eager_choice(tiny_cfg, monk
 
     monkeypatch.setattr(attention, "measure_cpu_attention", measure)
     stays_eager = compile_.CompileTrial(1.0, 1.0, 30.0, mode="default")
-    monkeypatch.setattr(compile_, "decide", lambda *a, **k: ("none", stays_eager))
+    seen = []
+
+    def decide(cfg, model, eager, candidates, autocast, device):
+        """The trial's eager step runs the eager pick, each mode its compiled pick."""
+
+        def impls():
+            return {m.impl for m in model.modules() if isinstance(m, Attention)}
+
+        seen.append(impls())
+        candidates["regional"].enter()
+        seen.append(impls())
+        candidates["regional"].leave()
+        seen.append(impls())
+        return "none", stays_eager
+
+    monkeypatch.setattr(compile_, "decide", decide)
     tiny_cfg.model.attention, tiny_cfg.train.compile = "auto", "auto"
     tiny_cfg.train.max_steps, tiny_cfg.train.gelu_kernel = 500, "eager"
     built = build(tiny_cfg, torch.device("cpu"), with_data=False)
@@ -364,6 +379,7 @@ def test_compile_auto_staying_eager_takes_the_leaner_eager_choice(tiny_cfg, monk
     ) in describe_auto(built)
     impls = {m.impl for m in built.model.modules() if isinstance(m, Attention)}
     assert impls == {"sdpa"}
+    assert seen == [{"sdpa"}, {"plain"}, {"sdpa"}]
     monkeypatch.setattr(compile_, "decide", lambda *a, **k: ("default", stays_eager))
     compiled = build(tiny_cfg, torch.device("cpu"), with_data=False)
     assert compiled.cfg.model.attention == "plain"

@@ -23,18 +23,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from onegpu.cache import peek
 from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.blocked_attention import blocked_attention
 from onegpu.models.documents import document_mask, placeholder_positions
-from onegpu.models.gpt import SDPA_BACKENDS, plain_attention
+from onegpu.models.gpt import SDPA_BACKENDS, Attention, plain_attention
+from onegpu.models.protocol import LossFn
 from onegpu.perf.allocator import active_allocator, run_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
 from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
+from onegpu.techniques.compile import Candidate
 from onegpu.techniques.loss_kernels import missing_compiler
 
 ROUNDS = 5
@@ -224,3 +227,26 @@ def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype)
             f"the SDPA {name!r} kernel is not available on {device.type} for {dtype}; "
             "use 'sdpa' (the fastest available kernel) or 'math'",
         ) from None
+
+
+def use_attention(model: nn.Module, impl: str) -> None:
+    """Every attention layer of our GPT on the kernel `impl`."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.impl = impl
+
+
+def on_attention(candidate: Candidate, model: nn.Module, compiled: str, eager: str) -> Candidate:
+    """A compile mode `candidate` run on the attention kernel compiled timings picked
+    (`compiled`), the eager pick restored after: `train.compile auto` weighs each mode on its
+    own kernel against eager on the eager one."""
+
+    def enter() -> LossFn:
+        use_attention(model, compiled)
+        return candidate.enter()
+
+    def leave() -> None:
+        candidate.leave()
+        use_attention(model, eager)
+
+    return Candidate(enter, leave)

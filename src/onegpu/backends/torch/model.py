@@ -38,13 +38,14 @@ from onegpu.distributed.tensor_parallel import (
     loss_parallel_context,
     vocab_parallel_loss,
 )
-from onegpu.models.gpt import GPT, Attention
+from onegpu.models.gpt import GPT
 from onegpu.models.hf import build_hf_model
 from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.models.qkv import split_fused_qkv
 from onegpu.offload.activations import with_offload
 from onegpu.techniques import compile as compile_
 from onegpu.techniques.approx_grads import apply_approx_grads
+from onegpu.techniques.attention import on_attention, use_attention
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum, vocab_parallel_chunked_loss
 from onegpu.techniques.gelu_kernel import use_gelu_kernel
@@ -85,25 +86,24 @@ def _compile_auto(
     device: torch.device,
 ) -> Applied:
     """`train.compile auto` on the materialised model: eager or a compile mode, whichever the
-    (cached) timing says saves the most over the run. A run that stays eager takes the leaner
-    attention kernel eager timings pick, where compiled ones picked another."""
+    (cached) timing says saves the most over the run. Where compiled timings picked another
+    attention kernel than eager ones (`Resolved.attention_if_eager`), the trial weighs each
+    mode on its own pick against eager on the leaner eager one, and a run that stays eager
+    takes that one."""
     policy, offloads = resolved.precision, cfg.memory.offload_activations
     autocast = lambda: policy.autocast(device)  # noqa: E731
     wrap = (lambda f: with_offload(f, device)) if offloads else (lambda f: f)
     candidates = compile_.auto_candidates(model, raw, wrap)
+    if eager_pick := resolved.attention_if_eager:
+        candidates = {
+            m: on_attention(c, model, cfg.model.attention, eager_pick)
+            for m, c in candidates.items()
+        }
+        use_attention(model, eager_pick)
     mode, trial = compile_.decide(cfg, model, eager, candidates, autocast, device)
     chosen = candidates[mode].enter() if mode != "none" else eager
-    attention = resolved.attention_if_eager if mode == "none" else None
-    if attention:
-        use_attention(model, attention)
+    attention = eager_pick if mode == "none" else None
     return Applied(model, chosen, compile=mode, compile_trial=trial, attention=attention)
-
-
-def use_attention(model: nn.Module, impl: str) -> None:
-    """Every attention layer of our GPT on the kernel `impl`."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.impl = impl
 
 
 def make_model(m: ModelConfig) -> LanguageModel:
