@@ -16,7 +16,6 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,19 +26,14 @@ from onegpu.perf.devices import cpu_identity
 from onegpu.techniques.gelu_kernel import tanh_gelu_grad
 
 sys.path.insert(0, str(Path(__file__).parent))
+from rate_drift import best_of  # noqa: E402
 from vs_peers import RESULTS, _new_stem  # noqa: E402
 
 SHAPES = {"B": (16 * 256, 4 * 384), "A": (8 * 512, 4 * 256)}
 
 
-def best_ms(fn, calls: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+def best_ms(fn) -> float:
+    return best_of(fn) * 1e3
 
 
 def kernels(tokens: int, hidden: int) -> dict:
