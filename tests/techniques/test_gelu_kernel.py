@@ -130,6 +130,14 @@ def test_auto_says_why_it_did_not_time(monkeypatch, tmp_path, over, why):
     assert why in resolved.gelu_kernel_timing["skipped"]
 
 
+def test_compiled_by_hand_on_a_compiled_model_warns_that_the_graph_runs_instead(tmp_path):
+    from onegpu.backends.torch.resolve import resolve
+
+    cfg = _cfg(**{"train.compile": "regional", "train.gelu_kernel": "compiled"})
+    with pytest.warns(UserWarning, match="regional fuses the GELU into its graph"):
+        assert resolve(cfg, CPU).config.train.gelu_kernel == "compiled"
+
+
 @pytest.mark.slow
 def test_the_timing_runs_both_kernels():
     """The real timing (fast tests record the compile as failed: conftest.py)."""

@@ -268,6 +268,10 @@ def _gelu_kernel(
         skipped = "no tanh GELU of onegpu's GPT (a Hugging Face model, or few-bit GELU)"
     elif cfg.train.compile not in ("auto", "none"):
         skipped = f"train.compile {cfg.train.compile} fuses the GELU into its graph"
+        if cfg.train.gelu_kernel == "compiled":
+            warnings.warn(
+                f"train.gelu_kernel compiled: {skipped}, which runs instead", stacklevel=2
+            )
     elif micro_steps < MIN_MICRO_BATCHES:
         skipped = f"a run of {micro_steps} micro-batches, under {MIN_MICRO_BATCHES}"
     shape = GeluShape(
