@@ -61,3 +61,22 @@ def test_without_a_process_group_the_interpreter_ends_as_usual(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "teardown").read_text() == "ran"
+
+
+POOL = """
+import concurrent.futures, sys
+from onegpu.distributed import context
+context.opened_a_group = lambda: True  # as after torchrun
+pool = concurrent.futures.ThreadPoolExecutor(2)  # as inductor's compile pool, idle at the end
+pool.submit(print, "used").result()
+from onegpu.cli import _leave_without_teardown_after_a_process_group
+_leave_without_teardown_after_a_process_group(3)
+"""
+
+
+def test_idle_pool_workers_do_not_hold_the_exit(tmp_path):
+    """A pool's idle workers wait for work until told to leave: joined before they are told
+    (the interpreter tells them first), a torchrun rank that had compiled never ended."""
+    proc = subprocess.run([sys.executable, "-c", POOL], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout == "used\n"

@@ -194,6 +194,11 @@ def _leave_without_teardown_after_a_process_group(code: int) -> None:
     import logging
     import threading
 
+    # Idle ThreadPoolExecutor workers (inductor's compile pool) wait for work until told to
+    # leave, which the interpreter does before it joins threads: joined first, they never end.
+    pools = sys.modules.get("concurrent.futures.thread")
+    if hasattr(pools, "_python_exit"):
+        pools._python_exit()
     for thread in threading.enumerate():  # as the interpreter would: its threads first
         if not thread.daemon and thread is not threading.current_thread():
             thread.join()
