@@ -38,7 +38,7 @@ from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
 from onegpu.techniques.compile import Candidate
-from onegpu.techniques.loss_kernels import missing_compiler
+from onegpu.techniques.kernel_trial import missing_compiler
 
 ROUNDS = 5
 """Interleaved rounds per candidate (after one warm-up each); the medians are compared."""

@@ -31,8 +31,7 @@ from torch import nn
 from onegpu.models.gpt import TanhGELU, tanh_gelu_sigmoid_form
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import device_key, sync
-from onegpu.techniques.kernel_trial import resolve, time_both
-from onegpu.techniques.loss_kernels import missing_compiler
+from onegpu.techniques.kernel_trial import missing_compiler, resolve, time_both
 
 CACHE = "gelu_kernel.json"
 _U = math.sqrt(2 / math.pi)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
 from onegpu.cache import peek
@@ -98,3 +99,23 @@ def resolve(
         return "eager", {"skipped": why}
     found = timed_cached(cache, at, measure, what=f"{setting} auto", valid=valid)
     return choose(found, calls), found | {"cached": False}
+
+
+def missing_compiler(device: torch.device) -> str:
+    """Why inductor cannot build kernels for `device` here ('' where it can): no C++ compiler
+    on a CPU, no Triton on a GPU."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed (pip install triton)"
+        return ""
+    if device.type != "cpu":
+        return f"inductor builds no kernels for {device.type}"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - any failure to find one means the same
+        return f"no C++ compiler for inductor ({type(e).__name__}; install g++ or set CXX)"
+    return ""

@@ -15,8 +15,8 @@ from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
 from onegpu.techniques.kernel_trial import MIN_MICRO_BATCHES as MIN_STEPS
-from onegpu.techniques.kernel_trial import resolve, time_both
-from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels, missing_compiler
+from onegpu.techniques.kernel_trial import missing_compiler, resolve, time_both
+from onegpu.techniques.loss_kernels import LossKernels, compiled_kernels
 
 CACHE = "loss_kernel.json"
 
