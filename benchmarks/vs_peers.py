@@ -53,6 +53,9 @@ import torch
 from onegpu.perf.allocator import MIMALLOC_PURGE, find_mimalloc, find_tcmalloc
 from onegpu.perf.devices import cpu_identity
 
+sys.path.insert(0, str(Path(__file__).parent))
+from paired import Contestant, ratio, run_in_turns, step_time  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 WARM = 3  # steps left out of the timing (compilation, allocator growth)
 ONEGPU_STEPS = 200  # the run onegpu's defaults are measured in (stopped early)
@@ -115,7 +118,7 @@ def _schedule(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * p))
 
 
-def run_plain(model_name: str, steps: int, compile_: bool) -> list[float]:
+def run_plain(model_name: str, steps: int, compile_: bool, on_step=None) -> list[float]:
     model, data, batch = _hf_model(model_name), _windows(model_name), MODELS[model_name]["batch"]
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1337))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "wte" not in n]
@@ -138,10 +141,12 @@ def run_plain(model_name: str, steps: int, compile_: bool) -> list[float]:
         opt.zero_grad(set_to_none=True)
         loss.item()
         times.append(time.perf_counter() - t0)
+        if on_step:
+            on_step(times[-1])
     return times
 
 
-def run_hf(model_name: str, steps: int, compile_: bool) -> list[float]:
+def run_hf(model_name: str, steps: int, compile_: bool, on_step=None) -> list[float]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     data = _windows(model_name)
@@ -161,6 +166,8 @@ def run_hf(model_name: str, steps: int, compile_: bool) -> list[float]:
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            if on_step:
+                on_step(times[-1])
 
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
@@ -176,14 +183,30 @@ def run_hf(model_name: str, steps: int, compile_: bool) -> list[float]:
     return times
 
 
+def onegpu_command(model: str, out: str | Path, backend: str = "torch") -> list[str]:
+    """A 200-step `onegpu train` of `model` logging every step to out/metrics.jsonl."""
+    return [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], "--out.dir", str(out),
+            "--train.backend", backend,
+            "--train.max_steps", str(ONEGPU_STEPS), "--train.log_every", "1",
+            "--train.eval_every", "0", "--train.measure_memory", "false",
+            "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
+
+
+def onegpu_choices(summary: dict) -> dict:
+    """What the run's summary.json says onegpu ran with: allocator, precision, `auto`'s picks."""
+    cfg = summary["config"]
+    return {"allocator": summary.get("allocator") or summary["environment"].get("allocator", "?"),
+            "precision": summary["precision"], "compile_time_s": summary.get("compile_time_s"),
+            "chosen": f"loss_chunk {cfg['memory']['loss_chunk']}, "
+                      f"loss_kernel {cfg['train'].get('loss_kernel', 'eager')}, "
+                      f"gelu_kernel {cfg['train'].get('gelu_kernel', 'eager')}, "
+                      f"compile {cfg['train']['compile']}, attention {cfg['model']['attention']}"}  # fmt: skip
+
+
 def run_onegpu(model: str, steps: int, env: dict[str, str], backend: str = "torch") -> dict:
     """A 200-step `onegpu train`, stopped by SIGTERM (a graceful stop) after `steps` steps."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], "--out.dir", out,
-               "--train.backend", backend,
-               "--train.max_steps", str(ONEGPU_STEPS), "--train.log_every", "1",
-               "--train.eval_every", "0", "--train.measure_memory", "false",
-               "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
+        cmd = onegpu_command(model, out, backend)
         metrics = Path(out) / "metrics.jsonl"
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         while proc.poll() is None:
@@ -196,49 +219,105 @@ def run_onegpu(model: str, steps: int, env: dict[str, str], backend: str = "torc
             sys.exit(f"onegpu failed:\n{err.decode()[-3000:]}")
         rows = [json.loads(x) for x in metrics.read_text().splitlines()]
         summary = json.loads((Path(out) / "summary.json").read_text())
-    cfg = summary["config"]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][:steps]
-    return {"times": times, "peak_rss_bytes": summary["peak_mem_bytes"],
-            "allocator": summary.get("allocator") or summary["environment"].get("allocator", "?"), "precision": summary["precision"],
-            "compile_time_s": summary.get("compile_time_s"),
-            "chosen": f"loss_chunk {cfg['memory']['loss_chunk']}, "
-                      f"loss_kernel {cfg['train'].get('loss_kernel', 'eager')}, "
-                      f"compile {cfg['train']['compile']}, attention {cfg['model']['attention']}"}  # fmt: skip
+    return {"times": times, "peak_rss_bytes": summary["peak_mem_bytes"]} | onegpu_choices(summary)
 
 
-def worker(name: str, model: str, steps: int) -> dict:
+def worker(name: str, model: str, steps: int, steps_file: str | None = None) -> dict:
+    """One peer's run; with `steps_file`, each step's time is also written there as it ends
+    (one JSON line, flushed: what benchmarks/paired.py reads)."""
     kind, compile_ = name.removesuffix("-compile"), name.endswith("-compile")
-    times = (run_plain if kind == "plain" else run_hf)(model, steps, compile_)
+    log = open(steps_file, "a") if steps_file else None  # noqa: SIM115 (open for the whole run)
+
+    def on_step(seconds: float) -> None:
+        log.write(json.dumps({"step_time_s": seconds}) + "\n")
+        log.flush()
+
+    times = (run_plain if kind == "plain" else run_hf)(
+        model, steps, compile_, on_step if log else None
+    )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"times": times, "peak_rss_bytes": peak, "precision": _precision()}
 
 
-def run(name: str, model: str, steps: int) -> dict:
+def environment(name: str) -> dict[str, str]:
+    """The contestant's environment: its allocator (onegpu's own setting, or a preload)."""
     base, _, preload = name.partition("+")
-    fast = preload == "tcmalloc"
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if base in ("onegpu", "onegpu-jax"):  # both backends on the allocator a fresh machine gets
-        env["ONEGPU_ALLOCATOR"] = "tcmalloc" if fast else "mimalloc"
+        env["ONEGPU_ALLOCATOR"] = "tcmalloc" if preload == "tcmalloc" else "mimalloc"
+        return env
+    env["ONEGPU_ALLOCATOR"] = "system"  # the worker imports onegpu for its data: no preload
+    if preload == "tcmalloc":
+        env["LD_PRELOAD"] = find_tcmalloc() or ""
+    elif preload == "mimalloc":  # exactly as onegpu preloads it
+        env["LD_PRELOAD"] = find_mimalloc() or ""
+        env[MIMALLOC_PURGE] = "-1"
+    return env
+
+
+def worker_command(name: str, model: str, steps: int, steps_file: Path | None = None) -> list[str]:
+    base = name.partition("+")[0]
+    cmd = [sys.executable, __file__, "--worker", base, "--model", model, "--steps", str(steps)]
+    return cmd + (["--steps-file", str(steps_file)] if steps_file else [])
+
+
+def with_rates(res: dict, model: str, step: float) -> dict:
+    """`res` with its step time, tokens/s and first step's excess over a steady step (compile
+    time, the same view for every contestant)."""
+    tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
+    first = max(0.0, res["times"][0] - step)
+    return res | {"step_time_s": step, "tokens_per_s": tokens / step, "first_step_excess_s": first}
+
+
+def run(name: str, model: str, steps: int) -> dict:
+    base, _, preload = name.partition("+")
+    env = environment(name)
+    if base in ("onegpu", "onegpu-jax"):
         res = run_onegpu(model, steps, env, backend="jax" if base == "onegpu-jax" else "torch")
     else:
-        env["ONEGPU_ALLOCATOR"] = "system"  # the worker imports onegpu for its data: no preload
-        if preload == "tcmalloc":
-            env["LD_PRELOAD"] = find_tcmalloc() or ""
-        elif preload == "mimalloc":  # exactly as onegpu preloads it
-            env["LD_PRELOAD"] = find_mimalloc() or ""
-            env[MIMALLOC_PURGE] = "-1"
-        cmd = [sys.executable, __file__, "--worker", base, "--model", model, "--steps", str(steps)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            worker_command(name, model, steps), capture_output=True, text=True, env=env
+        )
         if proc.returncode != 0:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         res["allocator"] = preload or "glibc"
-    step = statistics.median(res["times"][WARM:])
-    tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
-    # compile time, the same view for every contestant: the first step's excess over a steady one
-    first = max(0.0, res["times"][0] - step)
-    return res | {"step_time_s": step, "tokens_per_s": tokens / step, "first_step_excess_s": first}
+    return with_rates(res, model, statistics.median(res["times"][WARM:]))
+
+
+def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> dict[str, dict]:
+    """Every contestant alive at once, timed in turns (benchmarks/paired.py); each one's result
+    as `run` gives it, plus `paired`: how many times faster it ran than each other contestant."""
+    needed = WARM + cycles * (turn_steps + 1) + 1
+    if needed > ONEGPU_STEPS:
+        sys.exit(f"--cycles x (--turn-steps + 1) needs {needed} steps; onegpu runs {ONEGPU_STEPS}")
+    with tempfile.TemporaryDirectory() as tmp:
+        contestants = []
+        for n in names:
+            folder = Path(tmp) / n
+            folder.mkdir()
+            base = n.partition("+")[0]
+            if base in ("onegpu", "onegpu-jax"):
+                cmd = onegpu_command(model, folder, "jax" if base == "onegpu-jax" else "torch")
+                steps_file = folder / "metrics.jsonl"
+            else:
+                steps_file = folder / "steps.jsonl"
+                cmd = worker_command(n, model, ONEGPU_STEPS, steps_file)
+            contestants.append(Contestant(n, cmd, environment(n), steps_file))
+        run_in_turns(contestants, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
+        results = {}
+        for c in contestants:
+            summary = c.steps_file.parent / "summary.json"
+            if summary.exists():
+                res = onegpu_choices(json.loads(summary.read_text()))
+            else:
+                res = {"allocator": c.name.partition("+")[2] or "glibc", "precision": _precision()}
+            res |= {"times": c.steps(), "turns": c.turns, "peak_rss_bytes": c.peak_rss_bytes}
+            res = with_rates(res, model, step_time(c))
+            results[c.name] = res | {"paired": {o.name: ratio(c, o) for o in contestants}}
+    return results
 
 
 def model_floor(model: str) -> dict[str, float]:
@@ -266,6 +345,22 @@ def model_floor(model: str) -> dict[str, float]:
     }
 
 
+def _counts(a: argparse.Namespace) -> str:
+    if a.paired:
+        return f"--paired --cycles {a.cycles} --turn-steps {a.turn_steps}"
+    return f"--rounds {a.rounds} --steps {a.steps}"
+
+
+def _method(a: argparse.Namespace) -> str:
+    if a.paired:
+        return (
+            f"every contestant alive at once and timed in turns (benchmarks/paired.py): "
+            f"{a.cycles} cycles of {a.turn_steps} clean steps each; tokens/s from the median "
+            "step, ratios the median over cycles of each cycle's ratio"
+        )
+    return f"medians of {a.rounds} interleaved rounds of {a.steps - WARM} steady steps"
+
+
 def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) -> str:
     ref = {k: max((n for n in med if n.startswith(k) and "+" not in n), default=None,
                   key=lambda n: med[n]["tokens_per_s"]) for k in ("hf", "plain")}  # fmt: skip
@@ -276,12 +371,12 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) 
     lines = [
         f"# onegpu vs transformers.Trainer vs a hand-written loop: model {model}",
         "",
-        f"`python benchmarks/vs_peers.py --model {model} --rounds {a.rounds} --steps {a.steps}"
+        f"`python benchmarks/vs_peers.py --model {model} {_counts(a)}"
         + (f" --only {a.only}" if tuple(a.only.split(",")) != DEFAULT else "")
         + "`; "
         f"{platform.machine()}, {os.cpu_count()} cores ({cpu_identity()}), "
-        f"torch {torch.__version__}, precision {_precision()}; medians of {a.rounds} interleaved "
-        f"rounds of {a.steps - WARM} steady steps; {time.strftime('%Y-%m-%d')}. Model: "
+        f"torch {torch.__version__}, precision {_precision()}; {_method(a)}; "
+        f"{time.strftime('%Y-%m-%d')}. Model: "
         f"{MODELS[model]['shape']}, batch {MODELS[model]['batch']}. Ratios against the best "
         "setting of each peer on its own allocator. First step: its excess over a steady step "
         "(compilation, for the compiled ones). Floor: the step's matmul floor on this machine "
@@ -297,7 +392,10 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) 
     ]
     tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
     for n, m in med.items():
-        ratios = " | ".join(f"{m['tokens_per_s'] / med[c]['tokens_per_s']:.2f}" for c in cols)
+        ratios = " | ".join(
+            f"{m['paired'][c] if 'paired' in m else m['tokens_per_s'] / med[c]['tokens_per_s']:.2f}"
+            for c in cols
+        )
         step_s = tokens / m["tokens_per_s"]
         mfu = m["tokens_per_s"] * floor["flops_per_token"] / floor["peak_flops"]
         lines.append(f"| {n} | {m['allocator']} | {m['precision']} | {m['tokens_per_s']:,.0f} "
@@ -309,22 +407,9 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) 
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="B", choices=sorted(MODELS))
-    ap.add_argument("--steps", type=int, default=11)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default=",".join(DEFAULT), help=f"of {','.join(CONTESTANTS)}")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
-        print(json.dumps(worker(a.worker, a.model, a.steps)))
-        return
-    names = [n for n in a.only.split(",") if find_tcmalloc() or not n.endswith("+tcmalloc")]
-    if "onegpu" in names and not find_mimalloc():
-        sys.exit("the cmeel-mimalloc wheel is missing: pip install -e . brings it")
-    if any(n.startswith("onegpu") for n in names):  # fills the per-machine caches, uncounted
-        run("onegpu", a.model, WARM + 1)
+def run_rounds(names: list[str], a: argparse.Namespace) -> tuple[dict, dict]:
+    """Each contestant once a round in a fresh process, rounds interleaved; every run, and the
+    medians over rounds."""
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(a.rounds):
         for n in names:  # interleaved: a slow moment of the shared machine hits every contestant
@@ -339,10 +424,40 @@ def main() -> None:
             **({"chosen": rs[0]["chosen"]} if "chosen" in rs[0] else {})}
         for n, rs in runs.items()
     }  # fmt: skip
+    return runs, med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="B", choices=sorted(MODELS))
+    ap.add_argument("--steps", type=int, default=11)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default=",".join(DEFAULT), help=f"of {','.join(CONTESTANTS)}")
+    ap.add_argument("--paired", action="store_true", help="time every contestant in turns, "
+                    "all alive at once (benchmarks/paired.py): for machines whose speed drifts")  # fmt: skip
+    ap.add_argument("--cycles", type=int, default=12, help="with --paired: turns per contestant")
+    ap.add_argument("--turn-steps", type=int, default=3, help="with --paired: clean steps a turn")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--steps-file", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.model, a.steps, a.steps_file)))
+        return
+    names = [n for n in a.only.split(",") if find_tcmalloc() or not n.endswith("+tcmalloc")]
+    if "onegpu" in names and not find_mimalloc():
+        sys.exit("the cmeel-mimalloc wheel is missing: pip install -e . brings it")
+    if any(n.startswith("onegpu") for n in names):  # fills the per-machine caches, uncounted
+        run("onegpu", a.model, WARM + 1)
+    if a.paired:
+        med = run_paired(names, a.model, a.cycles, a.turn_steps)
+        runs = {n: [m] for n, m in med.items()}
+    else:
+        runs, med = run_rounds(names, a)
     floor = model_floor(a.model)
     text = table(a.model, med, a, floor)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"vs-peers-{a.model}" + ("-bf16" if _precision() == "bf16" else "")
+    stem += "-paired" if a.paired else ""
     if tuple(names) != DEFAULT:  # a subset or other contestants: not the head-to-head's file
         stem += "-" + "-".join(n.replace("+", "-") for n in names)
     stem = _new_stem(f"{stem}-{time.strftime('%Y-%m-%d')}")
