@@ -1,13 +1,16 @@
 """Each way of cutting a step's non-matmul work, alone, against the step's matmul floor.
 
     python benchmarks/step_cuts.py --model B [--rounds 2] [--steps 30] [--only base,regional]
+    python benchmarks/step_cuts.py --model B --paired [--cycles 12] [--turn-steps 3] [--only ...]
 
 Every row is a fresh `onegpu train` of the model (benchmarks/vs_peers.py's A or B) with one
 setting changed from the baseline (eager, the CPU flash attention kernel, the `auto` loss chunk,
 the allocator onegpu preloads), rounds interleaved; tokens/s and the step's multiple of its
 matmul floor come from the run's summary.json (`step_over_floor`, perf/floor.py), so each cut is
-judged by the same number. Writes results/step-cuts-<model>-<date>.{md,json} (never over an
-earlier file).
+judged by the same number. With --paired every cut's process is alive at once and they are
+timed in turns (benchmarks/paired.py: for a machine whose speed drifts within seconds), and
+`x base` is the median over cycles of each cycle's ratio. Writes
+results/step-cuts-<model>[-paired]-<date>.{md,json} (never over an earlier file).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_peers import MODELS, RESULTS, _new_stem  # noqa: E402
+from paired import Contestant, ratio, run_in_turns, step_time  # noqa: E402
+from vs_peers import MODELS, ONEGPU_STEPS, RESULTS, WARM, _new_stem, model_floor  # noqa: E402
 
 BASE = ["--train.compile", "none", "--model.attention", "sdpa", "--train.loss_kernel", "eager",
         "--train.gelu_kernel", "eager"]  # fmt: skip
@@ -51,6 +55,14 @@ CUTS: dict[str, tuple[list[str], str]] = {
     "blocked+compile": (
         ["--model.attention", "blocked", "--train.compile", "default"],
         "blocked attention, the whole forward + loss compiled",
+    ),
+    "blocked+max-autotune": (
+        ["--model.attention", "blocked", "--train.compile", "max-autotune"],
+        "blocked attention, whole graph, inductor's GEMM templates (AMX micro-GEMM, epilogues)",
+    ),
+    "blocked+compile+cpp-wrapper": (
+        ["--model.attention", "blocked", "--train.compile", "default"],
+        "blocked attention, whole graph, TORCHINDUCTOR_CPP_WRAPPER=1 (the wrapper in C++)",
     ),
     "blocked+regional": (
         ["--model.attention", "blocked", "--train.compile", "regional"],
@@ -93,22 +105,85 @@ CUTS: dict[str, tuple[list[str], str]] = {
     ),
     "glibc": ([], "ONEGPU_ALLOCATOR=system: glibc malloc, tuned in-process"),
 }
+CUT_ENV: dict[str, dict[str, str]] = {
+    "glibc": {"ONEGPU_ALLOCATOR": "system"},
+    "blocked+compile+cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"},
+}
+"""What a cut sets in the environment (every other cut: onegpu's default allocator)."""
+
+
+def command(model: str, cut: str, out: str | Path, steps: int, log_every: int) -> list[str]:
+    return [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], *BASE, *CUTS[cut][0],
+            "--out.dir", str(out), "--train.max_steps", str(steps),
+            "--train.log_every", str(log_every), "--train.eval_every", "0",
+            "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
+
+
+def environment(cut: str) -> dict[str, str]:
+    return {**os.environ, "ONEGPU_ALLOCATOR": "mimalloc", **CUT_ENV.get(cut, {})}
+
+
+KEYS = ("tokens_per_s", "step_time_s", "floor_s", "step_over_floor", "mfu", "peak_mem_bytes")
 
 
 def run(model: str, cut: str, steps: int) -> dict:
-    extra, _ = CUTS[cut]
-    env = {**os.environ, "ONEGPU_ALLOCATOR": "system" if cut == "glibc" else "mimalloc"}
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], *BASE, *extra,
-               "--out.dir", out, "--train.max_steps", str(steps), "--train.log_every", "5",
-               "--train.eval_every", "0", "--out.progress", "false",
-               "--out.save_checkpoint", "false"]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        cmd = command(model, cut, out, steps, log_every=5)
+        proc = subprocess.run(cmd, env=environment(cut), capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{cut} failed:\n{proc.stderr[-3000:]}")
         s = json.loads((Path(out) / "summary.json").read_text())
-    keys = ("tokens_per_s", "step_time_s", "floor_s", "step_over_floor", "mfu", "peak_mem_bytes")
-    return {k: s[k] for k in keys} | {"loss": s["loss"], "allocator": s.get("allocator")}
+    return {k: s[k] for k in KEYS} | {"loss": s["loss"], "allocator": s.get("allocator")}
+
+
+def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> dict[str, dict]:
+    """Every cut alive at once, timed in turns; each one's figures at its paired step time, and
+    `x_base`: how many times faster it ran than `base`, cycle by cycle."""
+    with tempfile.TemporaryDirectory() as tmp:
+        contestants = []
+        for n in names:
+            folder = Path(tmp) / n
+            folder.mkdir()
+            cmd = command(model, n, folder, ONEGPU_STEPS, log_every=1)
+            contestants.append(Contestant(n, cmd, environment(n), folder / "metrics.jsonl"))
+        run_in_turns(contestants, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
+        found = {}
+        for c in contestants:
+            s = json.loads((c.steps_file.parent / "summary.json").read_text())
+            step = step_time(c)
+            floor_s = model_floor(model, [*BASE, *CUTS[c.name][0]])["floor_s"]  # a stopped
+            # run measures no floor of its own (docs/floor.md)
+            scale = s["step_time_s"] / step  # its own steady steps against its paired ones
+            found[c.name] = {
+                "tokens_per_s": s["tokens_per_s"] * scale, "step_time_s": step,
+                "floor_s": floor_s, "step_over_floor": step / floor_s,
+                "mfu": (s["mfu"] or 0.0) * scale, "peak_mem_bytes": c.peak_rss_bytes, "loss": s["loss"],
+                "turns": c.turns,
+            }  # fmt: skip
+        base = next((c for c in contestants if c.name == "base"), None)
+        for c in contestants:
+            found[c.name]["x_base"] = ratio(c, base) if base else None
+    return found
+
+
+def _counts(a: argparse.Namespace) -> str:
+    only = f" --only {a.only}" if a.only != ",".join(CUTS) else ""
+    if a.paired:
+        return f"--paired --cycles {a.cycles} --turn-steps {a.turn_steps}{only}"
+    return f"--rounds {a.rounds} --steps {a.steps}{only}"
+
+
+def _method(a: argparse.Namespace) -> str:
+    if a.paired:
+        return (
+            "every cut alive at once and timed in turns (benchmarks/paired.py): "
+            f"{a.cycles} cycles of {a.turn_steps} clean steps each; x base: the median over "
+            "cycles of each cycle's ratio"
+        )
+    return (
+        f"medians of {a.rounds} interleaved rounds (fresh process each, steady steps from "
+        "summary.json)"
+    )
 
 
 def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
@@ -116,10 +191,9 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
     lines = [
         f"# Cuts of the step's non-matmul work, each alone: model {model}",
         "",
-        f"`python benchmarks/step_cuts.py --model {a.model} --rounds {a.rounds} --steps {a.steps}`; "
+        f"`python benchmarks/step_cuts.py --model {a.model} {_counts(a)}`; "
         f"{os.cpu_count()} cores ({cpu_identity()}), torch {torch.__version__}; "
-        f"{time.strftime('%Y-%m-%d')}; medians of {a.rounds} interleaved rounds (fresh process "
-        "each, steady steps from summary.json). Baseline flags: " + " ".join(BASE) + ".",
+        f"{time.strftime('%Y-%m-%d')}; {_method(a)}. Baseline flags: " + " ".join(BASE) + ".",
         "",
         "| cut | what | tokens/s | x base | step | floor | x floor | x base floor | MFU "
         "| peak RSS | loss |",
@@ -130,7 +204,8 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
         return m["step_time_s"] / (base or m)["floor_s"]
 
     for name, m in med.items():
-        ratio = f"{m['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        x = m.get("x_base") or (m["tokens_per_s"] / base["tokens_per_s"] if base else None)
+        ratio = f"{x:.2f}" if x else "-"
         lines.append(
             f"| {name} | {CUTS[name][1]} | {m['tokens_per_s']:,.0f} | {ratio} "
             f"| {m['step_time_s'] * 1e3:,.0f} ms | {m['floor_s'] * 1e3:,.0f} ms "
@@ -140,12 +215,26 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_rounds(model: str, names: list[str], rounds: int, steps: int) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names:
+            runs[n].append(run(model, n, steps))
+            m = runs[n][-1]
+            print(f"round {r + 1} {n}: {m['tokens_per_s']:,.0f} tokens/s, "
+                  f"{m['step_over_floor']:.2f}x the floor", flush=True)  # fmt: skip
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="B", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=",".join(CUTS), help=f"of {','.join(CUTS)}")
+    ap.add_argument("--paired", action="store_true", help="every cut alive, timed in turns")
+    ap.add_argument("--cycles", type=int, default=12, help="with --paired: turns per cut")
+    ap.add_argument("--turn-steps", type=int, default=3, help="with --paired: clean steps a turn")
     a = ap.parse_args()
     names = a.only.split(",")
     unknown = [n for n in names if n not in CUTS]
@@ -153,19 +242,18 @@ def main() -> None:
         sys.exit(f"--only: unknown cut(s) {unknown}; choose from {', '.join(CUTS)}")
     for n in names:  # fills the caches (tokenizer, timings, inductor's compiled code), uncounted
         run(a.model, n, 3)
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(a.rounds):
-        for n in names:
-            runs[n].append(run(a.model, n, a.steps))
-            m = runs[n][-1]
-            print(f"round {r + 1} {n}: {m['tokens_per_s']:,.0f} tokens/s, "
-                  f"{m['step_over_floor']:.2f}x the floor", flush=True)  # fmt: skip
-    med = {
-        n: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "allocator"}
-        for n, rs in runs.items()
-    }
+    if a.paired:
+        med = run_paired(a.model, names, a.cycles, a.turn_steps)
+        runs = {n: [m] for n, m in med.items()}
+    else:
+        runs = run_rounds(a.model, names, a.rounds, a.steps)
+        med = {
+            n: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "allocator"}
+            for n, rs in runs.items()
+        }
     text = table(a.model, med, a)
-    stem = _new_stem(f"step-cuts-{a.model}-{time.strftime('%Y-%m-%d')}")
+    paired = "-paired" if a.paired else ""
+    stem = _new_stem(f"step-cuts-{a.model}{paired}-{time.strftime('%Y-%m-%d')}")
     (RESULTS / f"{stem}.md").write_text(text)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"runs": runs, "median": med}, indent=1))
     print(text)

@@ -320,17 +320,19 @@ def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> di
     return results
 
 
-def model_floor(model: str) -> dict[str, float]:
+def model_floor(model: str, extra: list[str] | tuple[str, ...] = ()) -> dict[str, float]:
     """The model's matmul floor on this machine (perf/floor.py: every product of onegpu's step
     at the shapes and precision every contestant runs, timed alone), its FLOPs per token
-    (6 per weight, attention's 12 L T d) and the matmul peak MFU divides by."""
+    (6 per weight, attention's 12 L T d) and the matmul peak MFU divides by. `extra`: more
+    `--section.key value` flags (a cut's settings: blocked attention has its own products)."""
     from onegpu.backends.torch.floor import step_floor
     from onegpu.config import load_config
     from onegpu.perf.devices import cpu_peak_flops
     from onegpu.perf.flops import attention_flops_per_token
 
     over = MODELS[model]["over"] | {"train.precision": _precision(), "train.device": "cpu"}
-    for flag, value in zip(MODELS[model]["args"][::2], MODELS[model]["args"][1::2]):
+    flags = [*MODELS[model]["args"], *extra]
+    for flag, value in zip(flags[::2], flags[1::2]):
         if flag.startswith("--") and "." in flag:
             over[flag[2:]] = value
     cfg = load_config(MODELS[model]["preset"], overrides=over)
