@@ -9,7 +9,8 @@ Models (the same token stream, windows, global batch and optimizer family for ev
 - B: 6 x d384, 6 heads, seq 256, a BPE of 8,192 tokens, batch 16, no dropout.
 - small: the default `onegpu train` model (byte vocabulary).
 
-Contestants, each in a fresh process, rounds interleaved, medians over rounds:
+Contestants, each in a fresh process, rounds interleaved, medians over rounds (or, with
+--paired, all alive at once and timed in turns: benchmarks/paired.py):
 - onegpu: `onegpu train` and only the model's flags: every `auto` default (precision,
   attention, loss chunk, compile) and the allocator a fresh machine gets from `pip install`
   (mimalloc from the cmeel-mimalloc wheel; ONEGPU_ALLOCATOR=mimalloc here, where tcmalloc is
@@ -17,6 +18,7 @@ Contestants, each in a fresh process, rounds interleaved, medians over rounds:
   stopped with SIGTERM once enough steps are timed. A first, uncounted run fills onegpu's
   per-machine caches (tokenizer, attention, loss chunk and compile timings), as any first run
   on a machine does.
+- onegpu-long: the same as a 5,000-step run (stopped as early): `auto` decides for a long run.
 - hf, hf-compile: `Trainer` on `GPT2LMHeadModel` (SDPA), `adamw_torch_fused`, bf16 where the
   CPU runs it natively (else fp32), no eval, no saving; hf-compile adds `torch_compile=True`.
 - plain, plain-compile: the same model in a hand-written loop: autocast where bf16 is native,
@@ -73,13 +75,19 @@ MODELS = {
               "shape": dict(n_layer=6, n_head=4, d_model=256, seq_len=256, vocab_size=256), "batch": 16},
 }  # fmt: skip
 LR, WD, CLIP, WARMUP_STEPS = 1e-3, 0.1, 1.0, 20
-CONTESTANTS = ("onegpu", "onegpu+tcmalloc", "onegpu-jax", "hf", "hf-compile", "hf+tcmalloc",
-               "plain", "plain-compile", "plain-compile+tcmalloc", "plain-compile+mimalloc")  # fmt: skip
-"""onegpu-jax: the same `onegpu train` on the JAX backend (issue 24; needs the jax extra)."""
-DEFAULT = ("onegpu", "onegpu+tcmalloc", "plain-compile+mimalloc", "plain-compile+tcmalloc",
-           "plain-compile", "hf")  # fmt: skip
+CONTESTANTS = ("onegpu", "onegpu+tcmalloc", "onegpu-long", "onegpu-long+tcmalloc", "onegpu-jax",
+               "hf", "hf-compile", "hf+tcmalloc", "plain", "plain-compile", "plain-compile+tcmalloc",
+               "plain-compile+mimalloc")  # fmt: skip
+"""onegpu-jax: the same `onegpu train` on the JAX backend (issue 24; needs the jax extra).
+onegpu-long: the same `onegpu train` as a 5,000-step run (stopped as early), so `auto` decides
+for a long run: it compiles what repays its compile over 5,000 steps, not 200."""
+ONEGPU_RUNS = {"onegpu": ("torch", ONEGPU_STEPS), "onegpu-jax": ("jax", ONEGPU_STEPS),
+               "onegpu-long": ("torch", 5000)}  # fmt: skip
+"""Each onegpu contestant: its backend and the run length `auto` decides for."""
+DEFAULT = ("onegpu", "onegpu+tcmalloc", "onegpu-long+tcmalloc", "plain-compile+mimalloc",
+           "plain-compile+tcmalloc", "plain-compile", "hf")  # fmt: skip
 """The head-to-head of issue 30: onegpu on the allocator a fresh machine gets and on tcmalloc,
-the compiled hand-written loop on each of those allocators (the same one onegpu has) and on
+its 5,000-step run on tcmalloc, the compiled hand-written loop on each of those allocators (the same one onegpu has) and on
 glibc, Trainer."""
 
 
@@ -183,11 +191,13 @@ def run_hf(model_name: str, steps: int, compile_: bool, on_step=None) -> list[fl
     return times
 
 
-def onegpu_command(model: str, out: str | Path, backend: str = "torch") -> list[str]:
-    """A 200-step `onegpu train` of `model` logging every step to out/metrics.jsonl."""
+def onegpu_command(model: str, out: str | Path, kind: str = "onegpu") -> list[str]:
+    """The `onegpu train` of contestant `kind` (ONEGPU_RUNS) logging every step to
+    out/metrics.jsonl."""
+    backend, steps = ONEGPU_RUNS[kind]
     return [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], "--out.dir", str(out),
             "--train.backend", backend,
-            "--train.max_steps", str(ONEGPU_STEPS), "--train.log_every", "1",
+            "--train.max_steps", str(steps), "--train.log_every", "1",
             "--train.eval_every", "0", "--train.measure_memory", "false",
             "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
 
@@ -203,10 +213,11 @@ def onegpu_choices(summary: dict) -> dict:
                       f"compile {cfg['train']['compile']}, attention {cfg['model']['attention']}"}  # fmt: skip
 
 
-def run_onegpu(model: str, steps: int, env: dict[str, str], backend: str = "torch") -> dict:
-    """A 200-step `onegpu train`, stopped by SIGTERM (a graceful stop) after `steps` steps."""
+def run_onegpu(model: str, steps: int, env: dict[str, str], kind: str = "onegpu") -> dict:
+    """A 200-step `onegpu train` (5,000 for onegpu-long), stopped by SIGTERM (a graceful stop)
+    after `steps` steps."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = onegpu_command(model, out, backend)
+        cmd = onegpu_command(model, out, kind)
         metrics = Path(out) / "metrics.jsonl"
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         while proc.poll() is None:
@@ -245,7 +256,7 @@ def environment(name: str) -> dict[str, str]:
     base, _, preload = name.partition("+")
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
-    if base in ("onegpu", "onegpu-jax"):  # both backends on the allocator a fresh machine gets
+    if base in ONEGPU_RUNS:  # both backends on the allocator a fresh machine gets
         env["ONEGPU_ALLOCATOR"] = "tcmalloc" if preload == "tcmalloc" else "mimalloc"
         return env
     env["ONEGPU_ALLOCATOR"] = "system"  # the worker imports onegpu for its data: no preload
@@ -274,8 +285,8 @@ def with_rates(res: dict, model: str, step: float) -> dict:
 def run(name: str, model: str, steps: int) -> dict:
     base, _, preload = name.partition("+")
     env = environment(name)
-    if base in ("onegpu", "onegpu-jax"):
-        res = run_onegpu(model, steps, env, backend="jax" if base == "onegpu-jax" else "torch")
+    if base in ONEGPU_RUNS:
+        res = run_onegpu(model, steps, env, kind=base)
     else:
         proc = subprocess.run(
             worker_command(name, model, steps), capture_output=True, text=True, env=env
@@ -299,8 +310,8 @@ def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> di
             folder = Path(tmp) / n
             folder.mkdir()
             base = n.partition("+")[0]
-            if base in ("onegpu", "onegpu-jax"):
-                cmd = onegpu_command(model, folder, "jax" if base == "onegpu-jax" else "torch")
+            if base in ONEGPU_RUNS:
+                cmd = onegpu_command(model, folder, base)
                 steps_file = folder / "metrics.jsonl"
             else:
                 steps_file = folder / "steps.jsonl"
@@ -448,8 +459,8 @@ def main() -> None:
     names = [n for n in a.only.split(",") if find_tcmalloc() or not n.endswith("+tcmalloc")]
     if "onegpu" in names and not find_mimalloc():
         sys.exit("the cmeel-mimalloc wheel is missing: pip install -e . brings it")
-    if any(n.startswith("onegpu") for n in names):  # fills the per-machine caches, uncounted
-        run("onegpu", a.model, WARM + 1)
+    for kind in dict.fromkeys(n.partition("+")[0] for n in names if n.startswith("onegpu")):
+        run(kind, a.model, WARM + 1)  # fills the per-machine caches (each run length's), uncounted
     if a.paired:
         med = run_paired(names, a.model, a.cycles, a.turn_steps)
         runs = {n: [m] for n, m in med.items()}

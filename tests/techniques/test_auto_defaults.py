@@ -188,6 +188,53 @@ def test_compile_choice_is_the_cached_trial_that_saves_the_most():
     assert choose_compile("k", 200, {"default": _never})[0] == "default"  # one mode asked
 
 
+def test_modes_timed_at_different_moments_are_weighed_on_one_eager_step():
+    """default was timed while the machine ran at half speed (eager 2 s), regional at full
+    speed (eager 1 s). Both run 1.67x faster compiled: on one eager step of 1 s, default saves
+    40 s and costs 10 to compile, regional saves 40 and costs 1. Read as absolute seconds,
+    default's slow moment would have made it look like a 80 s saving."""
+    _store(
+        "compile.json",
+        "moments|default",
+        {"eager_step_s": 2.0, "compiled_step_s": 1.2, "compile_s": 10.0},
+    )
+    _store(
+        "compile.json",
+        "moments|regional",
+        {"eager_step_s": 1.0, "compiled_step_s": 0.6, "compile_s": 1.0},
+    )
+    mode, trial = choose_compile("moments", 100, {"default": _never, "regional": _never})
+    assert mode == "regional"
+    assert trial.saves(100, 1.0) == pytest.approx(39.0)
+    assert trial.others[0].saves(100, 1.0) == pytest.approx(30.0)
+    assert trial.others[0].saves(100) == pytest.approx(70.0)  # its own eager: the slow one
+
+
+def test_eager_is_timed_on_both_sides_of_the_compile(monkeypatch):
+    """A machine slow while eager ran before the compile (9 s) and fast after it: the trial
+    keeps the fastest eager run of either side, not the slow moment."""
+    ran = []
+    times = iter([9.0, 9.0, 9.0, 30.0, 0.5, 0.6, 0.5, 1.0, 1.1])
+
+    def timed(fn, *a):
+        ran.append(fn.__name__)
+        return next(times)
+
+    def eager(*a):
+        raise AssertionError
+
+    def compiled(*a):
+        raise AssertionError
+
+    monkeypatch.setattr(compile, "_timed", timed)
+    left = []
+    candidate = compile.Candidate(lambda: compiled, lambda: left.append(len(ran)))
+    trial = time_compile(None, eager, candidate, None, None, CPU)
+    assert ran == ["eager"] * 3 + ["compiled"] * 4 + ["eager"] * 2
+    assert left == [7]  # eager after the candidate was left
+    assert (trial.eager_s, trial.compiled_s, trial.compile_s) == (1.0, 0.5, 29.5)
+
+
 def test_compile_auto_is_not_timed_for_short_or_distributed_runs(monkeypatch):
     monkeypatch.setattr(compile, "time_compile", _never)
     assert build(_cfg(), CPU, with_data=False).cfg.train.compile == "none"  # 20 steps

@@ -99,6 +99,9 @@ the compiled loop ran model A 1.65x faster than onegpu's eager step, and B 1.40x
 earlier bound of 1.6, A's 5,000-step run could repay at most about 20 s of compiling, the
 least assumed, so whether a trial ran turned on a few milliseconds of its eager micro-batch;
 that file does not record which way it went."""
+TRIAL_METHOD = 2
+"""How `time_compile` times (2: eager on both sides of the compile); part of the cache key, so
+trials timed another way are made again rather than read."""
 LEAST_COMPILE_S = {"cpu": 15.0, "cuda": 20.0}
 """The least a first compile is assumed to take before this machine has shown less."""
 
@@ -118,9 +121,13 @@ class CompileTrial:
     mode: str = "default"
     others: tuple[CompileTrial, ...] = ()
 
-    def saves(self, micro_steps: int) -> float:
-        """Seconds compiling saves over `micro_steps` micro-batches, its own cost taken off."""
-        return (self.eager_s - self.compiled_s) * micro_steps - self.compile_s
+    def saves(self, micro_steps: int, eager_s: float | None = None) -> float:
+        """Seconds compiling saves over `micro_steps` micro-batches, its own cost taken off.
+        With `eager_s`: its speedup (its own eager over compiled, timed together) applied to
+        that eager step, so that modes timed at different moments of a machine whose speed
+        moves are weighed on one eager step."""
+        eager = self.eager_s if eager_s is None else eager_s
+        return eager * (1 - self.compiled_s / self.eager_s) * micro_steps - self.compile_s
 
     def pays(self, micro_steps: int) -> bool:
         """Whether compiling saves more over `micro_steps` micro-batches than it costs."""
@@ -159,19 +166,23 @@ def time_compile(
     device: torch.device,
 ) -> CompileTrial:
     """Run `batch` eagerly, then under the candidate mode (entered after the eager runs, left
-    afterwards), on the real model (gradients dropped after each run, RNG state restored):
-    each one's minimum over 2 runs after a first one (the eager warm-up; the compiled compile,
-    whose excess is the compile time)."""
+    afterwards), then eagerly again, on the real model (gradients dropped after each run, RNG
+    state restored): each one's fastest run (eager: 2 before the compile and 2 after it, past
+    a warm-up; compiled: 3 past the first, whose excess is the compile time). Eager is timed on
+    both sides of the compile because a shared VM's speed can halve for seconds
+    (docs/cpu-notes.md): a trial that timed eager only before a 10-40 s compile once read the
+    same eager micro-batch at 1.44 s and at 0.63 s, and chose by that."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _timed(eager, model, batch, autocast, device)
-        eager_s = min(_timed(eager, model, batch, autocast, device) for _ in range(2))
+        eager_runs = [_timed(eager, model, batch, autocast, device) for _ in range(2)]
         try:
             compiled = candidate.enter()
             first = _timed(compiled, model, batch, autocast, device)
-            compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(2))
+            compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(3))
         finally:
             candidate.leave()
-    return CompileTrial(eager_s, compiled_s, max(0.0, first - compiled_s))
+        eager_runs += [_timed(eager, model, batch, autocast, device) for _ in range(2)]
+    return CompileTrial(min(eager_runs), compiled_s, max(0.0, first - compiled_s))
 
 
 def _trial(key: str, mode: str, measure: Callable[[], CompileTrial]) -> CompileTrial:
@@ -201,15 +212,17 @@ def choose_compile(
     micro_steps: int,
     measures: dict[str, Callable[[], CompileTrial]],
 ) -> tuple[str, CompileTrial]:
-    """The mode of `measures` that saves the most over the run's micro-batches, or 'none'
-    where none saves anything; each mode's trial cached under `key|mode` (run now if absent):
+    """The mode of `measures` that saves the most over the run's micro-batches (each mode's
+    speedup over its own eager runs, applied to the fastest eager micro-batch any trial saw),
+    or 'none' where none saves anything; each mode's trial cached under `key|mode` (run now if absent):
     deterministic given the cache and the run's length. Returns the best trial, the others
     beside it."""
     trials = [_trial(f"{key}|{mode}", mode, measure) for mode, measure in measures.items()]
-    best = max(trials, key=lambda t: t.saves(micro_steps))
+    eager_s = min(t.eager_s for t in trials)  # each mode's speedup, on one eager step
+    best = max(trials, key=lambda t: t.saves(micro_steps, eager_s))
     others = tuple(t for t in trials if t is not best)
     best = dataclasses.replace(best, others=others)
-    return (best.mode if best.saves(micro_steps) > 0 else "none"), best
+    return (best.mode if best.saves(micro_steps, eager_s) > 0 else "none"), best
 
 
 def auto_candidate(cfg: Config, device: torch.device, distributed: bool) -> str:
@@ -297,6 +310,7 @@ def step_fingerprint(cfg: Config) -> str:
         "precision": cfg.train.precision,
         "loss_kernel": cfg.train.loss_kernel,
         "batch": [cfg.train.micro_batch_size, cfg.train_seq_len],
+        "trial": TRIAL_METHOD,
     }
     if cfg.train.gelu_kernel == "compiled":  # the eager step it is timed against (eager keeps
         what["gelu_kernel"] = "compiled"  # the keys cached before the setting existed)
