@@ -1,6 +1,7 @@
 """XLA's CPU options on the JAX backend's step, by precision, beside the torch backend.
 
     python benchmarks/xla_cpu_flags.py --model B [--rounds 2] [--steps 12] [--only none-fp32,...]
+    python benchmarks/xla_cpu_flags.py --dot      # one 2048^3 product per flag and dtype
 
 Every row is a fresh `onegpu train --train.backend jax` of the model (benchmarks/vs_peers.py's A
 or B) with `train.xla_flags` and `train.precision` fixed (XLA reads its flags once per process,
@@ -9,6 +10,10 @@ backend's own trial, and `torch` is the torch backend's defaults at the same run
 what `train.xla_flags auto` and `train.precision auto` decide per machine kind: the file says
 which settings win on the CPU at hand. Writes results/xla-cpu-flags-<model>-<date>.{md,json}
 (never over an earlier file).
+
+--dot: the product alone, jitted, in fp32 and bf16 under each XLA setting (a process each, with
+ONEDNN_VERBOSE=1 to count the oneDNN primitives XLA creates), beside torch's on the same cores:
+whether XLA reaches the CPU's bf16 units at all. Writes results/xla-cpu-dot-<date>.md.
 """
 
 from __future__ import annotations
@@ -69,6 +74,86 @@ def run(model: str, row: str, steps: int) -> dict:
     }
 
 
+DOT_N = 2048
+DOT_PROBE = """
+import json, sys, time
+import jax, jax.numpy as jnp
+n = int(sys.argv[1])
+out = {}
+for name in ("float32", "bfloat16"):
+    a = jnp.ones((n, n), name)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, a).block_until_ready()
+    runs = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        runs.append(time.perf_counter() - t0)
+    out[name] = runs
+print(json.dumps(out))
+"""
+"""One jitted product per dtype, 15 timed runs after a first: run with XLA_FLAGS set."""
+
+
+def _rates(runs: list[float]) -> str:
+    """'best / median' GFLOP/s of DOT_N^3 products timed `runs`."""
+    flop = 2 * DOT_N**3
+    return f"{flop / min(runs) / 1e9:,.0f} / {flop / statistics.median(runs) / 1e9:,.0f}"
+
+
+def dot_rates() -> list[str]:
+    """Table rows: GFLOP/s of one jitted product per XLA setting and dtype (a process each,
+    oneDNN's verbose log on to count its calls), and torch's in this process."""
+    import torch
+
+    settings = {"none": "", **XLA_CPU_SETTINGS}
+    settings["onednn-fusion-dot"] = "--xla_cpu_experimental_onednn_fusion_type=dot"
+    rows = []
+    for setting, flags in settings.items():
+        env = {**os.environ, "XLA_FLAGS": flags, "ONEDNN_VERBOSE": "1"}
+        cmd = [sys.executable, "-c", DOT_PROBE, str(DOT_N)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            rows.append(f"| jax, {setting} | `{flags}` | failed | failed | - |")
+            continue
+        lines = proc.stdout.strip().splitlines()
+        runs = json.loads(lines[-1])
+        onednn = sum(1 for x in lines if x.startswith("onednn_verbose") and ",exec," in x)
+        rows.append(
+            f"| jax, {setting} | `{flags or '-'}` | {_rates(runs['float32'])} "
+            f"| {_rates(runs['bfloat16'])} | {onednn} |"
+        )
+    torch_runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.ones(DOT_N, DOT_N, dtype=dtype)
+        a @ a
+        torch_runs[dtype] = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            a @ a
+            torch_runs[dtype].append(time.perf_counter() - t0)
+    rows.append(
+        f"| torch {torch.__version__} | - | {_rates(torch_runs[torch.float32])} "
+        f"| {_rates(torch_runs[torch.bfloat16])} | - |"
+    )
+    return rows
+
+
+def dot_table() -> str:
+    return "\n".join([
+        f"# One {DOT_N}^3 product: XLA's CPU settings against torch",
+        "",
+        f"`python benchmarks/xla_cpu_flags.py --dot`; {os.cpu_count()} cores ({cpu_identity()}; "
+        f"bf16: {bf16_kind()}), jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; GFLOP/s, "
+        "best / median of 15 runs after a first; oneDNN calls: the `exec` lines ONEDNN_VERBOSE=1 "
+        "printed in the XLA process (0: XLA never called oneDNN).",
+        "",
+        "| what | XLA_FLAGS | fp32 GFLOP/s | bf16 GFLOP/s | oneDNN calls |",
+        "|---|---|---|---|---|",
+        *dot_rates(),
+    ]) + "\n"  # fmt: skip
+
+
 def table(model: str, med: dict[str, dict], picks: dict[str, dict], a: argparse.Namespace) -> str:
     ref = med.get("none-fp32")
     torch_row = med.get("torch")
@@ -100,7 +185,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=",".join(ROWS), help=f"of {','.join(ROWS)}")
+    ap.add_argument("--dot", action="store_true", help="one product per setting, not the step")
     a = ap.parse_args()
+    if a.dot:
+        text = dot_table()
+        stem = _new_stem(f"xla-cpu-dot-{time.strftime('%Y-%m-%d')}")
+        (RESULTS / f"{stem}.md").write_text(text)
+        print(text)
+        return
     names = a.only.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:

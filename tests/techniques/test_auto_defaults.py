@@ -210,11 +210,11 @@ def test_modes_timed_at_different_moments_are_weighed_on_one_eager_step():
     assert trial.others[0].saves(100) == pytest.approx(70.0)  # its own eager: the slow one
 
 
-def test_eager_is_timed_on_both_sides_of_the_compile(monkeypatch):
-    """A machine slow while eager ran before the compile (9 s) and fast after it: the trial
-    keeps the fastest eager run of either side, not the slow moment."""
+def test_eager_and_compiled_are_timed_side_by_side(monkeypatch):
+    """A machine slow for one pair (eager 2 s, compiled 1 s): the speedup is the median of the
+    pairs' ratios and the eager step the fastest, so neither is read off the slow moment."""
     ran = []
-    times = iter([9.0, 9.0, 9.0, 30.0, 0.5, 0.6, 0.5, 1.0, 1.1])
+    times = iter([9.0, 30.0, 2.0, 1.0, 1.0, 0.6, 1.0, 0.5, 1.1, 0.6])
 
     def timed(fn, *a):
         ran.append(fn.__name__)
@@ -227,12 +227,32 @@ def test_eager_is_timed_on_both_sides_of_the_compile(monkeypatch):
         raise AssertionError
 
     monkeypatch.setattr(compile, "_timed", timed)
-    left = []
-    candidate = compile.Candidate(lambda: compiled, lambda: left.append(len(ran)))
+    moves = []
+    candidate = compile.Candidate(
+        lambda: moves.append("enter") or compiled, lambda: moves.append("leave")
+    )
     trial = time_compile(None, eager, candidate, None, None, CPU)
-    assert ran == ["eager"] * 3 + ["compiled"] * 4 + ["eager"] * 2
-    assert left == [7]  # eager after the candidate was left
-    assert (trial.eager_s, trial.compiled_s, trial.compile_s) == (1.0, 0.5, 29.5)
+    assert ran == ["eager", "compiled"] + ["eager", "compiled"] * compile.PAIRS
+    assert moves == ["enter"] + ["leave", "enter"] * compile.PAIRS + ["leave"]
+    speedup = (2.0 + 1.1 / 0.6) / 2  # the median of 2, 1.67, 2 and 1.83
+    assert trial.eager_s == 1.0 and trial.compiled_s == pytest.approx(1.0 / speedup)
+    assert trial.compile_s == 29.5  # the first compiled run's excess over the fastest
+
+
+def test_regional_entered_again_compiles_nothing():
+    """The regional candidate keeps the blocks' compiled calls when left and puts the same ones
+    back when entered again (a trial switches between eager and compiled; the run takes the
+    trial's compile)."""
+    built = build(_cfg(), CPU, with_data=False)
+    candidate = compile.auto_candidates(built.model, built.loss_fn, lambda f: f)["regional"]
+    candidate.enter()
+    calls = [b._compiled_call_impl for b in built.model.blocks]
+    assert all(c is not None for c in calls)
+    candidate.leave()
+    assert all(b._compiled_call_impl is None for b in built.model.blocks)
+    candidate.enter()
+    assert all(b._compiled_call_impl is c for b, c in zip(built.model.blocks, calls))
+    candidate.leave()
 
 
 def test_compile_auto_is_not_timed_for_short_or_distributed_runs(monkeypatch):
@@ -344,7 +364,7 @@ def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():
     trial = time_compile(
         built.model, built.loss_fn, candidate, (x, x), lambda: built.policy.autocast(CPU), CPU
     )
-    assert left == [True]  # the candidate is left after its timing
+    assert left == [True] * (compile.PAIRS + 1)  # left before each eager run, and at the end
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in built.model.parameters())
     assert trial.eager_s > 0 and trial.compiled_s > 0 and trial.compile_s >= 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,7 +62,10 @@ def auto_candidates(
     model: nn.Module, loss_fn: LossFn, wrap: Callable[[LossFn], LossFn]
 ) -> dict[str, Candidate]:
     """AUTO_MODES as candidates over the eager `loss_fn`; `wrap` goes around whatever is called
-    (activation offload's hooks stay outermost). One whole-graph compile is made and reused."""
+    (activation offload's hooks stay outermost). Each is compiled once and reused: the whole
+    graph's wrapper, and the blocks' compiled calls (kept when the mode is left, put back when it
+    is entered again, so a trial can switch between eager and compiled, and the run can take
+    the trial's compile)."""
     whole: list[LossFn] = []
 
     def compiled_whole() -> LossFn:
@@ -69,13 +73,25 @@ def auto_candidates(
             whole.append(wrap(torch.compile(loss_fn)))
         return whole[0]
 
+    compiled_blocks: list[Callable] = []
+
     def regional() -> LossFn:
-        apply_compile(model, loss_fn, "regional")
+        if compiled_blocks:  # entered again: the blocks' compiled calls back, none made anew
+            for block, call in zip(model.blocks, compiled_blocks, strict=True):
+                block._compiled_call_impl = call
+        else:
+            apply_compile(model, loss_fn, "regional")
         return wrap(loss_fn)
+
+    def leave_regional() -> None:
+        calls = [block._compiled_call_impl for block in model.blocks]
+        if all(call is not None for call in calls):
+            compiled_blocks[:] = calls
+        undo_regional(model)
 
     return {
         "default": Candidate(compiled_whole),
-        "regional": Candidate(regional, lambda: undo_regional(model)),
+        "regional": Candidate(regional, leave_regional),
     }
 
 
@@ -100,7 +116,7 @@ earlier bound of 1.6, A's 5,000-step run could repay at most about 20 s of compi
 least assumed, so whether a trial ran turned on a few milliseconds of its eager micro-batch;
 that file does not record which way it went."""
 TRIAL_METHOD = 2
-"""How `time_compile` times (2: eager on both sides of the compile); part of the cache key, so
+"""How `time_compile` times (2: eager and compiled side by side); part of the cache key, so
 trials timed another way are made again rather than read."""
 LEAST_COMPILE_S = {"cpu": 15.0, "cuda": 20.0}
 """The least a first compile is assumed to take before this machine has shown less."""
@@ -157,6 +173,10 @@ def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) 
     return time.perf_counter() - t0
 
 
+PAIRS = 4
+"""Eager and compiled micro-batches a compile trial times side by side, after the compile."""
+
+
 def time_compile(
     model: nn.Module,
     eager: LossFn,
@@ -165,24 +185,30 @@ def time_compile(
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
 ) -> CompileTrial:
-    """Run `batch` eagerly, then under the candidate mode (entered after the eager runs, left
-    afterwards), then eagerly again, on the real model (gradients dropped after each run, RNG
-    state restored): each one's fastest run (eager: 2 before the compile and 2 after it, past
-    a warm-up; compiled: 3 past the first, whose excess is the compile time). Eager is timed on
-    both sides of the compile because a shared VM's speed can halve for seconds
-    (docs/cpu-notes.md): a trial that timed eager only before a 10-40 s compile once read the
-    same eager micro-batch at 1.44 s and at 0.63 s, and chose by that."""
+    """Run `batch` eagerly once (a warm-up), under the candidate mode once (the compile: its
+    excess over a compiled run is the compile time), then PAIRS times eagerly and compiled side
+    by side (the mode left and entered again in between: entering again compiles nothing), on
+    the real model (gradients dropped after each run, RNG state restored). The speedup is the
+    median of the pairs' ratios; the trial keeps the fastest eager run and the compiled time at
+    that speedup. Side by side, because a shared VM's speed can halve for seconds
+    (docs/cpu-notes.md): trials that timed eager and compiled in blocks a compile apart read one
+    eager micro-batch at 1.44 s and at 0.63 s, and regional at 0.78 s compiled against 0.53 s
+    eager, and chose by those moments."""
+    pairs: list[tuple[float, float]] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _timed(eager, model, batch, autocast, device)
-        eager_runs = [_timed(eager, model, batch, autocast, device) for _ in range(2)]
         try:
-            compiled = candidate.enter()
-            first = _timed(compiled, model, batch, autocast, device)
-            compiled_s = min(_timed(compiled, model, batch, autocast, device) for _ in range(3))
+            first = _timed(candidate.enter(), model, batch, autocast, device)
+            for _ in range(PAIRS):
+                candidate.leave()
+                eager_s = _timed(eager, model, batch, autocast, device)
+                pairs.append((eager_s, _timed(candidate.enter(), model, batch, autocast, device)))
         finally:
             candidate.leave()
-        eager_runs += [_timed(eager, model, batch, autocast, device) for _ in range(2)]
-    return CompileTrial(min(eager_runs), compiled_s, max(0.0, first - compiled_s))
+    eager_s = min(e for e, _ in pairs)
+    speedup = statistics.median(e / c for e, c in pairs)
+    compile_s = max(0.0, first - min(c for _, c in pairs))
+    return CompileTrial(eager_s, eager_s / speedup, compile_s)
 
 
 def _trial(key: str, mode: str, measure: Callable[[], CompileTrial]) -> CompileTrial:
