@@ -415,8 +415,9 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) 
                      f"| {ratios} | {step_s * 1e3:,.0f} ms | {step_s / floor['floor_s']:.2f}x "
                      f"| {mfu:.0%} | {m['peak_rss_bytes'] / 2**20:,.0f} MiB "
                      f"| +{m['first_step_excess_s']:.1f} s |")  # fmt: skip
-    if "chosen" in med.get("onegpu", {}):
-        lines += ["", f"onegpu's `auto` chose: {med['onegpu']['chosen']}."]
+    chosen = [f"{n}: {m['chosen']}" for n, m in med.items() if "chosen" in m]
+    if chosen:
+        lines += ["", "onegpu's `auto` chose (each onegpu contestant): " + "; ".join(chosen) + "."]
     return "\n".join(lines) + "\n"
 
 
