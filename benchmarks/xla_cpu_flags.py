@@ -101,42 +101,59 @@ def _rates(runs: list[float]) -> str:
     return f"{flop / min(runs) / 1e9:,.0f} / {flop / statistics.median(runs) / 1e9:,.0f}"
 
 
+TORCH_PROBE = """
+import json, sys, time
+import torch
+n = int(sys.argv[1])
+out = {}
+for name in ("float32", "bfloat16"):
+    a = torch.ones(n, n, dtype=getattr(torch, name))
+    a @ a
+    runs = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        a @ a
+        runs.append(time.perf_counter() - t0)
+    out[name] = runs
+print(json.dumps(out))
+"""
+"""The same product in torch: the rate to compare with, and the control that oneDNN's verbose
+log is seen at all (torch's bf16 product runs in oneDNN)."""
+DOT_SETTINGS = {
+    "none": "",
+    **XLA_CPU_SETTINGS,
+    "onednn-fusion-dot": "--xla_cpu_experimental_onednn_fusion_type=dot",
+    "onednn-custom-call": "--xla_cpu_experimental_onednn_custom_call=true --xla_cpu_use_onednn=true",
+}
+"""XLA_FLAGS the product is timed under: train.xla_flags' settings, and the two oneDNN paths
+this jaxlib accepts (the custom call is what openxla/xla#10556 described for AMX)."""
+
+
+def _probe(what: str, probe: str, flags: str) -> str:
+    """A table row: GFLOP/s of `probe` (best / median per dtype) in a process of its own with
+    XLA_FLAGS=`flags`, and the oneDNN calls its verbose log printed."""
+    env = {**os.environ, "XLA_FLAGS": flags, "ONEDNN_VERBOSE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(DOT_N)], env=env, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        return f"| {what} | `{flags or '-'}` | failed | failed | - |"
+    lines = proc.stdout.strip().splitlines()
+    runs = json.loads(lines[-1])
+    onednn = sum(1 for x in lines if x.startswith("onednn_verbose") and ",exec," in x)
+    return (
+        f"| {what} | `{flags or '-'}` | {_rates(runs['float32'])} | {_rates(runs['bfloat16'])} "
+        f"| {onednn} |"
+    )
+
+
 def dot_rates() -> list[str]:
-    """Table rows: GFLOP/s of one jitted product per XLA setting and dtype (a process each,
-    oneDNN's verbose log on to count its calls), and torch's in this process."""
+    """Table rows: one jitted product per XLA setting and dtype (a process each, oneDNN's
+    verbose log on to count its calls), then torch's."""
     import torch
 
-    settings = {"none": "", **XLA_CPU_SETTINGS}
-    settings["onednn-fusion-dot"] = "--xla_cpu_experimental_onednn_fusion_type=dot"
-    rows = []
-    for setting, flags in settings.items():
-        env = {**os.environ, "XLA_FLAGS": flags, "ONEDNN_VERBOSE": "1"}
-        cmd = [sys.executable, "-c", DOT_PROBE, str(DOT_N)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            rows.append(f"| jax, {setting} | `{flags}` | failed | failed | - |")
-            continue
-        lines = proc.stdout.strip().splitlines()
-        runs = json.loads(lines[-1])
-        onednn = sum(1 for x in lines if x.startswith("onednn_verbose") and ",exec," in x)
-        rows.append(
-            f"| jax, {setting} | `{flags or '-'}` | {_rates(runs['float32'])} "
-            f"| {_rates(runs['bfloat16'])} | {onednn} |"
-        )
-    torch_runs = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.ones(DOT_N, DOT_N, dtype=dtype)
-        a @ a
-        torch_runs[dtype] = []
-        for _ in range(15):
-            t0 = time.perf_counter()
-            a @ a
-            torch_runs[dtype].append(time.perf_counter() - t0)
-    rows.append(
-        f"| torch {torch.__version__} | - | {_rates(torch_runs[torch.float32])} "
-        f"| {_rates(torch_runs[torch.bfloat16])} | - |"
-    )
-    return rows
+    rows = [_probe(f"jax, {name}", DOT_PROBE, flags) for name, flags in DOT_SETTINGS.items()]
+    return rows + [_probe(f"torch {torch.__version__}", TORCH_PROBE, "")]
 
 
 def dot_table() -> str:
@@ -146,7 +163,8 @@ def dot_table() -> str:
         f"`python benchmarks/xla_cpu_flags.py --dot`; {os.cpu_count()} cores ({cpu_identity()}; "
         f"bf16: {bf16_kind()}), jax {jax.__version__}; {time.strftime('%Y-%m-%d')}; GFLOP/s, "
         "best / median of 15 runs after a first; oneDNN calls: the `exec` lines ONEDNN_VERBOSE=1 "
-        "printed in the XLA process (0: XLA never called oneDNN).",
+        "printed in the process (0: it never called oneDNN; torch's row is the control that "
+        "the log is seen).",
         "",
         "| what | XLA_FLAGS | fp32 GFLOP/s | bf16 GFLOP/s | oneDNN calls |",
         "|---|---|---|---|---|",
