@@ -30,8 +30,16 @@ import torch
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from paired import Contestant, ratio, run_in_turns, step_time  # noqa: E402
-from vs_peers import MODELS, ONEGPU_STEPS, RESULTS, WARM, _new_stem, model_floor  # noqa: E402
+from paired import Contestant, ratio, run_in_turns, spread, step_time  # noqa: E402
+from vs_peers import (  # noqa: E402
+    MODELS,
+    ONEGPU_STEPS,
+    RESULTS,
+    WARM,
+    _new_stem,
+    check_paired_steps,
+    model_floor,
+)
 
 BASE = ["--train.compile", "none", "--model.attention", "sdpa", "--train.loss_kernel", "eager",
         "--train.gelu_kernel", "eager"]  # fmt: skip
@@ -139,6 +147,7 @@ def run(model: str, cut: str, steps: int) -> dict:
 def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> dict[str, dict]:
     """Every cut alive at once, timed in turns; each one's figures at its paired step time, and
     `x_base`: how many times faster it ran than `base`, cycle by cycle."""
+    check_paired_steps(cycles, turn_steps)
     with tempfile.TemporaryDirectory() as tmp:
         contestants = []
         for n in names:
@@ -163,6 +172,7 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
         base = next((c for c in contestants if c.name == "base"), None)
         for c in contestants:
             found[c.name]["x_base"] = ratio(c, base) if base else None
+            found[c.name]["x_base_spread"] = spread(c, base) if base else None
     return found
 
 
@@ -178,7 +188,7 @@ def _method(a: argparse.Namespace) -> str:
         return (
             "every cut alive at once and timed in turns (benchmarks/paired.py): "
             f"{a.cycles} cycles of {a.turn_steps} clean steps each; x base: the median over "
-            "cycles of each cycle's ratio"
+            "cycles of each cycle's ratio (in brackets: their quartiles)"
         )
     return (
         f"medians of {a.rounds} interleaved rounds (fresh process each, steady steps from "
@@ -206,6 +216,8 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
     for name, m in med.items():
         x = m.get("x_base") or (m["tokens_per_s"] / base["tokens_per_s"] if base else None)
         ratio = f"{x:.2f}" if x else "-"
+        if m.get("x_base_spread") and name != "base":
+            ratio += " ({:.2f}-{:.2f})".format(*m["x_base_spread"])
         lines.append(
             f"| {name} | {CUTS[name][1]} | {m['tokens_per_s']:,.0f} | {ratio} "
             f"| {m['step_time_s'] * 1e3:,.0f} ms | {m['floor_s'] * 1e3:,.0f} ms "

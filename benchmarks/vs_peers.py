@@ -56,7 +56,7 @@ from onegpu.perf.allocator import MIMALLOC_PURGE, find_mimalloc, find_tcmalloc
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from paired import Contestant, ratio, run_in_turns, step_time  # noqa: E402
+from paired import DROPPED, Contestant, ratio, run_in_turns, spread, step_time  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 WARM = 3  # steps left out of the timing (compilation, allocator growth)
@@ -298,12 +298,17 @@ def run(name: str, model: str, steps: int) -> dict:
     return with_rates(res, model, statistics.median(res["times"][WARM:]))
 
 
+def check_paired_steps(cycles: int, turn_steps: int) -> None:
+    """Exit with one line where the turns would need more steps than onegpu's run has."""
+    needed = WARM + cycles * (turn_steps + DROPPED + 1)  # +1: a turn may finish one more
+    if needed > ONEGPU_STEPS:
+        sys.exit(f"--cycles and --turn-steps need about {needed} steps; onegpu runs {ONEGPU_STEPS}")
+
+
 def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> dict[str, dict]:
     """Every contestant alive at once, timed in turns (benchmarks/paired.py); each one's result
     as `run` gives it, plus `paired`: how many times faster it ran than each other contestant."""
-    needed = WARM + cycles * (turn_steps + 1) + 1
-    if needed > ONEGPU_STEPS:
-        sys.exit(f"--cycles x (--turn-steps + 1) needs {needed} steps; onegpu runs {ONEGPU_STEPS}")
+    check_paired_steps(cycles, turn_steps)
     with tempfile.TemporaryDirectory() as tmp:
         contestants = []
         for n in names:
@@ -327,7 +332,10 @@ def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> di
                 res = {"allocator": c.name.partition("+")[2] or "glibc", "precision": _precision()}
             res |= {"times": c.steps(), "turns": c.turns, "peak_rss_bytes": c.peak_rss_bytes}
             res = with_rates(res, model, step_time(c))
-            results[c.name] = res | {"paired": {o.name: ratio(c, o) for o in contestants}}
+            results[c.name] = res | {
+                "paired": {o.name: ratio(c, o) for o in contestants},
+                "spread": {o.name: spread(c, o) for o in contestants},
+            }
     return results
 
 
@@ -356,6 +364,14 @@ def model_floor(model: str, extra: list[str] | tuple[str, ...] = ()) -> dict[str
         "flops_per_token": 6 * weights + attention,
         "peak_flops": cpu_peak_flops(dtype),
     }
+
+
+def _ratio_cell(m: dict, other: dict, name: str) -> str:
+    """`m` over `other`: paired, the median of the cycles' ratios and their quartiles."""
+    if "paired" not in m:
+        return f"{m['tokens_per_s'] / other['tokens_per_s']:.2f}"
+    q1, q3 = m["spread"][name]
+    return f"{m['paired'][name]:.2f} ({q1:.2f}-{q3:.2f})"
 
 
 def _counts(a: argparse.Namespace) -> str:
@@ -405,10 +421,7 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) 
     ]
     tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
     for n, m in med.items():
-        ratios = " | ".join(
-            f"{m['paired'][c] if 'paired' in m else m['tokens_per_s'] / med[c]['tokens_per_s']:.2f}"
-            for c in cols
-        )
+        ratios = " | ".join(_ratio_cell(m, med[c], c) for c in cols)
         step_s = tokens / m["tokens_per_s"]
         mfu = m["tokens_per_s"] * floor["flops_per_token"] / floor["peak_flops"]
         lines.append(f"| {n} | {m['allocator']} | {m['precision']} | {m['tokens_per_s']:,.0f} "

@@ -174,7 +174,7 @@ def _timed(fn: LossFn, model: nn.Module, batch, autocast, device: torch.device) 
     return time.perf_counter() - t0
 
 
-PAIRS = 4
+PAIRS = 5
 """Eager and compiled micro-batches a compile trial times side by side, after the compile."""
 
 
