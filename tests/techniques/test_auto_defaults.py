@@ -208,6 +208,8 @@ def test_modes_timed_at_different_moments_are_weighed_on_one_eager_step():
     assert trial.saves(100, 1.0) == pytest.approx(39.0)
     assert trial.others[0].saves(100, 1.0) == pytest.approx(30.0)
     assert trial.others[0].saves(100) == pytest.approx(70.0)  # its own eager: the slow one
+    # what the first line shows for default: its compiled step at its speedup over 1 s eager
+    assert trial.others[0].compiled_at(1.0) == pytest.approx(0.6)
 
 
 def test_eager_and_compiled_are_timed_side_by_side(monkeypatch):

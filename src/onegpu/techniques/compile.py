@@ -138,13 +138,17 @@ class CompileTrial:
     mode: str = "default"
     others: tuple[CompileTrial, ...] = ()
 
+    def compiled_at(self, eager_s: float) -> float:
+        """The compiled micro-batch at this trial's speedup over an eager one of `eager_s`."""
+        return eager_s * self.compiled_s / self.eager_s
+
     def saves(self, micro_steps: int, eager_s: float | None = None) -> float:
         """Seconds compiling saves over `micro_steps` micro-batches, its own cost taken off.
         With `eager_s`: its speedup (its own eager over compiled, timed together) applied to
         that eager step, so that modes timed at different moments of a machine whose speed
         moves are weighed on one eager step."""
         eager = self.eager_s if eager_s is None else eager_s
-        return eager * (1 - self.compiled_s / self.eager_s) * micro_steps - self.compile_s
+        return (eager - self.compiled_at(eager)) * micro_steps - self.compile_s
 
     def pays(self, micro_steps: int) -> bool:
         """Whether compiling saves more over `micro_steps` micro-batches than it costs."""

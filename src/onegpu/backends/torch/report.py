@@ -83,14 +83,16 @@ def describe_auto(built: Built) -> str:
     if (trial := built.compile_trial) and trial.skipped:
         parts.append(f"compile none (not timed: {trial.skipped})")
     elif trial:
+        trials = (trial, *trial.others)
+        eager_s = min(t.eager_s for t in trials)  # what the choice weighed every mode on
         timed = ", ".join(
-            f"{t.mode} {t.compiled_s * 1e3:,.0f} ms"
+            f"{t.mode} {t.compiled_at(eager_s) * 1e3:,.0f} ms"
             + (" (cached)" if t.cached else f" (+{t.compile_s:.0f} s to compile)")
-            for t in (trial, *trial.others)
+            for t in trials
         )
         parts.append(
             f"compile {cfg.train.compile} over {built.step.n_micro * cfg.train.max_steps} "
-            f"micro-batches (a micro-batch: eager {trial.eager_s * 1e3:,.0f} ms, {timed})"
+            f"micro-batches (a micro-batch: eager {eager_s * 1e3:,.0f} ms, {timed})"
         )
     return "auto: " + ", ".join(parts) + " | " if parts else ""
 
