@@ -19,6 +19,7 @@ JSON line per completed step with its `step_time_s` (onegpu's metrics.jsonl at
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -191,3 +192,25 @@ def spread(fast: Contestant, slow: Contestant) -> tuple[float, float]:
         return ratios[0], ratios[0]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     return q1, q3
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """--paired, --cycles and --turn-steps, as every benchmark that offers turns takes them."""
+    ap.add_argument("--paired", action="store_true", help="time every contestant in turns, "
+                    "all alive at once (benchmarks/paired.py): for machines whose speed drifts")  # fmt: skip
+    ap.add_argument("--cycles", type=int, default=12, help="with --paired: turns per contestant")
+    ap.add_argument("--turn-steps", type=int, default=3, help="with --paired: clean steps a turn")
+
+
+def flags(a: argparse.Namespace) -> str:
+    """The turns' flags as a result file's command line shows them."""
+    return f"--paired --cycles {a.cycles} --turn-steps {a.turn_steps}"
+
+
+def method(a: argparse.Namespace, what: str) -> str:
+    """How a result file's ratios were timed, in its header."""
+    return (
+        f"every {what} alive at once and timed in turns (benchmarks/paired.py): {a.cycles} "
+        f"cycles of {a.turn_steps} clean steps each; ratios: the median over cycles of each "
+        "cycle's ratio (in brackets: their quartiles)"
+    )

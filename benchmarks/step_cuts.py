@@ -30,6 +30,7 @@ import torch
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
+import paired  # noqa: E402
 from paired import Contestant, ratio, run_in_turns, spread, step_time  # noqa: E402
 from vs_peers import (  # noqa: E402
     MODELS,
@@ -179,17 +180,13 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
 def _counts(a: argparse.Namespace) -> str:
     only = f" --only {a.only}" if a.only != ",".join(CUTS) else ""
     if a.paired:
-        return f"--paired --cycles {a.cycles} --turn-steps {a.turn_steps}{only}"
+        return f"{paired.flags(a)}{only}"
     return f"--rounds {a.rounds} --steps {a.steps}{only}"
 
 
 def _method(a: argparse.Namespace) -> str:
     if a.paired:
-        return (
-            "every cut alive at once and timed in turns (benchmarks/paired.py): "
-            f"{a.cycles} cycles of {a.turn_steps} clean steps each; x base: the median over "
-            "cycles of each cycle's ratio (in brackets: their quartiles)"
-        )
+        return paired.method(a, "cut")
     return (
         f"medians of {a.rounds} interleaved rounds (fresh process each, steady steps from "
         "summary.json)"
@@ -244,9 +241,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=",".join(CUTS), help=f"of {','.join(CUTS)}")
-    ap.add_argument("--paired", action="store_true", help="every cut alive, timed in turns")
-    ap.add_argument("--cycles", type=int, default=12, help="with --paired: turns per cut")
-    ap.add_argument("--turn-steps", type=int, default=3, help="with --paired: clean steps a turn")
+    paired.add_arguments(ap)
     a = ap.parse_args()
     names = a.only.split(",")
     unknown = [n for n in names if n not in CUTS]
@@ -264,8 +259,8 @@ def main() -> None:
             for n, rs in runs.items()
         }
     text = table(a.model, med, a)
-    paired = "-paired" if a.paired else ""
-    stem = _new_stem(f"step-cuts-{a.model}{paired}-{time.strftime('%Y-%m-%d')}")
+    turns = "-paired" if a.paired else ""
+    stem = _new_stem(f"step-cuts-{a.model}{turns}-{time.strftime('%Y-%m-%d')}")
     (RESULTS / f"{stem}.md").write_text(text)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"runs": runs, "median": med}, indent=1))
     print(text)

@@ -56,6 +56,7 @@ from onegpu.perf.allocator import MIMALLOC_PURGE, find_mimalloc, find_tcmalloc
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
+import paired  # noqa: E402
 from paired import DROPPED, Contestant, ratio, run_in_turns, spread, step_time  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -376,7 +377,7 @@ def _ratio_cell(m: dict, other: dict, name: str) -> str:
 
 def _counts(a: argparse.Namespace) -> str:
     if a.paired:
-        return f"--paired --cycles {a.cycles} --turn-steps {a.turn_steps}"
+        return paired.flags(a)
     return f"--rounds {a.rounds} --steps {a.steps}"
 
 
@@ -460,10 +461,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=11)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=",".join(DEFAULT), help=f"of {','.join(CONTESTANTS)}")
-    ap.add_argument("--paired", action="store_true", help="time every contestant in turns, "
-                    "all alive at once (benchmarks/paired.py): for machines whose speed drifts")  # fmt: skip
-    ap.add_argument("--cycles", type=int, default=12, help="with --paired: turns per contestant")
-    ap.add_argument("--turn-steps", type=int, default=3, help="with --paired: clean steps a turn")
+    paired.add_arguments(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--steps-file", help=argparse.SUPPRESS)
     a = ap.parse_args()
