@@ -206,8 +206,9 @@ def time_compile(
             first = _timed(candidate.enter(), model, batch, autocast, device)
             for _ in range(PAIRS):
                 candidate.leave()
-                eager_s = _timed(eager, model, batch, autocast, device)
-                pairs.append((eager_s, _timed(candidate.enter(), model, batch, autocast, device)))
+                eager_run = _timed(eager, model, batch, autocast, device)
+                compiled_run = _timed(candidate.enter(), model, batch, autocast, device)
+                pairs.append((eager_run, compiled_run))
         finally:
             candidate.leave()
     eager_s = min(e for e, _ in pairs)
@@ -245,9 +246,9 @@ def choose_compile(
 ) -> tuple[str, CompileTrial]:
     """The mode of `measures` that saves the most over the run's micro-batches (each mode's
     speedup over its own eager runs, applied to the fastest eager micro-batch any trial saw),
-    or 'none' where none saves anything; each mode's trial cached under `key|mode` (run now if absent):
-    deterministic given the cache and the run's length. Returns the best trial, the others
-    beside it."""
+    or 'none' where none saves anything; each mode's trial cached under `key|mode` (run now if
+    absent): deterministic given the cache and the run's length. Returns the best trial, the
+    others beside it."""
     trials = [_trial(f"{key}|{mode}", mode, measure) for mode, measure in measures.items()]
     eager_s = min(t.eager_s for t in trials)  # each mode's speedup, on one eager step
     best = max(trials, key=lambda t: t.saves(micro_steps, eager_s))
