@@ -2,6 +2,8 @@
 
     python benchmarks/step_cuts.py --model B [--rounds 2] [--steps 30] [--only base,regional]
     python benchmarks/step_cuts.py --model B --paired [--cycles 12] [--turn-steps 3] [--only ...]
+    git worktree add /tmp/before HEAD~1 && \\
+        python benchmarks/step_cuts.py --model B --paired --only base,X --before /tmp/before
 
 Every row is a fresh `onegpu train` of the model (benchmarks/vs_peers.py's A or B) with one
 setting changed from the baseline (eager, the CPU flash attention kernel, the `auto` loss chunk,
@@ -9,7 +11,9 @@ the allocator onegpu preloads), rounds interleaved; tokens/s and the step's mult
 matmul floor come from the run's summary.json (`step_over_floor`, perf/floor.py), so each cut is
 judged by the same number. With --paired every cut's process is alive at once and they are
 timed in turns (benchmarks/paired.py: for a machine whose speed drifts within seconds), and
-`x base` is the median over cycles of each cycle's ratio. Writes
+`x base` is the median over cycles of each cycle's ratio. With --before TREE every cut also runs
+from that source tree (an earlier commit: PYTHONPATH=TREE/src), named `<cut>@before`, and
+`x before` is each cut's ratio to its own run from TREE: what a change did to it. Writes
 results/step-cuts-<model>[-paired]-<date>.{md,json} (never over an earlier file).
 """
 
@@ -121,15 +125,30 @@ CUT_ENV: dict[str, dict[str, str]] = {
 """What a cut sets in the environment (every other cut: onegpu's default allocator)."""
 
 
+BEFORE = "@before"
+"""The suffix of a cut run from the --before tree."""
+BEFORE_TREE: list[Path] = []
+"""The --before tree, once given."""
+
+
+def cut_of(name: str) -> str:
+    """The cut a contestant runs (its name without the @before suffix)."""
+    return name.removesuffix(BEFORE)
+
+
 def command(model: str, cut: str, out: str | Path, steps: int, log_every: int) -> list[str]:
-    return [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], *BASE, *CUTS[cut][0],
+    flags = CUTS[cut_of(cut)][0]
+    return [sys.executable, "-m", "onegpu", "train", *MODELS[model]["args"], *BASE, *flags,
             "--out.dir", str(out), "--train.max_steps", str(steps),
             "--train.log_every", str(log_every), "--train.eval_every", "0",
             "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
 
 
 def environment(cut: str) -> dict[str, str]:
-    return {**os.environ, "ONEGPU_ALLOCATOR": "mimalloc", **CUT_ENV.get(cut, {})}
+    env = {**os.environ, "ONEGPU_ALLOCATOR": "mimalloc", **CUT_ENV.get(cut_of(cut), {})}
+    if cut.endswith(BEFORE):
+        env["PYTHONPATH"] = str(BEFORE_TREE[0] / "src")
+    return env
 
 
 KEYS = ("tokens_per_s", "step_time_s", "floor_s", "step_over_floor", "mfu", "peak_mem_bytes")
@@ -161,7 +180,7 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
         for c in contestants:
             s = json.loads((c.steps_file.parent / "summary.json").read_text())
             step = step_time(c)
-            floor_s = model_floor(model, [*BASE, *CUTS[c.name][0]])["floor_s"]  # a stopped
+            floor_s = model_floor(model, [*BASE, *CUTS[cut_of(c.name)][0]])["floor_s"]  # a stopped
             # run measures no floor of its own (docs/floor.md)
             scale = s["step_time_s"] / step  # its own steady steps against its paired ones
             found[c.name] = {
@@ -170,15 +189,21 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
                 "mfu": (s["mfu"] or 0.0) * scale, "peak_mem_bytes": c.peak_rss_bytes, "loss": s["loss"],
                 "turns": c.turns,
             }  # fmt: skip
-        base = next((c for c in contestants if c.name == "base"), None)
+        by_name = {c.name: c for c in contestants}
+        base = by_name.get("base")
         for c in contestants:
             found[c.name]["x_base"] = ratio(c, base) if base else None
             found[c.name]["x_base_spread"] = spread(c, base) if base else None
+            before = by_name.get(c.name + BEFORE)
+            found[c.name]["x_before"] = ratio(c, before) if before else None
+            found[c.name]["x_before_spread"] = spread(c, before) if before else None
     return found
 
 
 def _counts(a: argparse.Namespace) -> str:
     only = f" --only {a.only}" if a.only != ",".join(CUTS) else ""
+    if a.before:
+        only += f" --before {a.before}"
     if a.paired:
         return f"{paired.flags(a)}{only}"
     return f"--rounds {a.rounds} --steps {a.steps}{only}"
@@ -202,9 +227,9 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
         f"{os.cpu_count()} cores ({cpu_identity()}), torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d')}; {_method(a)}. Baseline flags: " + " ".join(BASE) + ".",
         "",
-        "| cut | what | tokens/s | x base | step | floor | x floor | x base floor | MFU "
-        "| peak RSS | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cut | what | tokens/s | x base | x before | step | floor | x floor | x base floor "
+        "| MFU | peak RSS | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def base_floor(m: dict) -> float:
@@ -215,8 +240,11 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
         ratio = f"{x:.2f}" if x else "-"
         if m.get("x_base_spread") and name != "base":
             ratio += " ({:.2f}-{:.2f})".format(*m["x_base_spread"])
+        before = "-"
+        if m.get("x_before"):
+            before = "{:.2f} ({:.2f}-{:.2f})".format(m["x_before"], *m["x_before_spread"])
         lines.append(
-            f"| {name} | {CUTS[name][1]} | {m['tokens_per_s']:,.0f} | {ratio} "
+            f"| {name} | {CUTS[cut_of(name)][1]} | {m['tokens_per_s']:,.0f} | {ratio} | {before} "
             f"| {m['step_time_s'] * 1e3:,.0f} ms | {m['floor_s'] * 1e3:,.0f} ms "
             f"| {m['step_over_floor']:.2f}x | {base_floor(m):.2f}x | {m['mfu']:.0%} "
             f"| {m['peak_mem_bytes'] / 2**20:,.0f} MiB | {m['loss']:.4f} |"
@@ -241,12 +269,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", default=",".join(CUTS), help=f"of {','.join(CUTS)}")
+    ap.add_argument(
+        "--before", help="a source tree of an earlier commit: each cut runs from it too"
+    )
     paired.add_arguments(ap)
     a = ap.parse_args()
     names = a.only.split(",")
     unknown = [n for n in names if n not in CUTS]
     if unknown:
         sys.exit(f"--only: unknown cut(s) {unknown}; choose from {', '.join(CUTS)}")
+    if a.before:
+        if not (Path(a.before) / "src" / "onegpu").is_dir():
+            sys.exit(f"--before: {a.before} holds no src/onegpu; give a checkout of this repo")
+        BEFORE_TREE.append(Path(a.before).resolve())
+        names += [n + BEFORE for n in names]
     for n in names:  # fills the caches (tokenizer, timings, inductor's compiled code), uncounted
         run(a.model, n, 3)
     if a.paired:

@@ -96,9 +96,51 @@ def test_the_masked_query_blocks_are_never_multiplied():
     assert counter.get_total_flops() == 6 * 2 * B * H * K * seen
 
 
+def _bmm_copies(fn, *args) -> int:
+    """How many times the batched matmuls copied an operand (`aten::bmm > aten::contiguous >
+    aten::clone`) in one forward + backward of `fn`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args).sum().backward()
+    events = sorted(prof.events(), key=lambda e: (e.time_range.start, -e.time_range.end))
+    copies, stack = 0, []
+    for e in events:
+        while stack and stack[-1].time_range.end <= e.time_range.start:
+            stack.pop()
+        names = [s.name for s in stack[-2:]]
+        copies += e.name == "aten::clone" and names == ["aten::bmm", "aten::contiguous"]
+        stack.append(e)
+    return copies
+
+
+def test_each_query_blocks_rows_are_copied_once_not_in_every_product():
+    """A block's rows sliced from one heads-major tensor are no compact batch of matrices: the
+    CPU's batched matmul copied them in each of the three products that read them (9 copies a
+    layer at 2 blocks). Each block's queries and output gradient are now heads-major tensors
+    of their own; only the earlier blocks' key and value prefixes are still copied (value in
+    forward, value and key in backward)."""
+    B, H, T, K = 2, 2, 256, 32
+    assert len(query_blocks(T)) == 2
+    copies = _bmm_copies(blocked_attention, *_qkv(B, H, T, K, torch.bfloat16))
+    assert copies <= 3 * (len(query_blocks(T)) - 1)
+
+
+def test_compiled_its_forward_runs_atens_softmax_bit_for_bit():
+    """Inductor's fused softmax computes each exponential twice; the causal softmax is an op of
+    its own (onegpu::causal_softmax) that inductor calls as it is, so compiled and eager
+    probabilities, and outputs, are the same bits. (Backward's softmax gradient is inductor's
+    to fuse: within rounding, test_compiled_blocked_attention_tracks_eager.)"""
+    shape = (2, 3, 256, 32)
+    compiled = torch.compile(blocked_attention, dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        for seed in range(3):
+            q, k, v = _qkv(*shape, torch.bfloat16, seed=seed)
+            assert torch.equal(compiled(q, k, v), blocked_attention(q, k, v))
+
+
 def test_it_saves_the_bytes_the_planner_counts():
-    """What backward keeps is q, k, v (heads-major copies, which replace the projections'
-    outputs) and exactly saved_prob_bytes of 16-bit probabilities."""
+    """What backward keeps is q (a heads-major copy per query block), k, v (heads-major
+    copies: they replace the projections' outputs) and exactly saved_prob_bytes of 16-bit
+    probabilities."""
     B, H, T, K = 2, 3, 384, 16
     q, k, v = _qkv(B, H, T, K, torch.bfloat16)
     saved = []

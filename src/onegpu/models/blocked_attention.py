@@ -41,16 +41,34 @@ def _probabilities(
     The scores are an fp32 product of the 16-bit values (exact products, fp32 sums), as flash
     keeps them: rounded to bf16, at 4-8x wider logits than unit-variance ones the output's
     error grew to 5-8x flash's. Autocast is off around it, or it would cast them back."""
-    R, S = q_BHRK.shape[-2], k_BHSK.shape[-2]
     with torch.autocast(q_BHRK.device.type, enabled=False):
         scores_BHRS = torch.matmul(q_BHRK.float(), k_BHSK.float().transpose(-1, -2))
     scale = 1.0 / math.sqrt(q_BHRK.shape[-1])
     if mask_B1RS is None:  # causal: query start + r sees keys s <= start + r
-        causal_RS = torch.full((R, S), float("-inf"), device=q_BHRK.device).triu_(start + 1)
-        logits_BHRS = torch.add(causal_RS, scores_BHRS, alpha=scale)
-    else:
-        logits_BHRS = scores_BHRS.float().mul_(scale).masked_fill_(~mask_B1RS, float("-inf"))
+        return causal_softmax(scores_BHRS, start, scale, q_BHRK.dtype)
+    logits_BHRS = scores_BHRS.mul_(scale).masked_fill_(~mask_B1RS, float("-inf"))
     return logits_BHRS.softmax(dim=-1).to(q_BHRK.dtype)
+
+
+def _causal_softmax(
+    scores_BHRS: torch.Tensor, start: int, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """softmax(scores * scale), query start + r seeing keys s <= start + r, in `out_dtype`:
+    ATen's kernels, also under compile (an op of its own, which inductor calls as it is).
+
+    Inductor fuses the scale, the mask, the softmax and the cast into one kernel that
+    computes each exponential twice (for the sum, then for the output); ATen's softmax
+    computes it once and keeps it. On a 2-core AMX Xeon that made a compiled blocked layer's
+    forward + backward 5-6% faster at B's and A's shapes (docs/floor.md)."""
+    R, S = scores_BHRS.shape[-2:]
+    causal_RS = torch.full((R, S), float("-inf"), device=scores_BHRS.device).triu_(start + 1)
+    logits_BHRS = torch.add(causal_RS, scores_BHRS, alpha=scale)
+    return logits_BHRS.softmax(dim=-1).to(out_dtype)
+
+
+causal_softmax = torch.library.custom_op("onegpu::causal_softmax", _causal_softmax, mutates_args=())
+# a plan's fake tensors run the same ops: its peak sees the op's fp32 temporaries
+causal_softmax.register_fake(_causal_softmax)
 
 
 def _heads_view(make, like_BHTK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,42 +78,53 @@ def _heads_view(make, like_BHTK: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return make(B, T, H, K, dtype=dtype, device=like_BHTK.device).transpose(1, 2)
 
 
+def _per_block(x_BHTK: torch.Tensor, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each query block's rows of `x` as a tensor of its own, heads-major ([B, H, R, K]
+    contiguous). A block's slice of one heads-major tensor is not a compact batch of matrices,
+    and the CPU's batched matmul copied it every time it read it (three times a block in
+    forward and backward, `onegpu profile`: `aten::bmm > aten::contiguous`): here each
+    block's rows are copied once, in the copy that makes them heads-major anyway."""
+    return [x_BHTK[..., start:end, :].contiguous() for start, end in blocks]
+
+
 class BlockedAttention(torch.autograd.Function):
-    """Forward saves q, k, v and each block's probabilities; backward is five products a block."""
+    """Forward saves k, v, each block's queries and probabilities; backward is four products a
+    block."""
 
     @staticmethod
     def forward(ctx, q_BHTK, k_BHTK, v_BHTK, mask_B1TT):  # type: ignore[override]
-        # heads-major once, so that every block's slices fold into batched matmuls as views
-        q_BHTK, k_BHTK, v_BHTK = (x.contiguous() for x in (q_BHTK, k_BHTK, v_BHTK))
-        T = q_BHTK.shape[-2]
+        # keys and values heads-major once: every block reads a prefix of them as a view
+        k_BHTK, v_BHTK = k_BHTK.contiguous(), v_BHTK.contiguous()
+        blocks = query_blocks(q_BHTK.shape[-2])
+        qs = _per_block(q_BHTK, blocks)
         y_BHTK = _heads_view(torch.empty, q_BHTK, q_BHTK.dtype)
         probs = []
-        for start, end in query_blocks(T):
+        for (start, end), q_BHRK in zip(blocks, qs, strict=True):
             mask = None if mask_B1TT is None else mask_B1TT[..., start:end, :end]
-            p_BHRS = _probabilities(q_BHTK[..., start:end, :], k_BHTK[..., :end, :], start, mask)
+            p_BHRS = _probabilities(q_BHRK, k_BHTK[..., :end, :], start, mask)
             y_BHTK[..., start:end, :] = torch.matmul(p_BHRS, v_BHTK[..., :end, :])
             probs.append(p_BHRS)
-        ctx.save_for_backward(q_BHTK, k_BHTK, v_BHTK, *probs)
+        ctx.save_for_backward(k_BHTK, v_BHTK, *qs, *probs)
         return y_BHTK
 
     @staticmethod
     def backward(ctx, dy_BHTK):  # type: ignore[override]
-        q_BHTK, k_BHTK, v_BHTK, *probs = ctx.saved_tensors
-        dy_BHTK = dy_BHTK.contiguous()
-        scale = 1.0 / math.sqrt(q_BHTK.shape[-1])
-        dq_BHTK = _heads_view(torch.empty, q_BHTK, q_BHTK.dtype)
+        k_BHTK, v_BHTK, *saved = ctx.saved_tensors
+        T, K = k_BHTK.shape[-2:]
+        blocks = query_blocks(T)
+        qs, probs = saved[: len(blocks)], saved[len(blocks) :]
+        scale = 1.0 / math.sqrt(K)
+        dq_BHTK = _heads_view(torch.empty, k_BHTK, k_BHTK.dtype)
         # keys are shared by all later blocks: their gradients sum over blocks in fp32
         dk_BHTK = _heads_view(torch.zeros, k_BHTK, torch.float32)
         dv_BHTK = _heads_view(torch.zeros, v_BHTK, torch.float32)
-        for (start, end), p_BHRS in zip(query_blocks(q_BHTK.shape[-2]), probs, strict=True):
-            dy_BHRK = dy_BHTK[..., start:end, :]
+        dys = _per_block(dy_BHTK, blocks)
+        for (start, end), q_BHRK, dy_BHRK, p_BHRS in zip(blocks, qs, dys, probs, strict=True):
             dv_BHTK[..., :end, :] += torch.matmul(p_BHRS.transpose(-1, -2), dy_BHRK)
             dp_BHRS = torch.matmul(dy_BHRK, v_BHTK[..., :end, :].transpose(-1, -2))
             ds_BHRS = torch.ops.aten._softmax_backward_data(dp_BHRS, p_BHRS, -1, p_BHRS.dtype)
             dq_BHTK[..., start:end, :] = torch.matmul(ds_BHRS, k_BHTK[..., :end, :]).mul_(scale)
-            dk_BHTK[..., :end, :] += torch.matmul(
-                ds_BHRS.transpose(-1, -2), q_BHTK[..., start:end, :]
-            )
+            dk_BHTK[..., :end, :] += torch.matmul(ds_BHRS.transpose(-1, -2), q_BHRK)
         dk_BHTK = dk_BHTK.mul_(scale).to(k_BHTK.dtype)
         return dq_BHTK, dk_BHTK, dv_BHTK.to(v_BHTK.dtype), None
 
