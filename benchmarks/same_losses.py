@@ -9,7 +9,7 @@ equal to the last bit. Prints one row per mix; exits 1 if any differs.
 Usage:
   git worktree add /tmp/before HEAD~1
   python benchmarks/same_losses.py --before /tmp/before --after . [--json out.json]
-      [--extra '--model.attention sdpa']
+      [--extra '--model.attention sdpa'] [--only fp32,sgd+block+clip]
 """
 
 from __future__ import annotations
@@ -95,9 +95,16 @@ def main() -> int:
         help="flags added to every mix, e.g. '--model.attention sdpa': pins a choice whose "
         "math a change alters by design, so that the rest can be checked bit for bit",
     )
+    ap.add_argument("--only", help="these mixes (comma-separated names), e.g. those a flag of "
+                    "--extra allows (blocked attention refuses dropout)")  # fmt: skip
     a = ap.parse_args()
     mixes = {**(MIXES if "torch" in a.backends else {}),
              **(MIXES_JAX if "jax" in a.backends else {})}  # fmt: skip
+    if a.only:
+        unknown = set(a.only.split(",")) - set(mixes)
+        if unknown:
+            sys.exit(f"--only: unknown mixes {sorted(unknown)}; choose from {', '.join(mixes)}")
+        mixes = {n: mixes[n] for n in a.only.split(",")}
     report, bad = {}, 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
