@@ -38,29 +38,16 @@ from onegpu.techniques.chunked_loss import chunked_token_loss_sum
 from onegpu.techniques.loss_kernels import kernels_for
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loss_kernels import _model  # noqa: E402
+from loss_kernels import _model, loss_stepper  # noqa: E402
 from vs_peers import RESULTS, _new_stem  # noqa: E402
 
 
 def measure(name: str, rounds: int, kernel: str, sizes: list[int]) -> dict:
     built = _model(name)
-    cfg, model = built.cfg, built.model
-    g = torch.Generator().manual_seed(0)
-    shape = (cfg.train.micro_batch_size, cfg.train_seq_len)
-    x = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
-    y = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
-    sizes = [c for c in sizes if c < shape[0] * shape[1]]
+    cfg = built.cfg
+    sizes = [c for c in sizes if c < cfg.train.micro_batch_size * cfg.train_seq_len]
     losses = {c: chunked_token_loss_sum(c, kernels_for(kernel)) for c in sizes}
-    values: dict[int, float] = {}
-
-    def step(chunk: int) -> float:
-        t0 = time.perf_counter()
-        with built.policy.autocast(built.device):
-            loss = losses[chunk](model, x, y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        values[chunk] = loss.item()
-        return time.perf_counter() - t0
+    step, values = loss_stepper(built, losses)
 
     for c in sizes:  # warm up; compiled kernels compile once per chunk shape
         step(c)
@@ -79,7 +66,7 @@ def measure(name: str, rounds: int, kernel: str, sizes: list[int]) -> dict:
         "kernel": kernel,
         "precision": cfg.train.precision,
         "attention": cfg.model.attention,
-        "tokens": shape[0] * shape[1],
+        "tokens": cfg.train.micro_batch_size * cfg.train_seq_len,
         "median_s": {c: statistics.median(t) for c, t in times.items()},
         "ratio_to_largest": ratios,
         "times_s": times,

@@ -23,7 +23,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,31 +49,39 @@ def _model(name: str):
     return build(cfg, torch.device("cpu"), with_data=False)
 
 
-def measure(name: str, rounds: int) -> dict:
-    built = _model(name)
+def loss_stepper(built, losses: dict) -> tuple[Callable[[Any], float], dict]:
+    """A timer of one micro-batch's forward + backward of the model through `losses[key]`
+    (one random batch, the same every time), and the dict it leaves each key's loss in."""
     cfg, model = built.cfg, built.model
-    chunk = cfg.memory.loss_chunk
-    if not chunk:
-        return {"model": name, "chunk": 0}
     g = torch.Generator().manual_seed(0)
     shape = (cfg.train.micro_batch_size, cfg.train_seq_len)
     x = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
     y = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
+    values: dict = {}
+
+    def step(key: Any) -> float:
+        t0 = time.perf_counter()
+        with built.policy.autocast(built.device):
+            loss = losses[key](model, x, y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        values[key] = loss.item()
+        return time.perf_counter() - t0
+
+    return step, values
+
+
+def measure(name: str, rounds: int) -> dict:
+    built = _model(name)
+    cfg = built.cfg
+    chunk = cfg.memory.loss_chunk
+    if not chunk:
+        return {"model": name, "chunk": 0}
     losses = {
         "eager": chunked_token_loss_sum(chunk),
         "compiled": chunked_token_loss_sum(chunk, compiled_kernels()),
     }
-    values: dict[str, float] = {}
-
-    def step(kind: str) -> float:
-        t0 = time.perf_counter()
-        with built.policy.autocast(built.device):
-            loss = losses[kind](model, x, y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        values[kind] = loss.item()
-        return time.perf_counter() - t0
-
+    step, values = loss_stepper(built, losses)
     first = {k: step(k) for k in losses}  # the compiled one compiles
     step("eager")
     times: dict[str, list[float]] = {k: [] for k in losses}
@@ -84,7 +94,7 @@ def measure(name: str, rounds: int) -> dict:
         "chunk": chunk,
         "precision": cfg.train.precision,
         "attention": cfg.model.attention,
-        "tokens": shape[0] * shape[1],
+        "tokens": cfg.train.micro_batch_size * cfg.train_seq_len,
         "median_s": med,
         "min_s": {k: min(v) for k, v in times.items()},
         "times_s": times,
