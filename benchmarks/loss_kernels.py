@@ -9,10 +9,11 @@ loss chunk, bf16 where the CPU has it); then one micro-batch's forward + backwar
 loss's ATen kernels and with the compiled ones, alternately, `--rounds` times each. Alternating
 in one process cancels what drifts on a shared machine (two fresh processes of one setting
 differed by up to 7% here), which is why this, not fresh runs, measures a cut of ~5%. Also
-checks that both give the same loss (fp32 rounding apart). With `--softmax`, also the
-softmax-gradient kernel alone at each model's chunk shape: ATen's passes, the compiled kernel,
-and the compiled kernel written with the padding masked in every pass instead (what it was
-first). Writes results/loss-kernels-<date>.{md,json} (never over an earlier file).
+checks that both give the same loss (fp32 rounding apart). The compiled kernels are what
+`train.loss_kernel compiled` runs: on a CPU the C++ softmax gradient (loss_kernel_cpu.py).
+With `--softmax`, also the softmax-gradient kernel alone at each model's chunk shape: ATen's
+passes, inductor's kernel, inductor's written with the padding masked in every pass instead
+(what it was first), and the C++ kernel. Writes results/loss-kernels-<date>.{md,json} (never over an earlier file).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from onegpu.backends.torch.build import build
 from onegpu.config import load_config
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import cpu_identity
+from onegpu.techniques import loss_kernel_cpu
 from onegpu.techniques.chunked_loss import _softmax_grad, chunked_token_loss_sum
 from onegpu.techniques.loss_kernels import compiled_kernels, softmax_grad
 
@@ -139,6 +141,7 @@ def softmax_kernels(name: str, rounds: int) -> dict:
         "aten": aten_softmax_grad,
         "compiled": torch.compile(softmax_grad, dynamic=False),
         "compiled, padding masked every pass": torch.compile(masked_softmax_grad, dynamic=False),
+        "C++ (loss_kernel_cpu)": loss_kernel_cpu.softmax_grad,
     }
     times: dict[str, list[float]] = {k: [] for k in kernels}
     for r in range(rounds + 2):  # two warm-up rounds (the compiled ones compile)

@@ -14,7 +14,7 @@ from onegpu.cache import cache_root
 from onegpu.config import ConfigError, load_config
 from onegpu.perf import contention
 from onegpu.plan.memory import plan_memory
-from onegpu.techniques import loss_kernel_auto, loss_kernels
+from onegpu.techniques import loss_kernel_auto, loss_kernel_cpu, loss_kernels
 from onegpu.techniques.chunked_loss import ChunkedLinearCrossEntropy
 from onegpu.techniques.kernel_trial import choose
 from onegpu.techniques.loss_kernel_auto import LossShape, resolve_loss_kernel
@@ -56,28 +56,80 @@ def _loss_and_grads(kernels, param_dtype, compute_dtype, bias=False, device=CPU)
         (torch.bfloat16, torch.bfloat16, 1e-2, 0),  # bf16-pure: bf16 weights and gradients
     ],
 )
-def test_compiled_kernels_compute_what_aten_computes(param_dtype, compute_dtype, rtol, sums):
+def test_compiled_kernels_compute_what_aten_computes(
+    param_dtype, compute_dtype, rtol, sums, monkeypatch
+):
     """Loss and gradients through the compiled kernels equal ATen's, with a shorter last chunk,
-    vocabulary padding and ignored tokens; and the compiled kernels did run (dynamo compiled
-    callables for every chunk). The loss is fp32 math on the same logits: equal to 1e-5 in
-    every precision; 16-bit gradients may round a value the other way."""
+    vocabulary padding and ignored tokens; and the compiled kernels did run: on a CPU the C++
+    kernel for every chunk's softmax gradient, inductor's for the weight gradient's sum. The
+    loss is fp32 math on the same logits: equal to 1e-5 in every precision; 16-bit gradients
+    may round a value the other way."""
     compiled, calls = compiled_kernels(), []
 
     def counted(fn):
         return lambda *a: calls.append(fn) or fn(*a)
 
+    cpp = loss_kernel_cpu.softmax_grad
+    monkeypatch.setattr(loss_kernel_cpu, "softmax_grad", counted(cpp))
     kernels = LossKernels(counted(compiled.softmax_grad), counted(compiled.add_product))
     loss_c, grads_c = _loss_and_grads(kernels, param_dtype, compute_dtype)
     assert calls.count(compiled.softmax_grad) == 4  # chunks of 32, 32, 32, 4
+    assert calls.count(cpp) == 4
     # fp32 gradients of 16-bit products: summed by the compiled kernel, once a chunk (the
     # others add the product in the matmul's dtype, by addmm_)
     assert calls.count(compiled.add_product) == sums
-    assert hasattr(compiled.softmax_grad, "_torchdynamo_orig_callable")  # torch.compile's
+    assert hasattr(compiled.add_product, "_torchdynamo_orig_callable")  # torch.compile's
     loss_e, grads_e = _loss_and_grads(None, param_dtype, compute_dtype)
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     for c, e in zip(grads_c, grads_e, strict=True):
         assert c.dtype == e.dtype == param_dtype
         torch.testing.assert_close(c.float(), e.float(), rtol=rtol, atol=rtol * e.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("width, n_valid", [(1000, 1000), (1027, 1003)], ids=["", "padded"])
+def test_the_cpu_kernel_computes_what_inductors_computes(dtype, width, n_valid):
+    """The C++ kernel against inductor's from the same math (`softmax_grad`), rows of several
+    widths around its vector step (a tail of each), ignored tokens, logits up to 60 apart:
+    the same loss to fp32 rounding, the same gradient to one rounding of its dtype, padding
+    columns exactly 0."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, width, generator=g) * 20).to(dtype)
+    safe_t = torch.randint(0, n_valid, (37, 1), generator=g)
+    valid = torch.rand(37, 1, generator=g) > 0.2
+    assert loss_kernel_cpu.applies(logits, dtype)
+    inductor = torch.compile(loss_kernels.softmax_grad, dynamic=False, fullgraph=True)
+    loss_i, grad_i = inductor(logits, safe_t, valid, n_valid, dtype)
+    loss_c, grad_c = loss_kernel_cpu.softmax_grad(logits, safe_t, valid, n_valid, dtype)
+    assert grad_c.dtype == dtype and grad_c.shape == logits.shape
+    torch.testing.assert_close(loss_c, loss_i, rtol=1e-6, atol=0)
+    ulp = torch.finfo(dtype).eps
+    assert (grad_c.float() - grad_i.float()).abs().max() <= ulp * grad_i.float().abs().max()
+    assert not grad_c[:, n_valid:].any()
+    rows = grad_c.float().sum(dim=1)  # softmax - onehot sums to 0, or to 1 where ignored
+    torch.testing.assert_close(rows, (~valid.squeeze(1)).float(), atol=2e-2, rtol=0)
+
+
+def test_where_the_cpu_kernel_does_not_build_inductors_computes_the_chunks(monkeypatch):
+    """A build that fails (a compiler without Python's headers, say) is said once, and
+    inductor's kernel computes the chunk, the same loss."""
+
+    def no_build():
+        raise OSError("Python.h: No such file or directory")
+
+    monkeypatch.setattr(loss_kernel_cpu, "extension", no_build)
+    loss_kernel_cpu.built.cache_clear()
+    try:
+        logits = torch.randn(8, 64).to(torch.bfloat16)
+        safe_t, valid = torch.randint(0, 64, (8, 1)), torch.ones(8, 1, dtype=torch.bool)
+        with pytest.warns(UserWarning, match="did not build.*Python.h"):
+            assert not loss_kernel_cpu.applies(logits, torch.bfloat16)
+        assert loss_kernel_cpu.suits(logits, torch.bfloat16)  # a plan still follows its bytes
+        loss, _ = compiled_kernels().softmax_grad(logits, safe_t, valid, 64, torch.bfloat16)
+        want, _ = loss_kernels.softmax_grad(logits, safe_t, valid, 64, torch.bfloat16)
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    finally:
+        loss_kernel_cpu.built.cache_clear()
 
 
 @pytest.mark.gpu

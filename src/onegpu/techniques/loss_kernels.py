@@ -1,4 +1,4 @@
-"""The chunked loss's per-chunk math as inductor kernels (`train.loss_kernel`).
+"""The chunked loss's per-chunk math as compiled kernels (`train.loss_kernel`).
 
 Eagerly, each chunk of the chunked loss (techniques/chunked_loss.py) passes over its
 [chunk, vocab] block once per ATen kernel: the matmul's 16-bit logits copied to fp32, `amax`,
@@ -7,13 +7,14 @@ to 16 bits; then the output weight's gradient is made in 16 bits, copied to fp32
 CPU those passes, not the three matmuls, are what the chunked loss adds to its floor: at
 `seed-ref`'s 1,024 x 50,257 chunk in bf16, 45 ms of passes beside a 67 ms matmul.
 
-Compiled, one inductor kernel reads the block in the matmul's dtype (three times: max, sum of
-exponentials, gradient), fuses the log-sum-exp, the target's logit and the one-hot into those
-passes and writes the gradient once, in the matmul's dtype; a second kernel adds the
-weight gradient's 16-bit product into its fp32 sum in one pass. What Liger-Kernel's fused
-linear cross-entropy does on GPUs with Triton, here written once in torch and left to inductor,
-so it runs wherever inductor does (C++ on CPUs, Triton on GPUs). The loss is the same sum in
-another order (fp32 rounding apart: `benchmarks/same_losses.py`).
+Compiled, one kernel reads the block in the matmul's dtype, fuses the log-sum-exp, the target's
+logit and the one-hot into its passes and writes the gradient once, in the matmul's dtype; a
+second kernel adds the weight gradient's 16-bit product into its fp32 sum in one pass. On a GPU
+the first is inductor's (Triton) from `softmax_grad` below, what Liger-Kernel's fused linear
+cross-entropy does with Triton; on a CPU it is onegpu's C++ kernel (loss_kernel_cpu.py), which
+computes each exponential once a row where inductor's computes it twice or sends a fp32 block
+to memory and back. The loss is the same sum in another order (fp32 rounding apart:
+`benchmarks/same_losses.py`).
 
 `auto` (techniques/loss_kernel_auto.py) times both once per shape and device and compiles where
 the saving over the run's micro-batches outweighs the compile time.
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from onegpu.techniques import loss_kernel_cpu
 
 
 def softmax_grad(
@@ -97,11 +100,25 @@ _COMPILED: list[LossKernels] = []
 
 def compiled_kernels() -> LossKernels:
     """The kernels compiled (lazily: on their first call), whole graphs or an error: a graph
-    break would run part of them eagerly without a word."""
+    break would run part of them eagerly without a word. The softmax gradient of a chunk on a
+    CPU is the C++ kernel's (loss_kernel_cpu.applies), inductor's elsewhere."""
     if not _COMPILED:
+        inductor = torch.compile(softmax_grad, dynamic=False, fullgraph=True)
+
+        def compiled_softmax_grad(
+            logits_cV: torch.Tensor,
+            safe_t: torch.Tensor,
+            valid_c1: torch.Tensor,
+            n_valid: int,
+            out_dtype: torch.dtype,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if loss_kernel_cpu.applies(logits_cV, out_dtype):
+                return loss_kernel_cpu.softmax_grad(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+            return inductor(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+
         _COMPILED.append(
             LossKernels(
-                softmax_grad=torch.compile(softmax_grad, dynamic=False, fullgraph=True),
+                softmax_grad=compiled_softmax_grad,
                 add_product=torch.compile(add_product, dynamic=False, fullgraph=True),
             )
         )
@@ -117,14 +134,16 @@ def footprint_softmax_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the compiled `softmax_grad` allocates, for a plan's fake tensors (which no inductor
     kernel runs on): the buffers of its graph, in its order. Two [chunk, 1] fp32 vectors (max,
-    sum of exponentials); the valid columns' fp32 exponentials only where 16-bit logits carry
-    vocabulary padding (inductor recomputes them in the gradient's pass otherwise); the loss;
-    the gradient in `out_dtype`. ATen's path, which a plan would follow otherwise, keeps two
-    fp32 blocks: a plan of a compiled loss kernel was 59% over its measured bf16 step."""
+    sum of exponentials; the C++ kernel's per-row losses); the valid columns' fp32 exponentials
+    only where inductor's kernel takes 16-bit logits with vocabulary padding (it recomputes them
+    in the gradient's pass otherwise; the C++ kernel keeps one row's); the loss; the gradient in
+    `out_dtype`. ATen's path, which a plan would follow otherwise, keeps two fp32 blocks: a plan
+    of a compiled loss kernel was 59% over its measured bf16 step."""
     c, width = logits_cV.shape
     vectors = [logits_cV.new_empty((c, 1), dtype=torch.float32) for _ in range(2)]
     exps = None
-    if _keeps_valid_exponentials(logits_cV, n_valid):
+    inductors = not loss_kernel_cpu.suits(logits_cV, out_dtype)
+    if inductors and _keeps_valid_exponentials(logits_cV, n_valid):
         exps = logits_cV.new_empty((c, n_valid), dtype=torch.float32)
     loss = logits_cV.new_zeros((), dtype=torch.float32)
     g_cV = logits_cV.new_empty((c, width), dtype=out_dtype)

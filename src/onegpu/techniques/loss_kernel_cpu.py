@@ -1,0 +1,102 @@
+"""The chunked loss's per-chunk softmax gradient on a CPU: a C++ kernel of onegpu's own
+(`csrc/chunk_softmax_grad.cpp`), built on first use with the compiler inductor uses.
+
+Why not inductor's: its kernel for this math (techniques/loss_kernels.py) computes each
+exponential twice, once for the sum and once for the gradient, or, where the vocabulary is
+padded, keeps the exponentials in a [chunk, vocab] fp32 block that goes out to memory and back.
+On 2 AMX cores that block made A's per-chunk kernel (1,024 x 50,257, bf16) memory-bound: 47-54
+ms. This kernel works a row at a time, keeps the row's exponentials in a buffer that stays in
+the core's cache and computes each once: 26-35 ms there, and 10 against 16 ms at B's 2,048 x
+8,192, where its gradient equals inductor's bit for bit (`benchmarks/loss_kernels.py
+--softmax`). The exponential is ATen's vectorised one (Sleef), as in inductor's kernel.
+
+Built for the CPU's vector width (torch's own dispatch level: AVX512, AVX2 or none), cached by
+torch under ~/.cache/torch_extensions; the same compiler inductor needs, so `compiled` is
+available exactly where it was before.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "chunk_softmax_grad.cpp"
+ISA_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
+               "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}  # fmt: skip
+"""Compiler flags per torch's CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`):
+those ATen's own vectorised kernels are built with, so `at::vec` takes the same code paths."""
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def applies(logits_cV: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the C++ kernel computes this chunk: it suits it, and it built here."""
+    return suits(logits_cV, out_dtype) and built()
+
+
+def suits(logits_cV: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether the chunk is one the kernel computes: CPU logits in bf16 or fp32, the gradient in
+    their own dtype (as every CPU precision asks). What a plan follows: it builds nothing."""
+    return (
+        logits_cV.device.type == "cpu"
+        and logits_cV.dtype in DTYPES
+        and out_dtype == logits_cV.dtype
+    )
+
+
+@functools.cache
+def built() -> bool:
+    """Whether the kernel builds here. Where it does not (a compiler that inductor finds but
+    that lacks Python's headers, say), inductor's kernel computes the chunks, and a warning
+    says why, once."""
+    try:
+        extension()
+    except Exception as e:  # noqa: BLE001 - any failure to build means the same fallback
+        first = (str(e).splitlines() or [""])[0][:200]
+        warnings.warn(
+            f"onegpu's C++ loss kernel did not build ({type(e).__name__}: {first}); "
+            "inductor's kernel computes the chunked loss instead",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+@functools.cache
+def extension() -> ModuleType:
+    """The kernel, built once per torch version and CPU dispatch level (torch recompiles where
+    the source changed)."""
+    from torch.utils.cpp_extension import load
+
+    level = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(level, [])]  # OpenMP: at::parallel_for's threads
+    version = torch.__version__.split("+")[0].replace(".", "_")
+    name = f"onegpu_chunk_softmax_grad_{level.lower()}_torch{version}"
+    return load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def softmax_grad(
+    logits_cV: torch.Tensor,
+    safe_t: torch.Tensor,
+    valid_c1: torch.Tensor,
+    n_valid: int,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, d loss / d logits = softmax - onehot) of a chunk, as
+    loss_kernels.softmax_grad computes it (where `applies`: the gradient in the logits' dtype)."""
+    loss, grad = extension().softmax_grad(
+        logits_cV.contiguous(), safe_t.flatten(), valid_c1.flatten(), n_valid
+    )
+    return loss, grad
