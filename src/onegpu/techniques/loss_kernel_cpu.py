@@ -4,11 +4,12 @@
 Why not inductor's: its kernel for this math (techniques/loss_kernels.py) computes each
 exponential twice, once for the sum and once for the gradient, or, where the vocabulary is
 padded, keeps the exponentials in a [chunk, vocab] fp32 block that goes out to memory and back.
-On 2 AMX cores that block made A's per-chunk kernel (1,024 x 50,257, bf16) memory-bound: 47-54
+On 2 AMX cores that block made A's per-chunk kernel (1,024 x 50,257, bf16) memory-bound: 55
 ms. This kernel works a row at a time, keeps the row's exponentials in a buffer that stays in
-the core's cache and computes each once: 26-35 ms there, and 10 against 16 ms at B's 2,048 x
+the core's cache and computes each once: 26 ms there, and 9 against 16 ms at B's 2,048 x
 8,192, where its gradient equals inductor's bit for bit (`benchmarks/loss_kernels.py
---softmax`). The exponential is ATen's vectorised one (Sleef), as in inductor's kernel.
+--softmax`; A's step 1.21x, B's 1.04x faster, docs/floor.md). The exponential is ATen's
+vectorised one (Sleef), as in inductor's kernel.
 
 Built for the CPU's vector width (torch's own dispatch level: AVX512, AVX2 or none), cached by
 torch under ~/.cache/torch_extensions; the same compiler inductor needs, so `compiled` is
