@@ -116,9 +116,8 @@ class TrainConfig:
     otherwise 'none' (docs/auto-defaults.md). Compile time is reported apart."""
     loss_kernel: Literal["auto", "eager", "compiled"] = "auto"
     """The chunked loss's per-chunk math: 'compiled' fuses each chunk's softmax, log-sum-exp
-    and gradient into one kernel over the 16-bit logits (on a CPU onegpu's C++ kernel, built
-    on first use; on a GPU inductor's) and adds the head's gradient in one pass; 'eager':
-    ATen's kernels. 'auto': compiled where a run of 100+ micro-batches'
+    and gradient into one kernel (a CPU: onegpu's C++; a GPU: inductor's) and adds the head's
+    gradient in one pass; 'eager': ATen's kernels. 'auto': compiled where a run of 100+ micro-batches'
     timing says it repays its compile (docs/auto-defaults.md); needs a C++ compiler or Triton."""
     gelu_kernel: Literal["auto", "eager", "compiled"] = "auto"
     """onegpu's GPT's tanh GELU where its blocks run eagerly: 'compiled' as two inductor kernels

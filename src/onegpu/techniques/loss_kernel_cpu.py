@@ -19,6 +19,7 @@ available exactly where it was before.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -27,10 +28,17 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "chunk_softmax_grad.cpp"
 ISA_FLAGS = {
-    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
-               "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX512": [
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+    ],
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-}  # fmt: skip
+}
 """Compiler flags per torch's CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`):
 those ATen's own vectorised kernels are built with, so `at::vec` takes the same code paths."""
 DTYPES = (torch.bfloat16, torch.float32)
@@ -75,6 +83,7 @@ def extension() -> ModuleType:
     the source changed)."""
     from torch.utils.cpp_extension import load
 
+    _ninja_on_path()
     level = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(level, [])]  # OpenMP: at::parallel_for's threads
     version = torch.__version__.split("+")[0].replace(".", "_")
@@ -86,6 +95,18 @@ def extension() -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+def _ninja_on_path() -> None:
+    """torch builds with the `ninja` it finds on PATH: the PyPI package's (a dependency) where the
+    system has none, found even where its bin folder is not on PATH (a venv not activated)."""
+    try:
+        import ninja
+    except ImportError:  # torch's own error names it
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
 def softmax_grad(
