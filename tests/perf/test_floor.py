@@ -56,9 +56,9 @@ def test_each_distinct_product_is_timed_once_and_cached(monkeypatch, tmp_path):
     timed = []
     real_time = floor_module.time_gemm
 
-    def counting(gemm, device):
+    def counting(gemm, device, runs_as=None):
         timed.append(gemm)
-        return real_time(gemm, device)
+        return real_time(gemm, device, runs_as)
 
     monkeypatch.setattr(floor_module, "time_gemm", counting)
     gemms = micro_batch_gemms(cfg, CPU)
@@ -117,6 +117,20 @@ def test_a_floor_above_its_step_is_timed_again_once(monkeypatch):
     asked.clear()
     assert torch_floor.checked_floor(_cfg(), CPU, step_s=10.0).seconds == 5.0
     assert asked == [False]
+
+
+def test_a_refresh_keeps_the_faster_of_its_time_and_the_stored_one(monkeypatch, tmp_path):
+    """A product's floor is the least it has been seen to take: timed again in a slow moment
+    of a shared machine, it does not go up; timed faster, it comes down."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    gemms = [floor_module.Gemm("mm", (((4, 8), (8, 1)), ((8, 2), (2, 1))), torch.float32)]
+    times = iter([0.5, 0.9, 0.2])
+    monkeypatch.setattr(floor_module, "time_gemm", lambda gemm, device, runs_as: next(times))
+    assert matmul_floor(gemms, CPU).seconds == 0.5
+    assert matmul_floor(gemms, CPU, refresh=True).seconds == 0.5  # timed 0.9: kept 0.5
+    assert matmul_floor(gemms, CPU).seconds == 0.5  # and stored so
+    assert matmul_floor(gemms, CPU, refresh=True).seconds == 0.2
+    assert matmul_floor(gemms, CPU).seconds == 0.2
 
 
 def test_the_timing_key_holds_the_fp32_matmul_settings(monkeypatch):

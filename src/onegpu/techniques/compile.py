@@ -8,6 +8,9 @@
   as Lippe's "Profiling and Scaling Single-GPU Transformer Models" shows). Embeddings, final
   norm and loss stay eager.
 
+'default' and 'regional' graphs add a CPU linear's bias in oneDNN's GEMM epilogue rather than
+copying it in first (techniques/bias_epilogue.py).
+
 Compilation is lazy: nothing is compiled until the first step runs.
 """
 
@@ -29,6 +32,7 @@ from onegpu.config import Config, to_dict
 from onegpu.models.protocol import LossFn
 from onegpu.perf.contention import timed_cached
 from onegpu.perf.devices import device_key, sync
+from onegpu.techniques.bias_epilogue import inductor_options
 
 
 def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str) -> LossFn:
@@ -37,9 +41,12 @@ def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str) -> LossFn:
         return loss_fn
     if mode == "regional":
         for block in model.blocks:
-            block.compile()
+            block.compile(options=inductor_options())
         return loss_fn
-    return torch.compile(loss_fn, mode=None if mode == "default" else mode)
+    if mode == "default":
+        return torch.compile(loss_fn, options=inductor_options())
+    # max-autotune: inductor's own GEMM templates may take the addmms the pass would route
+    return torch.compile(loss_fn, mode=mode)
 
 
 def undo_regional(model: nn.Module) -> None:
@@ -70,7 +77,7 @@ def auto_candidates(
 
     def compiled_whole() -> LossFn:
         if not whole:
-            whole.append(wrap(torch.compile(loss_fn)))
+            whole.append(wrap(torch.compile(loss_fn, options=inductor_options())))
         return whole[0]
 
     compiled_blocks: list[Callable] = []

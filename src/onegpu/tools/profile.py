@@ -34,7 +34,7 @@ from onegpu.config import Config, ConfigError
 from onegpu.memory.breakdown import GROUPS, memory_timeline, profiling
 from onegpu.memory.snapshot import format_peak, peak_allocations
 from onegpu.perf.devices import sync
-from onegpu.perf.floor import GEMM_OPS, Floor, is_attention_name
+from onegpu.perf.floor import Floor, is_attention_name, is_gemm_name
 from onegpu.runs.atomic import atomic_path, write_text_atomic
 from onegpu.runs.folder import resolve_out_dir
 from onegpu.runs.lock import release_run_folder
@@ -174,7 +174,7 @@ def _gap_parts(events: dict[str, float], floor: Floor, scale: float) -> dict[str
     """Seconds a step of each part of the gap: the products and the attention kernels beyond
     their floor, every other op as it ran (profiled self time times `scale`)."""
     by_source = floor.by_source()
-    matmul_s = sum(v for k, v in events.items() if k.removeprefix("aten::") in GEMM_OPS)
+    matmul_s = sum(v for k, v in events.items() if is_gemm_name(k))
     attention_s = sum(v for k, v in events.items() if is_attention_name(k))
     attention_floor = sum(v for k, v in by_source.items() if k != "matmul")
     costs = {
@@ -184,9 +184,8 @@ def _gap_parts(events: dict[str, float], floor: Floor, scale: float) -> dict[str
         "attention kernels beyond their products": attention_s * scale - attention_floor,
     }
     for name, seconds in events.items():
-        short = name.removeprefix("aten::")
-        if short not in GEMM_OPS and not is_attention_name(name):
-            costs[short] = seconds * scale
+        if not is_gemm_name(name) and not is_attention_name(name):
+            costs[name.removeprefix("aten::")] = seconds * scale
     return costs
 
 

@@ -11,6 +11,7 @@ from onegpu.backends.torch.build import build
 from onegpu.backends.torch.loader import placeholder_batch
 from onegpu.config import Config
 from onegpu.perf.floor import Floor, Gemm, GemmRecorder, matmul_floor
+from onegpu.techniques import bias_epilogue
 from onegpu.techniques.precision import device_caps
 
 
@@ -42,7 +43,8 @@ def step_floor(cfg: Config, device: torch.device, *, refresh: bool = False) -> F
     """The floor of one optimizer step: a micro-batch's products times the micro-batches
     (`refresh`: timed again, not read from the cache)."""
     gemms = micro_batch_gemms(cfg, device)
-    return matmul_floor(gemms, device, repeat=cfg.grad_accum_steps, refresh=refresh)
+    repeat = cfg.grad_accum_steps
+    return matmul_floor(gemms, device, repeat, refresh=refresh, runs_as=bias_epilogue.runs_as)
 
 
 def checked_floor(cfg: Config, device: torch.device, step_s: float | None) -> Floor:
