@@ -28,6 +28,11 @@ def test_profile_writes_trace_memory_timeline_and_summary(tmp_path, capsys):
     floor_ms, step_ms, ratio = map(float, line.groups())
     assert floor_ms > 0 and ratio == pytest.approx(step_ms / floor_ms, rel=0.05)  # printed rounded
     assert "of the gap" in summary or "no gap measured" in summary
+    # and which products take the floor, with their rate: the first is the largest
+    largest = re.findall(
+        r"^ +([\d.]+) ms +\d+ x (?:mm|addmm|bmm) .* ([\d,]+) GFLOP/s$", summary, re.M
+    )
+    assert largest and float(largest[0][0]) == max(float(ms) for ms, _ in largest), summary
 
 
 @pytest.mark.gpu

@@ -199,6 +199,26 @@ class Floor:
             out[gemm.source] += n * s
         return dict(out)
 
+    def largest(self, top: int = 6) -> list[str]:
+        """The products that take the most of the floor, a line each with their rate alone:
+        where the products themselves fall short of the device (a transposed operand, a thin
+        shape), which no cut of the non-matmul work reaches."""
+        lines = []
+        for gemm, n, s in sorted(self.calls, key=lambda c: -c[1] * c[2])[:top]:
+            operands = " x ".join(_operand(shape, stride) for shape, stride in gemm.args[-2:])
+            lines.append(
+                f"    {n * s * 1e3:7.1f} ms  {n:3d} x {gemm.op} {operands}  "
+                f"{gemm.flops / s / 1e9:,.0f} GFLOP/s"
+            )
+        return lines
+
+
+def _operand(shape: tuple[int, ...], stride: tuple[int, ...]) -> str:
+    """`[384x4096]` as laid out, `[384x4096]^T` for a transposed view of a contiguous tensor."""
+    dims = "x".join(map(str, shape))
+    transposed = len(shape) >= 2 and stride[-2] == 1 and shape[-2] > 1 and shape[-1] > 1
+    return f"[{dims}]{'^T' if transposed else ''}"
+
 
 def timing_key(device: torch.device) -> str:
     """What a product's time depends on beyond its shape: the device (identity, threads, torch

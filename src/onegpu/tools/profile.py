@@ -205,6 +205,8 @@ def floor_text(prof, trace: dict, floor: Floor, step_s: float, cuda: bool, top: 
         f"timed alone on this device ({floor.flops / floor.seconds / 1e12:.2f} TFLOP/s); "
         f"attention counts as its batched products: "
         + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in floor.by_source().items()),
+        "  its largest products (time a step, calls, the rate each reaches alone):",
+        *floor.largest(),
     ]
     if gap <= 0:  # timed alone under load, or a step truly at its floor: no parts to share out
         lines.append("  no gap measured: the step ran within its floor")
