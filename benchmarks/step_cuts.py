@@ -11,7 +11,8 @@ the allocator onegpu preloads), rounds interleaved; tokens/s and the step's mult
 matmul floor come from the run's summary.json (`step_over_floor`, perf/floor.py), so each cut is
 judged by the same number. With --paired every cut's process is alive at once and they are
 timed in turns (benchmarks/paired.py: for a machine whose speed drifts within seconds), and
-`x base` is the median over cycles of each cycle's ratio. With --before TREE every cut also runs
+`x base` is the median over cycles of each cycle's ratio; each distinct floor runs in the
+turns too (benchmarks/floor_turns.py), for `x floor in turns`. With --before TREE every cut also runs
 from that source tree (an earlier commit: PYTHONPATH=TREE/src), named `<cut>@before`, and
 `x before` is each cut's ratio to its own run from TREE: what a change did to it. Writes
 results/step-cuts-<model>[-paired]-<date>.{md,json} (never over an earlier file).
@@ -34,6 +35,7 @@ import torch
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
+import floor_turns  # noqa: E402
 import paired  # noqa: E402
 from paired import Contestant, ratio, run_in_turns, spread, step_time  # noqa: E402
 from vs_peers import (  # noqa: E402
@@ -41,8 +43,10 @@ from vs_peers import (  # noqa: E402
     ONEGPU_STEPS,
     RESULTS,
     WARM,
+    _in_turns,
     _new_stem,
     check_paired_steps,
+    floor_contestant,
     model_floor,
 )
 
@@ -175,7 +179,9 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
             folder.mkdir()
             cmd = command(model, n, folder, ONEGPU_STEPS, log_every=1)
             contestants.append(Contestant(n, cmd, environment(n), folder / "metrics.jsonl"))
-        run_in_turns(contestants, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
+        floors = floors_in_turns(model, names, Path(tmp))
+        turns = [*contestants, *dict.fromkeys(floors.values())]
+        run_in_turns(turns, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
         found = {}
         for c in contestants:
             s = json.loads((c.steps_file.parent / "summary.json").read_text())
@@ -187,7 +193,8 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
                 "tokens_per_s": s["tokens_per_s"] * scale, "step_time_s": step,
                 "floor_s": floor_s, "step_over_floor": step / floor_s,
                 "mfu": (s["mfu"] or 0.0) * scale, "peak_mem_bytes": c.peak_rss_bytes, "loss": s["loss"],
-                "turns": c.turns,
+                "turns": c.turns, "floor_in_turns": {"x": ratio(floors[c.name], c),
+                "spread": spread(floors[c.name], c), "floor_s": step_time(floors[c.name])},
             }  # fmt: skip
         by_name = {c.name: c for c in contestants}
         base = by_name.get("base")
@@ -197,6 +204,24 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
             before = by_name.get(c.name + BEFORE)
             found[c.name]["x_before"] = ratio(c, before) if before else None
             found[c.name]["x_before_spread"] = spread(c, before) if before else None
+    return found
+
+
+def floors_in_turns(model: str, names: list[str], tmp: Path) -> dict[str, Contestant]:
+    """Each cut's floor as a contestant in turns (benchmarks/floor_turns.py): one per distinct
+    set of products (blocked attention and an unchunked loss have their own)."""
+    by_products: dict[tuple[str, ...], Contestant] = {}
+    found = {}
+    for n in names:
+        extra = [*BASE, *CUTS[cut_of(n)][0]]
+        key = floor_turns.signature(model, extra)
+        if key not in by_products:
+            name = floor_turns.NAME + (f" {len(by_products) + 1}" if by_products else "")
+            by_products[key] = floor_contestant(
+                model, extra, tmp / f"floor-{len(by_products)}.jsonl"
+            )
+            by_products[key].name = name
+        found[n] = by_products[key]
     return found
 
 
@@ -228,8 +253,8 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
         f"{time.strftime('%Y-%m-%d')}; {_method(a)}. Baseline flags: " + " ".join(BASE) + ".",
         "",
         "| cut | what | tokens/s | x base | x before | step | floor | x floor | x base floor "
-        "| MFU | peak RSS | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x floor in turns | MFU | peak RSS | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def base_floor(m: dict) -> float:
@@ -246,7 +271,7 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
         lines.append(
             f"| {name} | {CUTS[cut_of(name)][1]} | {m['tokens_per_s']:,.0f} | {ratio} | {before} "
             f"| {m['step_time_s'] * 1e3:,.0f} ms | {m['floor_s'] * 1e3:,.0f} ms "
-            f"| {m['step_over_floor']:.2f}x | {base_floor(m):.2f}x | {m['mfu']:.0%} "
+            f"| {m['step_over_floor']:.2f}x | {base_floor(m):.2f}x | {_in_turns(m)} | {m['mfu']:.0%} "
             f"| {m['peak_mem_bytes'] / 2**20:,.0f} MiB | {m['loss']:.4f} |"
         )
     return "\n".join(lines) + "\n"

@@ -29,7 +29,10 @@ Contestants, each in a fresh process, rounds interleaved, medians over rounds (o
 
 tokens/s: batch tokens / the median step time after WARM steps; peak RSS: the process's
 ru_maxrss, the same view for every contestant; x floor: the step over the model's matmul floor
-on this machine (perf/floor.py), MFU against the measured matmul peak. Writes
+on this machine (perf/floor.py); with --paired also x floor in turns: the step over the same
+products run pass after pass in turns beside it (benchmarks/floor_turns.py), which a floor
+cached from a fast moment of a drifting VM does not skew; MFU against the measured matmul peak.
+Writes
 results/vs-peers-<model>[-bf16][-contestants]-<date>[-N].{md,json} (-bf16 where the CPU
 multiplies bf16 natively and every contestant runs bf16; -N: never over an earlier file).
 """
@@ -56,6 +59,7 @@ from onegpu.perf.allocator import MIMALLOC_PURGE, find_mimalloc, find_tcmalloc
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
+import floor_turns  # noqa: E402
 import paired  # noqa: E402
 from paired import DROPPED, Contestant, ratio, run_in_turns, spread, step_time  # noqa: E402
 
@@ -323,7 +327,9 @@ def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> di
                 steps_file = folder / "steps.jsonl"
                 cmd = worker_command(n, model, ONEGPU_STEPS, steps_file)
             contestants.append(Contestant(n, cmd, environment(n), steps_file))
-        run_in_turns(contestants, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
+        floor = floor_contestant(model, [], Path(tmp) / "floor.jsonl")
+        turns = [*contestants, floor]
+        run_in_turns(turns, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
         results = {}
         for c in contestants:
             summary = c.steps_file.parent / "summary.json"
@@ -336,8 +342,31 @@ def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> di
             results[c.name] = res | {
                 "paired": {o.name: ratio(c, o) for o in contestants},
                 "spread": {o.name: spread(c, o) for o in contestants},
-            }
+                "floor_in_turns": {"x": ratio(floor, c), "spread": spread(floor, c),
+                                   "floor_s": step_time(floor)},
+            }  # fmt: skip
     return results
+
+
+def floor_contestant(model: str, extra: list[str], steps_file: Path) -> Contestant:
+    """The step's products pass after pass, timed in turns beside the steps
+    (benchmarks/floor_turns.py), on the allocator onegpu prefers here."""
+    allocator = "tcmalloc" if find_tcmalloc() else "mimalloc"
+    env = environment(f"floor+{allocator}")
+    cmd = floor_turns.command(model, extra, steps_file)
+    return Contestant(floor_turns.NAME, cmd, env, steps_file)
+
+
+def model_config(model: str, extra: list[str] | tuple[str, ...] = ()):
+    """onegpu's config of the model on this CPU, with `extra` `--section.key value` flags."""
+    from onegpu.config import load_config
+
+    over = MODELS[model]["over"] | {"train.precision": _precision(), "train.device": "cpu"}
+    flags = [*MODELS[model]["args"], *extra]
+    for flag, value in zip(flags[::2], flags[1::2]):
+        if flag.startswith("--") and "." in flag:
+            over[flag[2:]] = value
+    return load_config(MODELS[model]["preset"], overrides=over)
 
 
 def model_floor(model: str, extra: list[str] | tuple[str, ...] = ()) -> dict[str, float]:
@@ -346,16 +375,10 @@ def model_floor(model: str, extra: list[str] | tuple[str, ...] = ()) -> dict[str
     (6 per weight, attention's 12 L T d) and the matmul peak MFU divides by. `extra`: more
     `--section.key value` flags (a cut's settings: blocked attention has its own products)."""
     from onegpu.backends.torch.floor import step_floor
-    from onegpu.config import load_config
     from onegpu.perf.devices import cpu_peak_flops
     from onegpu.perf.flops import attention_flops_per_token
 
-    over = MODELS[model]["over"] | {"train.precision": _precision(), "train.device": "cpu"}
-    flags = [*MODELS[model]["args"], *extra]
-    for flag, value in zip(flags[::2], flags[1::2]):
-        if flag.startswith("--") and "." in flag:
-            over[flag[2:]] = value
-    cfg = load_config(MODELS[model]["preset"], overrides=over)
+    cfg = model_config(model, extra)
     s = MODELS[model]["shape"]
     weights = s["n_layer"] * 12 * s["d_model"] ** 2 + s["vocab_size"] * s["d_model"]
     attention = attention_flops_per_token(s["n_layer"], s["seq_len"], s["d_model"])
@@ -373,6 +396,19 @@ def _ratio_cell(m: dict, other: dict, name: str) -> str:
         return f"{m['tokens_per_s'] / other['tokens_per_s']:.2f}"
     q1, q3 = m["spread"][name]
     return f"{m['paired'][name]:.2f} ({q1:.2f}-{q3:.2f})"
+
+
+def _floor_pass(med: dict[str, dict]) -> str:
+    passes = [m["floor_in_turns"]["floor_s"] for m in med.values() if "floor_in_turns" in m]
+    return f"its median pass {passes[0] * 1e3:,.1f} ms" if passes else "paired runs only"
+
+
+def _in_turns(m: dict) -> str:
+    """The step over the floor's pass in the same cycles (benchmarks/floor_turns.py)."""
+    if "floor_in_turns" not in m:
+        return "-"
+    f = m["floor_in_turns"]
+    return "{:.2f}x ({:.2f}-{:.2f})".format(f["x"], *f["spread"])
 
 
 def _counts(a: argparse.Namespace) -> str:
@@ -411,14 +447,16 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) 
         "setting of each peer on its own allocator. First step: its excess over a steady step "
         "(compilation, for the compiled ones). Floor: the step's matmul floor on this machine "
         f"({floor['floor_s'] * 1e3:,.1f} ms: every product of the step timed alone, "
-        "perf/floor.py); x floor: the step time over it. MFU: "
+        "perf/floor.py); x floor: the step time over it; x floor in turns: over the same "
+        "products run pass after pass in turns with the steps (benchmarks/floor_turns.py: "
+        f"{_floor_pass(med)}), the median over cycles (quartiles). MFU: "
         f"{floor['flops_per_token'] / 1e6:,.1f} MFLOP a token over the measured "
         f"{_precision()} matmul peak, {floor['peak_flops'] / 1e9:,.0f} GFLOP/s.",
         "",
         "| contestant | allocator | precision | tokens/s | "
         + " | ".join(f"x {c}" for c in cols)
-        + " | step | x floor | MFU | peak RSS | first step |",
-        "|---|---|---|---|" + "---|" * len(cols) + "---|---|---|---|---|",
+        + " | step | x floor | x floor in turns | MFU | peak RSS | first step |",
+        "|---|---|---|---|" + "---|" * len(cols) + "---|---|---|---|---|---|",
     ]
     tokens = MODELS[model]["batch"] * MODELS[model]["shape"]["seq_len"]
     for n, m in med.items():
@@ -427,7 +465,7 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace, floor: dict) 
         mfu = m["tokens_per_s"] * floor["flops_per_token"] / floor["peak_flops"]
         lines.append(f"| {n} | {m['allocator']} | {m['precision']} | {m['tokens_per_s']:,.0f} "
                      f"| {ratios} | {step_s * 1e3:,.0f} ms | {step_s / floor['floor_s']:.2f}x "
-                     f"| {mfu:.0%} | {m['peak_rss_bytes'] / 2**20:,.0f} MiB "
+                     f"| {_in_turns(m)} | {mfu:.0%} | {m['peak_rss_bytes'] / 2**20:,.0f} MiB "
                      f"| +{m['first_step_excess_s']:.1f} s |")  # fmt: skip
     chosen = [f"{n}: {m['chosen']}" for n, m in med.items() if "chosen" in m]
     if chosen:

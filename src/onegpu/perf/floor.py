@@ -144,7 +144,7 @@ class GemmRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _tensor(spec: Spec, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def operand(spec: Spec, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Random values laid out as `spec` (a transposed or broadcast operand stays one)."""
     shape, stride = spec
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
@@ -162,7 +162,7 @@ def time_gemm(gemm: Gemm, device: torch.device, runs_as: RunsAs | None = None) -
     shared out, not charged to one call), the best of at least 3 samples. `runs_as`: the
     product is timed as the backend's fastest exact kernel runs it (a CPU linear's bias added in
     oneDNN's epilogue: copying it into the output first is not product work)."""
-    args = [_tensor(s, gemm.dtype, device) for s in gemm.args]
+    args = [operand(s, gemm.dtype, device) for s in gemm.args]
     op = getattr(torch.ops.aten, gemm.op)
     if runs_as is not None:
         op, args = runs_as(op, args)
@@ -205,7 +205,7 @@ class Floor:
         shape), which no cut of the non-matmul work reaches."""
         lines = []
         for gemm, n, s in sorted(self.calls, key=lambda c: -c[1] * c[2])[:top]:
-            operands = " x ".join(_operand(shape, stride) for shape, stride in gemm.args[-2:])
+            operands = " x ".join(_layout(shape, stride) for shape, stride in gemm.args[-2:])
             lines.append(
                 f"    {n * s * 1e3:7.1f} ms  {n:3d} x {gemm.op} {operands}  "
                 f"{gemm.flops / s / 1e9:,.0f} GFLOP/s"
@@ -213,7 +213,7 @@ class Floor:
         return lines
 
 
-def _operand(shape: tuple[int, ...], stride: tuple[int, ...]) -> str:
+def _layout(shape: tuple[int, ...], stride: tuple[int, ...]) -> str:
     """`[384x4096]` as laid out, `[384x4096]^T` for a transposed view of a contiguous tensor."""
     dims = "x".join(map(str, shape))
     transposed = len(shape) >= 2 and stride[-2] == 1 and shape[-2] > 1 and shape[-1] > 1
