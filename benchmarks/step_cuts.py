@@ -180,7 +180,7 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
             cmd = command(model, n, folder, ONEGPU_STEPS, log_every=1)
             contestants.append(Contestant(n, cmd, environment(n), folder / "metrics.jsonl"))
         floors = floors_in_turns(model, names, Path(tmp))
-        turns = [*contestants, *dict.fromkeys(floors.values())]
+        turns = [*contestants, *{id(f): f for f in floors.values()}.values()]
         run_in_turns(turns, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
         found = {}
         for c in contestants:
