@@ -50,11 +50,12 @@ def _probabilities(
     return logits_BHRS.softmax(dim=-1).to(q_BHRK.dtype)
 
 
-def _causal_softmax(
+def aten_causal_softmax(
     scores_BHRS: torch.Tensor, start: int, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """softmax(scores * scale), query start + r seeing keys s <= start + r, in `out_dtype`:
-    ATen's kernels, also under compile (an op of its own, which inductor calls as it is).
+    ATen's kernels, also under compile (an op of its own, which inductor calls as it is; on a
+    CPU onegpu's one-pass kernel replaces them, techniques/causal_softmax_cpu.py).
 
     Inductor fuses the scale, the mask, the softmax and the cast into one kernel that
     computes each exponential twice (for the sum, then for the output); ATen's softmax
@@ -67,9 +68,11 @@ def _causal_softmax(
     return logits_BHRS.softmax(dim=-1).to(out_dtype)
 
 
-causal_softmax = torch.library.custom_op("onegpu::causal_softmax", _causal_softmax, mutates_args=())
+causal_softmax = torch.library.custom_op(
+    "onegpu::causal_softmax", aten_causal_softmax, mutates_args=()
+)
 # a plan's fake tensors run the same ops: its peak sees the op's fp32 temporaries
-causal_softmax.register_fake(_causal_softmax)
+causal_softmax.register_fake(aten_causal_softmax)
 
 
 def _heads_view(make, like_BHTK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -37,6 +37,7 @@ from onegpu.perf.attention_blocks import saved_prob_bytes
 from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
+from onegpu.techniques import causal_softmax_cpu
 from onegpu.techniques.compile import Candidate
 from onegpu.techniques.kernel_trial import missing_compiler
 
@@ -80,6 +81,11 @@ _KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+KERNELS = 2
+"""The kernels the timings ran (2: blocked's softmax as onegpu's one-pass CPU kernel,
+techniques/causal_softmax_cpu.py); in the cache key, so older timings are made again."""
+
+
 def _as_compiled(name: str) -> Callable[..., torch.Tensor]:
     """The kernel as a compiled model runs it: SDPA's fused kernel is one ATen op inside a
     graph too; the matmul attentions have their softmax, mask and casts fused by inductor."""
@@ -120,6 +126,7 @@ def measure_cpu_attention(
     """{'choice': the candidate `pick` takes, 'ms': each one's median forward + backward of
     the run's attention (one layer's, ms)}; `compiled`: each as a compiled model runs it (the
     warm-up compiles, and is not counted: the run compiles anyway)."""
+    causal_softmax_cpu.register()  # blocked's softmax as the run computes it
     kernels = {name: _as_compiled(name) if compiled else _KERNELS[name] for name in candidates}
     B, H, T, K = call.batch, call.heads, call.seq_len, call.head_dim
     q, k, v = (  # laid out as the model makes them: [B, T, H, K] seen as [B, H, T, K]
@@ -189,6 +196,7 @@ def attention_choice(
             f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
             f"|allocator={allocator}|{dtype}|{call.key()}|{'+'.join(candidates)}"
             + ("|compiled" if compiled else "")
+            + f"|kernels={KERNELS}"
         )
 
     def valid(found: Any) -> bool:

@@ -19,28 +19,12 @@ available exactly where it was before.
 from __future__ import annotations
 
 import functools
-import os
-import warnings
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "chunk_softmax_grad.cpp"
-ISA_FLAGS = {
-    "AVX512": [
-        "-DCPU_CAPABILITY=AVX512",
-        "-DCPU_CAPABILITY_AVX512",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mfma",
-    ],
-    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-}
-"""Compiler flags per torch's CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`):
-those ATen's own vectorised kernels are built with, so `at::vec` takes the same code paths."""
+from onegpu.techniques import cpu_extension
+
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -61,52 +45,16 @@ def suits(logits_cV: torch.Tensor, out_dtype: torch.dtype) -> bool:
 
 @functools.cache
 def built() -> bool:
-    """Whether the kernel builds here. Where it does not (a compiler that inductor finds but
-    that lacks Python's headers, say), inductor's kernel computes the chunks, and a warning
-    says why, once."""
-    try:
-        extension()
-    except Exception as e:  # noqa: BLE001 - any failure to build means the same fallback
-        first = (str(e).splitlines() or [""])[0][:200]
-        warnings.warn(
-            f"onegpu's C++ loss kernel did not build ({type(e).__name__}: {first}); "
-            "inductor's kernel computes the chunked loss instead",
-            stacklevel=2,
-        )
-        return False
-    return True
-
-
-@functools.cache
-def extension() -> ModuleType:
-    """The kernel, built once per torch version and CPU dispatch level (torch recompiles where
-    the source changed)."""
-    from torch.utils.cpp_extension import load
-
-    _ninja_on_path()
-    level = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(level, [])]  # OpenMP: at::parallel_for's threads
-    version = torch.__version__.split("+")[0].replace(".", "_")
-    name = f"onegpu_chunk_softmax_grad_{level.lower()}_torch{version}"
-    return load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
+    """Whether the kernel builds here; where it does not, inductor's kernel computes the chunks
+    (and a warning says why, once)."""
+    return cpu_extension.builds(
+        extension, "loss kernel", "inductor's kernel computes the chunked loss instead"
     )
 
 
-def _ninja_on_path() -> None:
-    """torch builds with the `ninja` it finds on PATH: the PyPI package's (a dependency) where the
-    system has none, found even where its bin folder is not on PATH (a venv not activated)."""
-    try:
-        import ninja
-    except ImportError:  # torch's own error names it
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+def extension() -> ModuleType:
+    """The kernel, built once per torch version and CPU dispatch level (cpu_extension.py)."""
+    return cpu_extension.load("chunk_softmax_grad")
 
 
 def softmax_grad(

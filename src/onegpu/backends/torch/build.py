@@ -43,6 +43,7 @@ from onegpu.optim import build_optimizer
 from onegpu.optim.factory import STAND_IN
 from onegpu.optim.in_backward import PerParameterOptimizers
 from onegpu.perf.flops import flops_per_token
+from onegpu.techniques import causal_softmax_cpu
 from onegpu.techniques.attention import check_attention_backend
 from onegpu.techniques.checkpointing import selective_cache_tensors
 from onegpu.techniques.compile import CompileTrial
@@ -124,6 +125,7 @@ def build(
     planner); compile is left out (it changes kernels, not what a step keeps alive). Raises
     ConfigError, before anything is written, for anything this device or data cannot do.
     """
+    causal_softmax_cpu.register()  # onegpu's CPU kernel for blocked attention's softmax
     cfg, ctx = _processes(cfg, dist_ctx, fake)
     device = device or resolve_device(cfg.train.device, ctx.local_rank if ctx.enabled else None)
     asked, resolved = cfg, resolve_agreed(cfg, device, caps, ctx, timed=not fake)
