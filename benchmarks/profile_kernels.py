@@ -2,15 +2,16 @@
 trace.json `onegpu profile` writes.
 
     onegpu profile <the run's flags> --out prof
-    python benchmarks/profile_kernels.py prof [--top 12]
+    python benchmarks/profile_kernels.py prof [--top 12] [--callers aten::_softmax,aten::add]
 
 `onegpu profile`'s summary groups inductor's kernels into one line ("compiled kernels"); under
 the Python tracer they all show as `<built-in function kernel>`. This names each one: it reads
 the generated module each kernel was called from (its path is in the caller's frame name),
 lists the kernels that module's `call` launches in order, and matches them to the launches in
 the trace. Also: the operands ATen's batched matmul copied (`aten::bmm > aten::contiguous >
-aten::clone`, by shape) and what called `aten::copy_`. Times are per profiled step, in ms, the
-profiler's own (slower than an unprofiled step). Prints markdown.
+aten::clone`, by shape) and what called `aten::copy_`; with `--callers`, what called each of
+those ops (the last Python frames above it: `--callers aten::_softmax,aten::add`). Times are
+per profiled step, in ms, the profiler's own (slower than an unprofiled step). Prints markdown.
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ def copies(events: list[dict]) -> tuple[collections.Counter, collections.Counter
     return bmm_copies, copy_callers
 
 
+def callers(events: list[dict], ops: set[str]) -> collections.Counter:
+    """Time of each of `ops` by the op and the last three frames above it that are not ATen's."""
+    found: collections.Counter = collections.Counter()
+    for e, stack in stacks(events):
+        if e["name"] in ops:
+            frames = [s["name"][:60] for s in stack if not s["name"].startswith("aten::")][-3:]
+            found[f"{e['name']} < " + " > ".join(frames)] += e["dur"]
+    return found
+
+
 def section(title: str, counts: collections.Counter, steps: int, top: int) -> str:
     lines = [f"## {title}", "", "| ms a step | what |", "|---|---|"]
     for name, us in counts.most_common(top):
@@ -97,6 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("folder", type=Path, help="the --out folder of `onegpu profile`")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--callers", default="", help="comma-separated ops whose callers to list")
     a = ap.parse_args()
     events, steps = load(a.folder)
     bmm_copies, copy_callers = copies(events)
@@ -104,6 +116,9 @@ def main() -> None:
     print(section("Inductor's kernels", inductor_kernels(events), steps, a.top))
     print(section("Operands the batched matmul copied (shapes)", bmm_copies, steps, a.top))
     print(section("What called aten::copy_", copy_callers, steps, a.top))
+    if a.callers:
+        ops = set(a.callers.split(","))
+        print(section(f"What called {', '.join(sorted(ops))}", callers(events, ops), steps, a.top))
 
 
 if __name__ == "__main__":

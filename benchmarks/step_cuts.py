@@ -180,7 +180,12 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
             cmd = command(model, n, folder, ONEGPU_STEPS, log_every=1)
             contestants.append(Contestant(n, cmd, environment(n), folder / "metrics.jsonl"))
         floors = floors_in_turns(model, names, Path(tmp))
-        turns = [*contestants, *{id(f): f for f in floors.values()}.values()]
+        last_user = {id(floors[c.name]): i for i, c in enumerate(contestants)}
+        turns = []
+        for i, c in enumerate(contestants):  # each floor right after the last cut it serves
+            turns.append(c)
+            if last_user[id(floors[c.name])] == i:
+                turns.append(floors[c.name])
         run_in_turns(turns, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
         found = {}
         for c in contestants:
@@ -194,7 +199,8 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
                 "floor_s": floor_s, "step_over_floor": step / floor_s,
                 "mfu": (s["mfu"] or 0.0) * scale, "peak_mem_bytes": c.peak_rss_bytes, "loss": s["loss"],
                 "turns": c.turns, "floor_in_turns": {"x": ratio(floors[c.name], c),
-                "spread": spread(floors[c.name], c), "floor_s": step_time(floors[c.name])},
+                "spread": spread(floors[c.name], c), "floor_s": step_time(floors[c.name]),
+                "turns": floors[c.name].turns},
             }  # fmt: skip
         by_name = {c.name: c for c in contestants}
         base = by_name.get("base")

@@ -328,7 +328,10 @@ def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> di
                 cmd = worker_command(n, model, ONEGPU_STEPS, steps_file)
             contestants.append(Contestant(n, cmd, environment(n), steps_file))
         floor = floor_contestant(model, [], Path(tmp) / "floor.jsonl")
-        turns = [*contestants, floor]
+        at = 1 + max(
+            (i for i, c in enumerate(contestants) if c.name.startswith("onegpu")), default=-1
+        )
+        turns = [*contestants[:at], floor, *contestants[at:]]  # beside onegpu's rows
         run_in_turns(turns, WARM, cycles, turn_steps, log=lambda m: print(m, flush=True))
         results = {}
         for c in contestants:
@@ -343,7 +346,7 @@ def run_paired(names: list[str], model: str, cycles: int, turn_steps: int) -> di
                 "paired": {o.name: ratio(c, o) for o in contestants},
                 "spread": {o.name: spread(c, o) for o in contestants},
                 "floor_in_turns": {"x": ratio(floor, c), "spread": spread(floor, c),
-                                   "floor_s": step_time(floor)},
+                                   "floor_s": step_time(floor), "turns": floor.turns},
             }  # fmt: skip
     return results
 

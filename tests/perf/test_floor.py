@@ -133,6 +133,36 @@ def test_a_refresh_keeps_the_faster_of_its_time_and_the_stored_one(monkeypatch, 
     assert matmul_floor(gemms, CPU).seconds == 0.2
 
 
+def test_a_refresh_in_a_busy_moment_keeps_the_stored_time(monkeypatch, tmp_path):
+    """A refresh whose threads waited for the CPUs is not stored; the faster time stored
+    before stays the product's floor for later runs (not dropped to be timed afresh)."""
+    import contextlib
+
+    from onegpu.perf import contention
+
+    class Busy:
+        def watching(self):
+            return contextlib.nullcontext()
+
+        def disturbed(self):
+            return True
+
+        def wait_share(self):
+            return 0.5
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    gemms = [floor_module.Gemm("mm", (((4, 8), (8, 1)), ((8, 2), (2, 1))), torch.float32)]
+    times = iter([0.5, 0.9, 0.7])
+    monkeypatch.setattr(floor_module, "time_gemm", lambda gemm, device, runs_as: next(times))
+    assert matmul_floor(gemms, CPU).seconds == 0.5
+    with monkeypatch.context() as busy:
+        busy.setattr(contention, "RunQueueWatch", Busy)
+        with pytest.warns(UserWarning, match="matmul floor"):
+            assert matmul_floor(gemms, CPU, refresh=True).seconds == 0.5  # timed 0.9
+    contention._UNSTORED.clear()  # a later process
+    assert matmul_floor(gemms, CPU).seconds == 0.5  # read, not timed again (0.7 unused)
+
+
 def test_the_largest_products_are_named_with_their_layout_and_rate():
     """A weight gradient's first operand is a transposed view (`^T`); its rate alone is its
     FLOPs over its time (2 x 384 x 4,096 x 384 in 2 ms)."""

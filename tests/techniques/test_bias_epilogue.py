@@ -7,13 +7,15 @@ from torch import nn
 
 from onegpu.techniques import bias_epilogue
 from onegpu.techniques.bias_epilogue import linear_bias, runs_as
+from onegpu.techniques.compile import apply_compile
 
-pytestmark = pytest.mark.skipif(
+needs_onednn_bf16 = pytest.mark.skipif(
     not bias_epilogue.available(), reason="needs oneDNN's bf16 matmuls (AVX512-BF16 or AMX)"
 )
 BF16 = torch.bfloat16
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize(("rows", "k", "n"), [(512, 384, 1536), (512, 1536, 384), (96, 64, 192)])
 def test_the_bias_in_the_epilogue_gives_addmms_bits(rows, k, n):
     """The fp32 accumulator plus the bias, rounded once to bf16: what ATen's addmm computes."""
@@ -22,36 +24,57 @@ def test_the_bias_in_the_epilogue_gives_addmms_bits(rows, k, n):
     assert torch.equal(linear_bias(x, w, b.to(BF16)), torch.addmm(b.to(BF16), x, w.t()))
 
 
+@needs_onednn_bf16
 def test_the_floor_times_a_bf16_linears_addmm_as_the_compiled_run_does():
-    x, w_KM = torch.randn(8, 16, dtype=BF16), torch.randn(16, 32, dtype=BF16)
+    x, w_KM = torch.randn(8, 16, dtype=BF16), torch.randn(32, 16, dtype=BF16).t()
     bias = torch.randn(32, dtype=BF16)
     op, args = runs_as(torch.ops.aten.addmm, [bias, x, w_KM])
     assert op is linear_bias and torch.equal(args[1], w_KM.t())
-    for other in (
+
+
+def test_other_products_are_timed_as_dispatched():
+    """fp32, a bias that is no vector, a weight that is no transposed [out, in] tensor, `mm`:
+    what ATen runs (whatever this CPU has)."""
+    x, w_KM = torch.randn(8, 16, dtype=BF16), torch.randn(32, 16, dtype=BF16).t()
+    bias = torch.randn(32, dtype=BF16)
+    others = [
         [bias.float(), x.float(), w_KM.float()],
         [torch.randn(8, 32, dtype=BF16), x, w_KM],
-    ):
-        assert runs_as(torch.ops.aten.addmm, other)[0] is torch.ops.aten.addmm  # fp32; a 2-D bias
+        [bias, x, w_KM.contiguous()],
+    ]
+    for args in others:
+        assert runs_as(torch.ops.aten.addmm, args)[0] is torch.ops.aten.addmm
     assert runs_as(torch.ops.aten.mm, [x, w_KM])[0] is torch.ops.aten.mm
 
 
+def test_without_onednns_bf16_matmuls_no_pass_is_installed(monkeypatch):
+    monkeypatch.setattr(bias_epilogue, "available", lambda: False)
+    assert bias_epilogue.inductor_options(torch.device("cpu")) == {}
+    if torch.cuda.is_available():
+        assert bias_epilogue.inductor_options(torch.device("cuda")) == {}
+
+
+@needs_onednn_bf16
 def test_a_compiled_mlp_runs_its_linears_with_the_bias_in_the_epilogue():
-    """Compiled as onegpu compiles (`apply_compile`'s options), under bf16 autocast: each
+    """Compiled as onegpu compiles (`apply_compile`, mode default), under bf16 autocast: each
     linear's forward is `onegpu::linear_bias`, and the output and the products' gradients
     (plain mms in the backward) are eager's bit for bit."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     x = torch.randn(128, 64)
 
-    def run(module):
+    def forward(model, x):
+        return model(x)
+
+    def run(fn):
         mlp.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=BF16):
-            y = module(x)
+            y = fn(mlp, x)
         y.float().square().sum().backward()
         return y, [p.grad for p in mlp.parameters()]
 
-    eager_y, eager_grads = run(mlp)
-    compiled = torch.compile(mlp, options=bias_epilogue.inductor_options())
+    eager_y, eager_grads = run(forward)
+    compiled = apply_compile(mlp, forward, "default")
     run(compiled)  # the compile, which dispatches the op on fake tensors too
     with torch.profiler.profile() as prof:
         compiled_y, compiled_grads = run(compiled)

@@ -26,7 +26,8 @@ def test_profile_writes_trace_memory_timeline_and_summary(tmp_path, capsys):
                      summary, re.M)  # fmt: skip
     assert line, summary
     floor_ms, step_ms, ratio = map(float, line.groups())
-    assert floor_ms > 0 and ratio == pytest.approx(step_ms / floor_ms, rel=0.05)  # printed rounded
+    # printed to 2 decimals: a floor timed on busy cores can lie far above a tiny step
+    assert floor_ms > 0 and ratio == pytest.approx(step_ms / floor_ms, rel=0.05, abs=0.006)
     assert "of the gap" in summary or "no gap measured" in summary
     # and which products take the floor, with their rate: the first is the largest
     largest = re.findall(

@@ -148,10 +148,13 @@ def timed_cached(
     refresh: bool = False,
     valid: Callable[[Any], bool] | None = None,
     on_disturbed: Callable[[float], None] | None = None,
+    keeps_stored: bool = False,
 ) -> T:
     """cache.cached() for a measurement that times: stored only where its threads had the CPUs
     (RunQueueWatch). A disturbed one is kept for this process alone and reported: a warning
-    naming `what`, or `on_disturbed(wait share)` where given (a caller that times many)."""
+    naming `what`, or `on_disturbed(wait share)` where given (a caller that times many).
+    A disturbed refresh drops the stored figure (known stale: the next run measures), unless
+    `keeps_stored` (a measure that already takes the stored figure into account)."""
     memo = _memo(name, key)
     if not refresh and memo in _UNSTORED and peek(name, key, valid) is None:
         provisional_reads.append(name)
@@ -169,7 +172,7 @@ def timed_cached(
     if (share := watch.wait_share()) is not None and watch.disturbed():
         _UNSTORED[memo] = value
         provisional_reads.append(name)  # what this process goes on to plan or run follows it
-        if refresh:  # the figure it was to replace is known stale: the next run measures
+        if refresh and not keeps_stored:  # the figure it replaces is stale: the next run measures
             drop(name, key)
         if on_disturbed is not None:
             on_disturbed(share)

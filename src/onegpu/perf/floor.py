@@ -238,8 +238,8 @@ def matmul_floor(
     runs_as: RunsAs | None = None,
 ) -> Floor:
     """Sum of each recorded product's time alone (distinct calls timed once, cached per
-    device and settings; `refresh` times them again and keeps the faster), for a step that runs the recorded ones
-    `repeat` times (its micro-batches)."""
+    device and settings; `refresh` times them again and keeps the faster), for a step that
+    runs the recorded ones `repeat` times (its micro-batches)."""
     counts = Counter(gemms)
     calls: list[tuple[Gemm, int, float]] = []
     disturbed: list[float] = []
@@ -261,6 +261,7 @@ def matmul_floor(
             refresh=refresh,
             valid=has("seconds"),
             on_disturbed=disturbed.append,
+            keeps_stored=True,  # the stored time stays the floor's until a faster one is seen
         )
         seconds = float(entry["seconds"]) * gemm.share
         calls.append((gemm, n * repeat, seconds))

@@ -52,14 +52,19 @@ def _(x_NK: torch.Tensor, w_MK: torch.Tensor, b_M: torch.Tensor) -> torch.Tensor
     return x_NK.new_empty((x_NK.shape[0], w_MK.shape[0]))
 
 
-def fuses(bias: torch.Tensor, x_NK: torch.Tensor, w_KM: torch.Tensor) -> bool:
+def fuses(bias: Any, x_NK: Any, w_KM: Any) -> bool:
     """Whether `addmm(bias, x, w)` runs as `linear_bias` here: bf16 on a CPU with oneDNN's bf16
-    matmuls, and a bias that is one value per output column."""
+    matmuls, a bias that is one value per output column, and `w` a linear's weight as `F.linear`
+    passes it (an [out, in] tensor seen transposed: the op reads it without a copy)."""
+    tensors = all(isinstance(t, torch.Tensor) for t in (bias, x_NK, w_KM))
     return (
-        x_NK.device.type == "cpu"
+        tensors
+        and x_NK.device.type == "cpu"
         and x_NK.dtype == w_KM.dtype == bias.dtype == torch.bfloat16
+        and x_NK.dim() == w_KM.dim() == 2
         and bias.dim() == 1
         and bias.shape[0] == w_KM.shape[1]
+        and w_KM.stride() == (1, w_KM.shape[0])
         and available()
     )
 
@@ -73,7 +78,8 @@ class BiasInEpilogue(CustomGraphPass):
             if len(node.args) != 3 or node.kwargs:
                 continue
             bias, x, w_KM = node.args
-            if not fuses(*(arg.meta["val"] for arg in node.args)):
+            values = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+            if not fuses(*values):
                 continue
             with graph.inserting_before(node):
                 w_MK = graph.call_function(aten.permute.default, (w_KM, [1, 0]))
@@ -96,7 +102,9 @@ def runs_as(op: Callable, args: list[torch.Tensor]) -> tuple[Callable, list[torc
     return op, args
 
 
-def inductor_options() -> dict[str, Any]:
-    """What `torch.compile(options=...)` takes to run the pass (nothing where oneDNN's bf16
-    matmuls are missing: the pass would find no addmm to change)."""
-    return {"post_grad_custom_post_pass": BiasInEpilogue()} if available() else {}
+def inductor_options(device: torch.device) -> dict[str, Any]:
+    """What `torch.compile(options=...)` takes to run the pass on `device` (nothing off CPUs, or
+    where oneDNN's bf16 matmuls are missing: the pass would find no addmm to change)."""
+    if device.type != "cpu" or not available():
+        return {}
+    return {"post_grad_custom_post_pass": BiasInEpilogue()}

@@ -41,12 +41,17 @@ def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str) -> LossFn:
         return loss_fn
     if mode == "regional":
         for block in model.blocks:
-            block.compile(options=inductor_options())
+            block.compile(options=inductor_options(_device(model)))
         return loss_fn
     if mode == "default":
-        return torch.compile(loss_fn, options=inductor_options())
+        return torch.compile(loss_fn, options=inductor_options(_device(model)))
     # max-autotune: inductor's own GEMM templates may take the addmms the pass would route
     return torch.compile(loss_fn, mode=mode)
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the model's weights are (its first's): what the compiled graphs run on."""
+    return next(model.parameters()).device
 
 
 def undo_regional(model: nn.Module) -> None:
@@ -77,7 +82,8 @@ def auto_candidates(
 
     def compiled_whole() -> LossFn:
         if not whole:
-            whole.append(wrap(torch.compile(loss_fn, options=inductor_options())))
+            options = inductor_options(_device(model))
+            whole.append(wrap(torch.compile(loss_fn, options=options)))
         return whole[0]
 
     compiled_blocks: list[Callable] = []
@@ -122,8 +128,9 @@ the compiled loop ran model A 1.65x faster than onegpu's eager step, and B 1.40x
 earlier bound of 1.6, A's 5,000-step run could repay at most about 20 s of compiling, the
 least assumed, so whether a trial ran turned on a few milliseconds of its eager micro-batch;
 that file does not record which way it went."""
-TRIAL_METHOD = 3
-"""How `time_compile` times (3: eager and compiled side by side; 2 timed eager on both sides of
+TRIAL_METHOD = 4
+"""How `time_compile` times (4: as 3, compiled CPU linears adding their bias in oneDNN's epilogue,
+techniques/bias_epilogue.py; 3: eager and compiled side by side; 2 timed eager on both sides of
 the compile, 1 before it only); part of the cache key, so trials timed another way are made
 again rather than read."""
 LEAST_COMPILE_S = {"cpu": 15.0, "cuda": 20.0}
