@@ -249,7 +249,9 @@ def test_regional_entered_again_compiles_nothing():
     back when entered again (a trial switches between eager and compiled; the run takes the
     trial's compile)."""
     built = build(_cfg(), CPU, with_data=False)
-    candidate = compile.auto_candidates(built.model, built.loss_fn, lambda f: f)["regional"]
+    candidate = compile.auto_candidates(built.model, built.loss_fn, lambda f: f, built.device)[
+        "regional"
+    ]
     candidate.enter()
     calls = [b._compiled_call_impl for b in built.model.blocks]
     assert all(c is not None for c in calls)
@@ -385,7 +387,9 @@ def test_the_regional_trial_times_eager_as_eager_and_compiles_the_blocks():
     built = build(_cfg(), CPU, with_data=False)
     x = torch.randint(0, 256, (4, 64))
     graphs = counters["stats"]["unique_graphs"]
-    candidate = compile.auto_candidates(built.model, built.loss_fn, lambda f: f)["regional"]
+    candidate = compile.auto_candidates(built.model, built.loss_fn, lambda f: f, built.device)[
+        "regional"
+    ]
     trial = time_compile(
         built.model, built.loss_fn, candidate, (x, x), lambda: built.policy.autocast(CPU), CPU
     )

@@ -74,7 +74,7 @@ def test_a_compiled_mlp_runs_its_linears_with_the_bias_in_the_epilogue():
         return y, [p.grad for p in mlp.parameters()]
 
     eager_y, eager_grads = run(forward)
-    compiled = apply_compile(mlp, forward, "default")
+    compiled = apply_compile(mlp, forward, "default", torch.device("cpu"))
     run(compiled)  # the compile, which dispatches the op on fake tensors too
     with torch.profiler.profile() as prof:
         compiled_y, compiled_grads = run(compiled)
@@ -86,3 +86,21 @@ def test_a_compiled_mlp_runs_its_linears_with_the_bias_in_the_epilogue():
             assert torch.equal(got, eager), name
         else:  # the bias's gradient is a sum inductor orders its own way
             torch.testing.assert_close(got, eager, rtol=1e-2, atol=1e-2)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("mode", ["default", "regional"])
+def test_compile_installs_the_pass_for_the_runs_device_before_the_weights_exist(mode, monkeypatch):
+    """onegpu compiles a model still on the meta device (backends/torch/model.py): the pass
+    follows the device the run is on, not where the weights are yet."""
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: asked.append(kwargs) or fn)
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: asked.append(kwargs))
+    with torch.device("meta"):
+        model = nn.Module()
+        model.blocks = nn.ModuleList([nn.Linear(4, 4)])
+    apply_compile(model, lambda model, x: x, mode, torch.device("cpu"))
+    assert asked and all("post_grad_custom_post_pass" in a["options"] for a in asked)
+    asked.clear()
+    apply_compile(model, lambda model, x: x, mode, torch.device("meta"))
+    assert asked and not any(a.get("options") for a in asked)

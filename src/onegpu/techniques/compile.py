@@ -35,23 +35,19 @@ from onegpu.perf.devices import device_key, sync
 from onegpu.techniques.bias_epilogue import inductor_options
 
 
-def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str) -> LossFn:
-    """Compile as `train.compile` says; returns the loss function to call."""
+def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str, device: torch.device) -> LossFn:
+    """Compile as `train.compile` says, for a run on `device` (the model may still be on the
+    meta device); returns the loss function to call."""
     if mode == "none":
         return loss_fn
     if mode == "regional":
         for block in model.blocks:
-            block.compile(options=inductor_options(_device(model)))
+            block.compile(options=inductor_options(device))
         return loss_fn
     if mode == "default":
-        return torch.compile(loss_fn, options=inductor_options(_device(model)))
+        return torch.compile(loss_fn, options=inductor_options(device))
     # max-autotune: inductor's own GEMM templates may take the addmms the pass would route
     return torch.compile(loss_fn, mode=mode)
-
-
-def _device(model: nn.Module) -> torch.device:
-    """Where the model's weights are (its first's): what the compiled graphs run on."""
-    return next(model.parameters()).device
 
 
 def undo_regional(model: nn.Module) -> None:
@@ -71,7 +67,7 @@ class Candidate:
 
 
 def auto_candidates(
-    model: nn.Module, loss_fn: LossFn, wrap: Callable[[LossFn], LossFn]
+    model: nn.Module, loss_fn: LossFn, wrap: Callable[[LossFn], LossFn], device: torch.device
 ) -> dict[str, Candidate]:
     """AUTO_MODES as candidates over the eager `loss_fn`; `wrap` goes around whatever is called
     (activation offload's hooks stay outermost). Each is compiled once and reused: the whole
@@ -82,7 +78,7 @@ def auto_candidates(
 
     def compiled_whole() -> LossFn:
         if not whole:
-            options = inductor_options(_device(model))
+            options = inductor_options(device)
             whole.append(wrap(torch.compile(loss_fn, options=options)))
         return whole[0]
 
@@ -93,7 +89,7 @@ def auto_candidates(
             for block, call in zip(model.blocks, compiled_blocks, strict=True):
                 block._compiled_call_impl = call
         else:
-            apply_compile(model, loss_fn, "regional")
+            apply_compile(model, loss_fn, "regional", device)
         return wrap(loss_fn)
 
     def leave_regional() -> None:

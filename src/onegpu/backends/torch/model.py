@@ -93,7 +93,7 @@ def _compile_auto(
     policy, offloads = resolved.precision, cfg.memory.offload_activations
     autocast = lambda: policy.autocast(device)  # noqa: E731
     wrap = (lambda f: with_offload(f, device)) if offloads else (lambda f: f)
-    candidates = compile_.auto_candidates(model, raw, wrap)
+    candidates = compile_.auto_candidates(model, raw, wrap, device)
     if eager_pick := resolved.attention_if_eager:
         candidates = {
             m: on_attention(c, model, cfg.model.attention, eager_pick)
@@ -140,7 +140,7 @@ def apply_techniques(
     mode = compile_.auto_candidate(cfg, device, distributed=ctx.enabled)
     timed = cfg.train.compile == "auto" and mode != "none"  # decided in 8., once materialised
     raw = eager = loss_fn
-    loss_fn = compile_.apply_compile(model, loss_fn, "none" if timed else mode)
+    loss_fn = compile_.apply_compile(model, loss_fn, "none" if timed else mode, device)
     # 5. Materialise and initialise in fp32, so every precision starts from the same weights,
     #    then store them in the policy's dtype (bf16 for bf16-pure). Under FSDP2: shard every
     #    block, then the root, still on the meta device; each process then materialises its
