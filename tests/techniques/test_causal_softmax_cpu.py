@@ -10,7 +10,13 @@ from onegpu.techniques import causal_softmax_cpu
 
 @pytest.mark.parametrize(
     ("shape", "start"),
-    [((4, 3, 128, 128), 0), ((4, 3, 128, 256), 128), ((2, 2, 64, 384), 320), ((2, 3, 5, 13), 8)],
+    [
+        ((4, 3, 128, 128), 0),
+        ((4, 3, 128, 256), 128),
+        ((2, 2, 64, 384), 320),
+        ((2, 3, 5, 13), 8),
+        ((2, 3, 37, 200), 163),  # rows of a vector body and a tail
+    ],
 )
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_gives_atens_bits(shape, start, out_dtype):
@@ -23,6 +29,22 @@ def test_the_kernel_gives_atens_bits(shape, start, out_dtype):
     got = causal_softmax_cpu.causal_softmax(scores, start, 0.125, out_dtype)
     assert got.dtype == out_dtype
     assert torch.equal(got, aten_causal_softmax(scores, start, 0.125, out_dtype))
+
+
+def test_any_layout_nan_scores_and_empty_blocks_as_atens_ops():
+    """A transposed (non-contiguous) block; a NaN or +inf score where the mask hides it (ATen's
+    add makes the row NaN); no keys at all (no crash)."""
+    scores = torch.randn(2, 3, 64, 48).transpose(-1, -2) * 4
+    want = aten_causal_softmax(scores, 20, 0.125, torch.bfloat16)
+    assert torch.equal(causal_softmax_cpu.causal_softmax(scores, 20, 0.125, torch.bfloat16), want)
+    hidden = torch.randn(1, 2, 8, 8)
+    hidden[0, 0, 0, 5], hidden[0, 1, 2, 7] = float("nan"), float("inf")
+    got = causal_softmax_cpu.causal_softmax(hidden, 0, 0.5, torch.float32)
+    want = aten_causal_softmax(hidden, 0, 0.5, torch.float32)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    empty = torch.randn(2, 3, 4, 0)
+    assert causal_softmax_cpu.causal_softmax(empty, 0, 1.0, torch.bfloat16).shape == (2, 3, 4, 0)
 
 
 def test_blocked_attention_runs_the_kernel_and_gives_the_same_bits(monkeypatch):

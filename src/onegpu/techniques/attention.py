@@ -196,7 +196,7 @@ def attention_choice(
             f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
             f"|allocator={allocator}|{dtype}|{call.key()}|{'+'.join(candidates)}"
             + ("|compiled" if compiled else "")
-            + f"|kernels={KERNELS}"
+            + f"|kernels={KERNELS if causal_softmax_cpu.built() else 1}"
         )
 
     def valid(found: Any) -> bool:

@@ -45,8 +45,10 @@ void rows(const float* scores, T* out, int64_t N, int64_t R, int64_t S, int64_t 
     for (int64_t i = begin; i < end; ++i) {
       const float* s = scores + i * S;
       const int64_t limit = std::min(S, start + i % R + 1);  // keys this query sees
-      for (int64_t j = 0; j < limit; ++j) x[j] = s[j] * scale;  // 0 + scale * s: the add's
-      for (int64_t j = limit; j < S; ++j) x[j] = neg_inf;
+      // the add's mask + scale * s: 0 where the query sees the key, -inf where not (a NaN or
+      // +inf score there makes the row NaN, as in ATen)
+      for (int64_t j = 0; j < limit; ++j) x[j] = 0.f + s[j] * scale;
+      for (int64_t j = limit; j < S; ++j) x[j] = neg_inf + s[j] * scale;
       // ATen's softmax over the last dimension, as _vec_softmax_lastdim computes it
       const float max_x = at::vec::reduce_all<float>(
           [](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, x, S);
@@ -65,9 +67,9 @@ torch::Tensor causal_softmax(torch::Tensor scores, int64_t start, double scale, 
   TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() >= 2,
               "scores: fp32 [..., R, S] on the CPU");
   auto x = scores.contiguous();
-  const int64_t R = x.size(-2), S = x.size(-1), N = R ? x.numel() / (R * S) : 0;
   auto out = torch::empty(x.sizes(), x.options().dtype(to_bf16 ? at::kBFloat16 : at::kFloat));
   if (x.numel() == 0) return out;
+  const int64_t R = x.size(-2), S = x.size(-1), N = x.numel() / (R * S);
   const float f = static_cast<float>(scale);
   if (to_bf16) {
     rows(x.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), N, R, S, start, f);
