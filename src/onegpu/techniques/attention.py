@@ -86,6 +86,11 @@ KERNELS = 2
 techniques/causal_softmax_cpu.py); in the cache key, so older timings are made again."""
 
 
+def _kernels(candidates: tuple[str, ...]) -> int:
+    """KERNELS where blocked is timed with onegpu's kernel, else 1 (builds it only then)."""
+    return KERNELS if "blocked" in candidates and causal_softmax_cpu.built() else 1
+
+
 def _as_compiled(name: str) -> Callable[..., torch.Tensor]:
     """The kernel as a compiled model runs it: SDPA's fused kernel is one ATen op inside a
     graph too; the matmul attentions have their softmax, mask and casts fused by inductor."""
@@ -196,7 +201,7 @@ def attention_choice(
             f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
             f"|allocator={allocator}|{dtype}|{call.key()}|{'+'.join(candidates)}"
             + ("|compiled" if compiled else "")
-            + f"|kernels={KERNELS if causal_softmax_cpu.built() else 1}"
+            + f"|kernels={_kernels(candidates)}"
         )
 
     def valid(found: Any) -> bool:
