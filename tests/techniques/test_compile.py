@@ -45,3 +45,27 @@ def test_compiled_gelu_is_gpt2s_tanh_gelu():
     (dref,) = torch.autograd.grad(ref.sum(), x)
     torch.testing.assert_close(dy, dref, rtol=2e-5, atol=2e-5)
     assert torch.equal(TanhGELU()(x), ref)  # eager: torch's own kernel
+
+
+def test_regional_compile_compiles_the_block_once_however_deep_the_model():
+    """Each block gets its own `torch.compile` over the same code. Dynamo reuses the first
+    block's graph only where the backends compare equal (their options, the CPU bias pass
+    among them); otherwise it compiles every block anew and, past its recompile limit, runs
+    the rest eagerly. One more block than that limit: one graph, every block compiled."""
+    from torch._dynamo.utils import counters
+
+    from onegpu.models.gpt import GPT, ModelConfig
+    from onegpu.techniques.compile import apply_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    depth = torch._dynamo.config.recompile_limit + 1
+    cfg = ModelConfig(n_layer=depth, d_model=32, n_head=2, seq_len=16, vocab_size=64)
+    model = GPT(cfg)
+    apply_compile(model, None, "regional", torch.device("cpu"))
+    x = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    logits.float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["frames"]["total"] == counters["frames"]["ok"] == 1

@@ -71,7 +71,18 @@ def fuses(bias: Any, x_NK: Any, w_KM: Any) -> bool:
 
 class BiasInEpilogue(CustomGraphPass):
     """Inductor post-grad pass: `addmm(b, x, w.T)` -> `onegpu::linear_bias(x, w, b)` where
-    `fuses` says so (plain alpha and beta)."""
+    `fuses` says so (plain alpha and beta).
+
+    Any two instances are equal: torch.compile's backend compares its options, this pass among
+    them, and dynamo compiles a function again for a backend it finds unequal. Regional compile
+    gives each block its own `torch.compile` over the same code: were the passes unequal, every
+    block would compile anew, and past dynamo's recompile limit (8) the rest would run eagerly."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.find_nodes(op="call_function", target=aten.addmm.default)):
