@@ -47,6 +47,18 @@ def test_compiled_gelu_is_gpt2s_tanh_gelu():
     assert torch.equal(TanhGELU()(x), ref)  # eager: torch's own kernel
 
 
+def test_two_compiles_for_the_same_device_get_equal_options():
+    """torch.compile's backend compares its options; dynamo compiles a function again for a
+    backend it finds unequal. Each block's compile under `regional` asks for its own options,
+    so they must compare equal (on CPUs with oneDNN's bf16 matmuls they hold the bias pass)."""
+    from onegpu.techniques.bias_epilogue import inductor_options
+
+    cpu = torch.device("cpu")
+    assert inductor_options(cpu) == inductor_options(cpu)
+    assert inductor_options(cpu) is not inductor_options(cpu)
+
+
+@pytest.mark.slow  # compiles a model with inductor: ~15 s
 def test_regional_compile_compiles_the_block_once_however_deep_the_model():
     """Each block gets its own `torch.compile` over the same code. Dynamo reuses the first
     block's graph only where the backends compare equal (their options, the CPU bias pass
