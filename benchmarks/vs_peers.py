@@ -7,6 +7,8 @@ Models (the same token stream, windows, global batch and optimizer family for ev
 - A: the `seed-ref` preset (seed 003's reference): 4 x d256, 4 heads, seq 512, a byte-level BPE
   of 50,257 tokens trained locally, batch 8, no dropout.
 - B: 6 x d384, 6 heads, seq 256, a BPE of 8,192 tokens, batch 16, no dropout.
+- B12: B at 12 layers (GPT-2 124M's depth): deeper than dynamo's recompile limit of 8, where a
+  compile that treated each block as new would leave the last ones eager.
 - small: the default `onegpu train` model (byte vocabulary).
 
 Contestants, each in a fresh process, rounds interleaved, medians over rounds (or, with
@@ -76,6 +78,12 @@ MODELS = {
                    "--model.dropout", "0", "--train.batch_size", "16", "--train.micro_batch_size", "16"],
           "preset": "small", "over": {"model.vocab_size": "8192", "data.tokenizer": "bpe"},
           "shape": dict(n_layer=6, n_head=6, d_model=384, seq_len=256, vocab_size=8192), "batch": 16},
+    "B12": {"args": ["--model.n_layer", "12", "--model.d_model", "384", "--model.n_head", "6",
+                     "--model.seq_len", "256", "--model.vocab_size", "8192", "--data.tokenizer", "bpe",
+                     "--model.dropout", "0", "--train.batch_size", "16", "--train.micro_batch_size", "16"],
+            "preset": "small", "over": {"model.vocab_size": "8192", "data.tokenizer": "bpe",
+                                        "model.n_layer": "12"},
+            "shape": dict(n_layer=12, n_head=6, d_model=384, seq_len=256, vocab_size=8192), "batch": 16},
     "small": {"args": [], "preset": "small", "over": {},
               "shape": dict(n_layer=6, n_head=4, d_model=256, seq_len=256, vocab_size=256), "batch": 16},
 }  # fmt: skip
