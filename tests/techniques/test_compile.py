@@ -47,37 +47,51 @@ def test_compiled_gelu_is_gpt2s_tanh_gelu():
     assert torch.equal(TanhGELU()(x), ref)  # eager: torch's own kernel
 
 
-def test_two_compiles_for_the_same_device_get_equal_options():
+def test_two_compiles_for_the_same_device_get_equal_options(monkeypatch):
     """torch.compile's backend compares its options; dynamo compiles a function again for a
     backend it finds unequal. Each block's compile under `regional` asks for its own options,
-    so they must compare equal (on CPUs with oneDNN's bf16 matmuls they hold the bias pass)."""
-    from onegpu.techniques.bias_epilogue import inductor_options
+    so they must compare equal. They hold the bias pass where oneDNN has bf16 matmuls: taken as
+    present here, so that every CPU checks it."""
+    from onegpu.techniques import bias_epilogue
 
+    monkeypatch.setattr(bias_epilogue, "available", lambda: True)
     cpu = torch.device("cpu")
-    assert inductor_options(cpu) == inductor_options(cpu)
-    assert inductor_options(cpu) is not inductor_options(cpu)
+    first, second = bias_epilogue.inductor_options(cpu), bias_epilogue.inductor_options(cpu)
+    assert first["post_grad_custom_post_pass"] is not second["post_grad_custom_post_pass"]
+    assert first == second
 
 
 @pytest.mark.slow  # compiles a model with inductor: ~15 s
-def test_regional_compile_compiles_the_block_once_however_deep_the_model():
+def test_regional_compile_compiles_the_block_once_however_deep_the_model(monkeypatch):
     """Each block gets its own `torch.compile` over the same code. Dynamo reuses the first
     block's graph only where the backends compare equal (their options, the CPU bias pass
     among them); otherwise it compiles every block anew and, past its recompile limit, runs
-    the rest eagerly. One more block than that limit: one graph, every block compiled."""
+    the rest eagerly. One more block than that limit: one graph, every block compiled. The
+    options hold the pass on every CPU here (it changes nothing where oneDNN lacks bf16)."""
     from torch._dynamo.utils import counters
 
     from onegpu.models.gpt import GPT, ModelConfig
+    from onegpu.techniques import compile as compile_
+    from onegpu.techniques.bias_epilogue import BiasInEpilogue
     from onegpu.techniques.compile import apply_compile
+
+    def options(device: torch.device) -> dict:  # a new pass for each block, as the run's
+        return {"post_grad_custom_post_pass": BiasInEpilogue()}
+
+    monkeypatch.setattr(compile_, "inductor_options", options)
 
     torch._dynamo.reset()
     counters.clear()
     depth = torch._dynamo.config.recompile_limit + 1
     cfg = ModelConfig(n_layer=depth, d_model=32, n_head=2, seq_len=16, vocab_size=64)
     model = GPT(cfg)
-    apply_compile(model, None, "regional", torch.device("cpu"))
-    x = torch.randint(0, 64, (2, 16))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(x)
-    logits.float().sum().backward()
-    assert counters["stats"]["unique_graphs"] == 1
-    assert counters["frames"]["total"] == counters["frames"]["ok"] == 1
+    try:
+        apply_compile(model, None, "regional", torch.device("cpu"))
+        x = torch.randint(0, 64, (2, 16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        logits.float().sum().backward()
+        assert counters["stats"]["unique_graphs"] == 1
+        assert counters["frames"]["total"] == counters["frames"]["ok"] == 1
+    finally:
+        torch._dynamo.reset()  # no compiled blocks left behind for later tests

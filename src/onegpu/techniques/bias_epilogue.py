@@ -79,6 +79,8 @@ class BiasInEpilogue(CustomGraphPass):
     block would compile anew, and past dynamo's recompile limit (8) the rest would run eagerly."""
 
     def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CustomGraphPass):
+            return NotImplemented
         return type(other) is type(self)
 
     def __hash__(self) -> int:
