@@ -19,7 +19,6 @@ round. Writes results/cold-operands-<date>.{md,json} (never over an earlier file
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import cpu_identity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_peers import RESULTS, _new_stem  # noqa: E402
+from records import write_table  # noqa: E402
 
 TOKENS = 4096
 LINEARS = [(384, 384), (384, 1536), (1536, 384)]  # (in, out) of each distinct linear of B
@@ -93,7 +92,6 @@ def main() -> None:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    stem = _new_stem(f"cold-operands-{time.strftime('%Y-%m-%d')}")
     command = f"python benchmarks/cold_operands.py --rounds {args.rounds}"
     head = (
         f"# A linear's products, operands in cache (hot) and not (cold)\n\n`{command}`; "
@@ -101,15 +99,18 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         f"allocator {active_allocator()}; {time.strftime('%Y-%m-%d')}; medians over "
         f"{args.rounds} rounds, cold cycling through {OPERAND_SETS} operand sets.\n\n"
     )
-    table = ["| shape | product | hot ms | cold ms | x cold |", "|---" * 5 + "|"]
-    for r in rows:
-        table.append(
-            f"| {r['shape']} | {r['product']} | {r['hot ms']:.2f} | {r['cold ms']:.2f} | "
-            f"{r['x cold']:.2f} |"
-        )
-    (RESULTS / f"{stem}.md").write_text(head + "\n".join(table) + "\n")
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    print(f"wrote {RESULTS / stem}.md")
+    columns = ["shape", "product", "hot ms", "cold ms", "x cold"]
+    cells = [
+        [
+            r["shape"],
+            r["product"],
+            f"{r['hot ms']:.2f}",
+            f"{r['cold ms']:.2f}",
+            f"{r['x cold']:.2f}",
+        ]
+        for r in rows
+    ]
+    write_table("cold-operands", head, columns, cells, {"command": command, "rows": rows})
 
 
 if __name__ == "__main__":

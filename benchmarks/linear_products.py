@@ -16,7 +16,6 @@ ATen's. Writes results/linear-products-<date>.{md,json} (never over an earlier f
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from onegpu.perf.devices import cpu_identity
 from onegpu.techniques.bias_epilogue import available, linear_bias
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_peers import RESULTS, _new_stem  # noqa: E402
+from records import write_table  # noqa: E402
 
 TOKENS = 4096
 SHAPES = {  # (in, out) of each distinct linear
@@ -101,7 +100,6 @@ def main() -> None:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    stem = _new_stem(f"linear-products-{time.strftime('%Y-%m-%d')}")
     command = f"python benchmarks/linear_products.py --rounds {args.rounds}"
     head = (
         f"# A linear's products, each way\n\n`{command}`; {torch.get_num_threads()} threads "
@@ -109,15 +107,13 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         f"{time.strftime('%Y-%m-%d')}; median ms and median per-round ratio to ATen's way "
         f"over {args.rounds} rounds.\n\n"
     )
-    table = ["| model | shape | product | way | ms | x ATen | same bits |", "|---" * 7 + "|"]
-    for r in rows:
-        table.append(
-            f"| {r['model']} | {r['shape']} | {r['product']} | {r['way']} | {r['ms']:.2f} | "
-            f"{r['x ATen']:.2f} | {'yes' if r['same bits'] else 'no'} |"
-        )
-    (RESULTS / f"{stem}.md").write_text(head + "\n".join(table) + "\n")
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    print(f"wrote {RESULTS / stem}.md")
+    columns = ["model", "shape", "product", "way", "ms", "x ATen", "same bits"]
+    cells = [
+        [r["model"], r["shape"], r["product"], r["way"], f"{r['ms']:.2f}", f"{r['x ATen']:.2f}"]
+        + ["yes" if r["same bits"] else "no"]
+        for r in rows
+    ]
+    write_table("linear-products", head, columns, cells, {"command": command, "rows": rows})
 
 
 if __name__ == "__main__":

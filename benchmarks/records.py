@@ -4,6 +4,7 @@ it) and a name of its own (a result file is a record: a rerun writes beside it, 
 from __future__ import annotations
 
 import datetime
+import json
 import subprocess
 from pathlib import Path
 
@@ -35,6 +36,20 @@ def write_result(stem: str, lines: list[str], *, show: bool = False) -> Path:
     out.write_text("\n".join(lines) + "\n")
     if show:
         print("\n".join(lines))
+    print(f"wrote {out}")
+    return out
+
+
+def write_table(
+    stem: str, head: str, columns: list[str], cells: list[list[str]], record: dict
+) -> Path:
+    """`head`, then a table of `cells` under `columns`, as a new results/<stem>-<date>.md, and
+    `record` (the command and the raw rows) beside it as .json; says where it went."""
+    out = new_result_file(stem)
+    table = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    table += ["| " + " | ".join(row) + " |" for row in cells]
+    out.write_text(head + "\n".join(table) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
     return out
 
