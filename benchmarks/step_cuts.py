@@ -14,7 +14,9 @@ timed in turns (benchmarks/paired.py: for a machine whose speed drifts within se
 `x base` is the median over cycles of each cycle's ratio; each distinct floor runs in the
 turns too (benchmarks/floor_turns.py), for `x floor in turns`. With --before TREE every cut also runs
 from that source tree (an earlier commit: PYTHONPATH=TREE/src), named `<cut>@before`, and
-`x before` is each cut's ratio to its own run from TREE: what a change did to it. Writes
+`x before` is each cut's ratio to its own run from TREE: what a change did to it. The `free-*`
+cuts are ablations (benchmarks/what_if/sitecustomize.py): `auto`'s choice with a part of the
+step made free, so the step less theirs is what that part costs in the step. Writes
 results/step-cuts-<model>[-paired]-<date>.{md,json} (never over an earlier file).
 """
 
@@ -52,6 +54,9 @@ from vs_peers import (  # noqa: E402
 
 BASE = ["--train.compile", "none", "--model.attention", "sdpa", "--train.loss_kernel", "eager",
         "--train.gelu_kernel", "eager"]  # fmt: skip
+AUTO_FLAGS = ["--model.attention", "blocked", "--train.compile", "regional",
+              "--train.loss_kernel", "compiled"]  # fmt: skip
+"""`auto`'s choice for A and B on a CPU with bf16 matmuls: what the what-if cuts start from."""
 CUTS: dict[str, tuple[list[str], str]] = {
     "base": (
         [],
@@ -121,10 +126,30 @@ CUTS: dict[str, tuple[list[str], str]] = {
         "blocked attention, GELU and the chunked loss's kernels compiled, the rest eager",
     ),
     "glibc": ([], "ONEGPU_ALLOCATOR=system: glibc malloc, tuned in-process"),
+    "blocked+regional+loss-compiled+thp": (
+        AUTO_FLAGS,
+        "as blocked+regional+loss-compiled, torch's large host buffers on transparent huge "
+        "pages (THP_MEM_ALLOC_ENABLE=1)",
+    ),
+    "free-gelu": (AUTO_FLAGS, "what if: blocked+regional+loss-compiled with the GELU free"),
+    "free-gelu+layernorm": (
+        AUTO_FLAGS,
+        "what if: blocked+regional+loss-compiled with the GELU and the LayerNorms free",
+    ),
+    "free-gelu+layernorm+optimizer": (
+        AUTO_FLAGS,
+        "what if: blocked+regional+loss-compiled with the GELU, the LayerNorms, the clipping "
+        "and the optimizer step free",
+    ),
 }
 CUT_ENV: dict[str, dict[str, str]] = {
     "glibc": {"ONEGPU_ALLOCATOR": "system"},
     "blocked+compile+cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"},
+    "blocked+regional+loss-compiled+thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+    **{
+        cut: {"ONEGPU_WHAT_IF": cut.removeprefix("free-").replace("+", ",")}
+        for cut in ("free-gelu", "free-gelu+layernorm", "free-gelu+layernorm+optimizer")
+    },
 }
 """What a cut sets in the environment (every other cut: onegpu's default allocator)."""
 
@@ -148,10 +173,17 @@ def command(model: str, cut: str, out: str | Path, steps: int, log_every: int) -
             "--out.progress", "false", "--out.save_checkpoint", "false"]  # fmt: skip
 
 
+WHAT_IF = Path(__file__).parent / "what_if"
+"""The folder whose sitecustomize.py makes a part of the step free (`ONEGPU_WHAT_IF`)."""
+
+
 def environment(cut: str) -> dict[str, str]:
     env = {**os.environ, "ONEGPU_ALLOCATOR": "mimalloc", **CUT_ENV.get(cut_of(cut), {})}
-    if cut.endswith(BEFORE):
-        env["PYTHONPATH"] = str(BEFORE_TREE[0] / "src")
+    paths = [str(BEFORE_TREE[0] / "src")] if cut.endswith(BEFORE) else []
+    if "ONEGPU_WHAT_IF" in env:
+        paths.append(str(WHAT_IF))
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 
