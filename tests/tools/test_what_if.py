@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 WHAT_IF = Path(__file__).resolve().parents[2] / "benchmarks" / "what_if"
@@ -39,6 +40,7 @@ def test_only_the_named_parts_change():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow  # two tiny trainings, ~10 s
 def test_a_free_optimizer_leaves_the_weights_as_they_started(tmp_path):
     """One step or three, the saved weights are the same: nothing was stepped."""
     weights = []
