@@ -16,7 +16,8 @@ turns too (benchmarks/floor_turns.py), for `x floor in turns`. With --before TRE
 from that source tree (an earlier commit: PYTHONPATH=TREE/src), named `<cut>@before`, and
 `x before` is each cut's ratio to its own run from TREE: what a change did to it. The `free-*`
 cuts are ablations (benchmarks/what_if/sitecustomize.py): `auto`'s choice with a part of the
-step made free, so the step less theirs is what that part costs in the step. Writes
+step made free, so the step less theirs is what that part costs in the step; `fast-exp` the
+same with inductor's exponentials as ATen's faster, less exact ones. Writes
 results/step-cuts-<model>[-paired]-<date>.{md,json} (never over an earlier file).
 """
 
@@ -131,6 +132,10 @@ CUTS: dict[str, tuple[list[str], str]] = {
         "as blocked+regional+loss-compiled, torch's large host buffers on transparent huge "
         "pages (THP_MEM_ALLOC_ENABLE=1)",
     ),
+    "fast-exp": (
+        AUTO_FLAGS,
+        "what if: blocked+regional+loss-compiled with inductor's exponentials as ATen's exp_u20",
+    ),
     "free-gelu": (AUTO_FLAGS, "what if: blocked+regional+loss-compiled with the GELU free"),
     "free-gelu+layernorm": (
         AUTO_FLAGS,
@@ -146,6 +151,11 @@ CUT_ENV: dict[str, dict[str, str]] = {
     "glibc": {"ONEGPU_ALLOCATOR": "system"},
     "blocked+compile+cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"},
     "blocked+regional+loss-compiled+thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+    "fast-exp": {
+        "ONEGPU_WHAT_IF": "exp_u20",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",  # kernels generated anew, not read from the cache
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+    },
     **{
         cut: {"ONEGPU_WHAT_IF": cut.removeprefix("free-").replace("+", ",")}
         for cut in ("free-gelu", "free-gelu+layernorm", "free-gelu+layernorm+optimizer")

@@ -40,6 +40,16 @@ def test_only_the_named_parts_change():
     assert done.returncode == 0, done.stderr
 
 
+def test_exp_u20_puts_atens_faster_exponential_in_inductors_cpu_kernels():
+    code = (
+        "from torch._inductor.codegen.cpp import CppVecOverrides as ops\n"
+        "assert ops.exp('v') == 'v.exp_u20()', ops.exp('v')\n"
+        "assert 'v.neg().exp_u20()' in ops.sigmoid('v'), ops.sigmoid('v')\n"
+    )
+    done = _python(code, "exp_u20")
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.slow  # two tiny trainings, ~10 s
 def test_a_free_optimizer_leaves_the_weights_as_they_started(tmp_path):
     """One step or three, the saved weights are the same: nothing was stepped."""
