@@ -101,14 +101,7 @@ CUTS: dict[str, tuple[list[str], str]] = {
         "blocked attention, the chunked loss's kernels compiled",
     ),
     "blocked+regional+loss-compiled": (
-        [
-            "--model.attention",
-            "blocked",
-            "--train.compile",
-            "regional",
-            "--train.loss_kernel",
-            "compiled",
-        ],
+        AUTO_FLAGS,
         "blocked attention, each block compiled, the chunked loss's kernels compiled",
     ),
     "gelu-compiled": (
@@ -158,7 +151,8 @@ CUT_ENV: dict[str, dict[str, str]] = {
     },
     **{
         cut: {"ONEGPU_WHAT_IF": cut.removeprefix("free-").replace("+", ",")}
-        for cut in ("free-gelu", "free-gelu+layernorm", "free-gelu+layernorm+optimizer")
+        for cut in CUTS
+        if cut.startswith("free-")
     },
 }
 """What a cut sets in the environment (every other cut: onegpu's default allocator)."""
@@ -188,12 +182,17 @@ WHAT_IF = Path(__file__).parent / "what_if"
 
 
 def environment(cut: str) -> dict[str, str]:
-    env = {**os.environ, "ONEGPU_ALLOCATOR": "mimalloc", **CUT_ENV.get(cut_of(cut), {})}
+    """The cut's process environment: this one's, onegpu's allocator, what the cut sets; the
+    --before tree's sources and the what-if folder ahead of any PYTHONPATH given. A what-if
+    comes from its cut only: an ONEGPU_WHAT_IF left in the shell would ablate every cut."""
+    inherited = {k: v for k, v in os.environ.items() if k != "ONEGPU_WHAT_IF"}
+    own = CUT_ENV.get(cut_of(cut), {})
+    env = {**inherited, "ONEGPU_ALLOCATOR": "mimalloc", **own}
     paths = [str(BEFORE_TREE[0] / "src")] if cut.endswith(BEFORE) else []
-    if "ONEGPU_WHAT_IF" in env:
+    if "ONEGPU_WHAT_IF" in own:
         paths.append(str(WHAT_IF))
     if paths:
-        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

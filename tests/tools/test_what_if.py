@@ -1,9 +1,11 @@
 """benchmarks/what_if/sitecustomize.py makes the parts of a step that ONEGPU_WHAT_IF names free
 in any process started with its folder on PYTHONPATH (step_cuts.py's `free-*` ablations)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -26,18 +28,55 @@ def test_gelu_and_layernorm_return_their_input():
     code = (
         "import torch, onegpu.models.gpt as gpt\n"
         "x = torch.randn(4, 8)\n"
-        "assert gpt.TanhGELU()(x) is x and gpt.tanh_gelu_sigmoid_form(x) is x\n"
+        "assert gpt.TanhGELU()(x) is x\n"
         "assert gpt.LayerNorm(8)(x) is x\n"
     )
     done = _python(code, "gelu,layernorm")
     assert done.returncode == 0, done.stderr
 
 
-def test_only_the_named_parts_change():
+@pytest.mark.parametrize(
+    ("parts", "changed", "unchanged"),
+    [
+        ("gelu", "gpt.TanhGELU()", "gpt.LayerNorm(8)"),
+        ("layernorm", "gpt.LayerNorm(8)", "gpt.TanhGELU()"),
+    ],
+)
+def test_only_the_named_parts_change(parts, changed, unchanged):
     code = "import torch, onegpu.models.gpt as gpt\nx = torch.randn(4, 8)\n"
-    code += "assert gpt.TanhGELU()(x) is x\nassert gpt.LayerNorm(8)(x) is not x\n"
-    done = _python(code, "gelu")
+    code += f"assert {changed}(x) is x\nassert {unchanged}(x) is not x\n"
+    done = _python(code, parts)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_patch_whose_target_moved_exits_instead_of_timing_the_step_whole(monkeypatch):
+    """site.py prints and ignores a sitecustomize's exceptions; a renamed target must stop
+    the process, not leave the step unablated under a what-if's name."""
+    spec = importlib.util.spec_from_file_location("what_if_site", WHAT_IF / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv("ONEGPU_WHAT_IF", raising=False)  # importing it applies nothing
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit, match="has no 'renamed' to replace"):
+        module._replace(types.SimpleNamespace(), "renamed", None)
+
+
+def test_step_cuts_give_a_what_if_to_its_own_cuts_only(monkeypatch):
+    sys.path.insert(0, str(WHAT_IF.parent))
+    import step_cuts
+
+    sys.path.remove(str(WHAT_IF.parent))
+    monkeypatch.setenv("ONEGPU_WHAT_IF", "gelu")  # left in the shell: must not ablate the base
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    base = step_cuts.environment("blocked+regional+loss-compiled")
+    assert "ONEGPU_WHAT_IF" not in base and base["PYTHONPATH"] == "/elsewhere"
+    cut = step_cuts.environment("free-gelu+layernorm+optimizer")
+    assert cut["ONEGPU_WHAT_IF"] == "gelu,layernorm,optimizer"
+    assert cut["PYTHONPATH"].split(os.pathsep) == [str(WHAT_IF), "/elsewhere"]
+    fast = step_cuts.environment("fast-exp")
+    assert fast["ONEGPU_WHAT_IF"] == "exp_u20" and fast["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0"
+    asked = {p for c in step_cuts.CUT_ENV.values() for p in c.get("ONEGPU_WHAT_IF", "").split(",")}
+    known = {"gelu", "layernorm", "optimizer", "exp_u20", ""}
+    assert asked <= known and step_cuts.CUTS["free-gelu"][0] == step_cuts.AUTO_FLAGS
 
 
 def test_exp_u20_puts_atens_faster_exponential_in_inductors_cpu_kernels():
