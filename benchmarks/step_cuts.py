@@ -2,6 +2,7 @@
 
     python benchmarks/step_cuts.py --model B [--rounds 2] [--steps 30] [--only base,regional]
     python benchmarks/step_cuts.py --model B --paired [--cycles 12] [--turn-steps 3] [--only ...]
+    python benchmarks/step_cuts.py --costs results/step-cuts-B-paired-<date>.json
     git worktree add /tmp/before HEAD~1 && \\
         python benchmarks/step_cuts.py --model B --paired --only base,X --before /tmp/before
 
@@ -16,8 +17,9 @@ turns too (benchmarks/floor_turns.py), for `x floor in turns`. With --before TRE
 from that source tree (an earlier commit: PYTHONPATH=TREE/src), named `<cut>@before`, and
 `x before` is each cut's ratio to its own run from TREE: what a change did to it. The `free-*`
 cuts are ablations (benchmarks/what_if/sitecustomize.py): `auto`'s choice with a part of the
-step made free, so the step less theirs is what that part costs in the step; `fast-exp` the
-same with inductor's exponentials as ATen's faster, less exact ones. Writes
+step made free, so the step less theirs is what that part costs in the step (printed under the
+table, or by --costs from a record); `fast-exp` the same with inductor's exponentials as ATen's
+faster, less exact ones. Writes
 results/step-cuts-<model>[-paired]-<date>.{md,json} (never over an earlier file).
 """
 
@@ -324,6 +326,49 @@ def table(model: str, med: dict[str, dict], a: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+AUTO_CUT = "blocked+regional+loss-compiled"
+"""The cut that runs `auto`'s choice: what every what-if is measured against."""
+
+
+def ablated_from(cut: str) -> str | None:
+    """The cut a what-if cut takes one part away from (free-a+b from free-a, free-a and fast-exp
+    from `auto`'s step), or None for a cut that is not a what-if."""
+    if cut == "fast-exp":
+        return AUTO_CUT
+    if not cut.startswith("free-"):
+        return None
+    fewer = cut.rpartition("+")[0]
+    return fewer if fewer else AUTO_CUT
+
+
+def part_costs(runs: dict[str, list[dict]]) -> str:
+    """What each what-if's part costs in the step, from a paired run's turns: each cycle's step
+    (the median of its turn) of the cut it ablates from less its own, the median over cycles
+    and the quartiles (as paired.spread takes them); then each chain of parts together, against
+    `auto`'s step. Empty where the run has no such pair."""
+
+    def cycle_steps(cut: str) -> list[float]:
+        return [statistics.median(turn) for turn in runs[cut][0]["turns"]]
+
+    rows = []
+    pairs = [(cut, ablated_from(cut)) for cut in runs]
+    pairs += [(cut, AUTO_CUT) for cut, origin in pairs if origin not in (None, AUTO_CUT)]
+    for cut, origin in pairs:  # each part alone, then each chain's parts together
+        if origin not in runs or "turns" not in runs[cut][0]:
+            continue
+        saved_ms = [(a - b) * 1e3 for a, b in zip(cycle_steps(origin), cycle_steps(cut))]
+        q1, _, q3 = statistics.quantiles(saved_ms, n=4)
+        rows.append(
+            f"| {cut} | {origin} | {statistics.median(saved_ms):.1f} ms ({q1:.1f} to {q3:.1f}) |"
+        )
+    if not rows:
+        return ""
+    head = ["", "What each what-if's part costs in the step (its origin's step less its own, a "
+            "cycle at a time: the median over cycles, quartiles in brackets):", "",
+            "| what-if | against | the part's cost a step |", "|---|---|---|"]  # fmt: skip
+    return "\n".join(head + rows) + "\n"
+
+
 def run_rounds(model: str, names: list[str], rounds: int, steps: int) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(rounds):
@@ -344,8 +389,16 @@ def main() -> None:
     ap.add_argument(
         "--before", help="a source tree of an earlier commit: each cut runs from it too"
     )
+    ap.add_argument(
+        "--costs",
+        metavar="RESULT.json",
+        help="print what each what-if's part costs, from an earlier paired run's record; no run",
+    )
     paired.add_arguments(ap)
     a = ap.parse_args()
+    if a.costs:
+        print(part_costs(json.loads(Path(a.costs).read_text())["runs"]) or "no what-if pairs")
+        return
     names = a.only.split(",")
     unknown = [n for n in names if n not in CUTS]
     if unknown:
@@ -366,7 +419,7 @@ def main() -> None:
             n: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "allocator"}
             for n, rs in runs.items()
         }
-    text = table(a.model, med, a)
+    text = table(a.model, med, a) + part_costs(runs)
     turns = "-paired" if a.paired else ""
     stem = _new_stem(f"step-cuts-{a.model}{turns}-{time.strftime('%Y-%m-%d')}")
     (RESULTS / f"{stem}.md").write_text(text)

@@ -109,3 +109,29 @@ def test_an_unknown_part_is_refused_by_name():
     done = _python("pass", "gelu,softmax")
     assert done.returncode != 0
     assert "ONEGPU_WHAT_IF: unknown part(s) ['softmax']" in done.stderr
+
+
+def test_part_costs_read_each_part_and_each_chain_from_the_turns():
+    """Cycle by cycle: the cut a what-if ablates from, less the what-if."""
+    sys.path.insert(0, str(WHAT_IF.parent))
+    import step_cuts
+
+    sys.path.remove(str(WHAT_IF.parent))
+    steps = {
+        "blocked+regional+loss-compiled": 0.400,
+        "free-gelu": 0.370,
+        "free-gelu+layernorm": 0.350,
+    }
+    runs = {
+        cut: [{"turns": [[s + 0.001 * c, s + 0.001 * c + 0.5, s + 0.001 * c] for c in range(12)]}]
+        for cut, s in steps.items()
+    }  # each turn's median is its first step: the 0.5 s outlier in the middle changes nothing
+    text = step_cuts.part_costs(runs)
+    assert "| free-gelu | blocked+regional+loss-compiled | 30.0 ms (30.0 to 30.0) |" in text
+    assert "| free-gelu+layernorm | free-gelu | 20.0 ms (20.0 to 20.0) |" in text
+    assert (
+        "| free-gelu+layernorm | blocked+regional+loss-compiled | 50.0 ms (50.0 to 50.0) |" in text
+    )
+    assert step_cuts.part_costs({"base": runs["free-gelu"]}) == ""
+    assert step_cuts.ablated_from("fast-exp") == "blocked+regional+loss-compiled"
+    assert step_cuts.ablated_from("glibc") is None
