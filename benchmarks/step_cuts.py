@@ -131,6 +131,10 @@ CUTS: dict[str, tuple[list[str], str]] = {
         AUTO_FLAGS,
         "what if: blocked+regional+loss-compiled with inductor's exponentials as ATen's exp_u20",
     ),
+    "ftz": (
+        AUTO_FLAGS,
+        "what if: blocked+regional+loss-compiled with denormals flushed to zero (FTZ/DAZ)",
+    ),
     "free-gelu": (AUTO_FLAGS, "what if: blocked+regional+loss-compiled with the GELU free"),
     "free-gelu+layernorm": (
         AUTO_FLAGS,
@@ -141,11 +145,22 @@ CUTS: dict[str, tuple[list[str], str]] = {
         "what if: blocked+regional+loss-compiled with the GELU, the LayerNorms, the clipping "
         "and the optimizer step free",
     ),
+    "free-gelu+layernorm+optimizer+attention-softmax": (
+        AUTO_FLAGS,
+        "what if: as free-gelu+layernorm+optimizer, and blocked attention's forward softmax a "
+        "cast (of its scores times scale / keys)",
+    ),
+    "free-gelu+layernorm+optimizer+attention-softmax+loss-softmax": (
+        AUTO_FLAGS,
+        "what if: as free-gelu+layernorm+optimizer+attention-softmax, and the loss's softmax "
+        "gradient zeros",
+    ),
 }
 CUT_ENV: dict[str, dict[str, str]] = {
     "glibc": {"ONEGPU_ALLOCATOR": "system"},
     "blocked+compile+cpp-wrapper": {"TORCHINDUCTOR_CPP_WRAPPER": "1"},
     "blocked+regional+loss-compiled+thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+    "ftz": {"ONEGPU_WHAT_IF": "ftz"},
     "fast-exp": {
         "ONEGPU_WHAT_IF": "exp_u20",
         "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",  # kernels generated anew, not read from the cache
@@ -333,7 +348,7 @@ AUTO_CUT = "blocked+regional+loss-compiled"
 def ablated_from(cut: str) -> str | None:
     """The cut a what-if cut takes one part away from (free-a+b from free-a, free-a and fast-exp
     from `auto`'s step), or None for a cut that is not a what-if."""
-    if cut == "fast-exp":
+    if cut in ("fast-exp", "ftz"):
         return AUTO_CUT
     if not cut.startswith("free-"):
         return None

@@ -24,6 +24,15 @@ def _python(code: str, parts: str) -> subprocess.CompletedProcess:
     )
 
 
+def _site_module(monkeypatch):
+    """sitecustomize.py loaded as a module of its own, applying nothing."""
+    spec = importlib.util.spec_from_file_location("what_if_site", WHAT_IF / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv("ONEGPU_WHAT_IF", raising=False)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_gelu_and_layernorm_return_their_input():
     code = (
         "import torch, onegpu.models.gpt as gpt\n"
@@ -32,6 +41,25 @@ def test_gelu_and_layernorm_return_their_input():
         "assert gpt.LayerNorm(8)(x) is x\n"
     )
     done = _python(code, "gelu,layernorm")
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_softmaxes_give_cheap_stand_ins_of_their_shape_and_dtype():
+    code = (
+        "import torch\n"
+        "from onegpu.models import blocked_attention\n"
+        "from onegpu.techniques import loss_kernel_cpu\n"
+        "s = torch.randn(2, 3, 4, 4)\n"
+        "p = blocked_attention.causal_softmax(s, 0, 0.5, torch.bfloat16)\n"
+        "assert p.dtype == torch.bfloat16 and p.shape == s.shape\n"
+        "assert p.equal((s * (0.5 / 4)).bfloat16())\n"
+        "logits = torch.randn(4, 16, dtype=torch.bfloat16)\n"
+        "t, v = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.bool)\n"
+        "loss, g = loss_kernel_cpu.softmax_grad(logits, t, v, 16, torch.bfloat16)\n"
+        "assert loss.item() == 0 and g.dtype == torch.bfloat16 and g.shape == logits.shape\n"
+        "assert not g.any()\n"
+    )
+    done = _python(code, "attention-softmax,loss-softmax")
     assert done.returncode == 0, done.stderr
 
 
@@ -52,10 +80,7 @@ def test_only_the_named_parts_change(parts, changed, unchanged):
 def test_a_patch_whose_target_moved_exits_instead_of_timing_the_step_whole(monkeypatch):
     """site.py prints and ignores a sitecustomize's exceptions; a renamed target must stop
     the process, not leave the step unablated under a what-if's name."""
-    spec = importlib.util.spec_from_file_location("what_if_site", WHAT_IF / "sitecustomize.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.delenv("ONEGPU_WHAT_IF", raising=False)  # importing it applies nothing
-    spec.loader.exec_module(module)
+    module = _site_module(monkeypatch)
     with pytest.raises(SystemExit, match="has no 'renamed' to replace"):
         module._replace(types.SimpleNamespace(), "renamed", None)
 
@@ -75,8 +100,10 @@ def test_step_cuts_give_a_what_if_to_its_own_cuts_only(monkeypatch):
     fast = step_cuts.environment("fast-exp")
     assert fast["ONEGPU_WHAT_IF"] == "exp_u20" and fast["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0"
     asked = {p for c in step_cuts.CUT_ENV.values() for p in c.get("ONEGPU_WHAT_IF", "").split(",")}
-    known = {"gelu", "layernorm", "optimizer", "exp_u20", ""}
-    assert asked <= known and step_cuts.CUTS["free-gelu"][0] == step_cuts.AUTO_FLAGS
+    assert (
+        asked - {""} <= set(_site_module(monkeypatch).PARTS)
+        and step_cuts.CUTS["free-gelu"][0] == step_cuts.AUTO_FLAGS
+    )
 
 
 def test_exp_u20_puts_atens_faster_exponential_in_inductors_cpu_kernels():
