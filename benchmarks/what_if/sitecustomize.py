@@ -1,9 +1,7 @@
-"""What a step would cost without one of its parts, or with other arithmetic:
-`ONEGPU_WHAT_IF=gelu,layernorm,optimizer,attention-softmax,loss-softmax,exp_u20` changes each
-named part in any Python process
-started with this folder on PYTHONPATH (benchmarks/step_cuts.py's `free-*` and `fast-exp`
-cuts). An ablation, not training: the model it runs is not the model asked for, and its loss
-shows it.
+"""What a step would cost without one of its parts, or with other arithmetic: `ONEGPU_WHAT_IF=`
+any of PARTS, comma-separated, changes each named part in any Python process started with this
+folder on PYTHONPATH (benchmarks/step_cuts.py's `free-*`, `ftz` and `fast-exp` cuts). An
+ablation, not training: the model it runs is not the model asked for, and its loss shows it.
 
 - gelu: the MLP's activation is the identity (nothing computed, nothing saved for backward);
 - layernorm: every LayerNorm returns its input (its weight and bias get no gradient);
