@@ -18,8 +18,8 @@ from that source tree (an earlier commit: PYTHONPATH=TREE/src), named `<cut>@bef
 `x before` is each cut's ratio to its own run from TREE: what a change did to it. The `free-*`
 cuts are ablations (benchmarks/what_if/sitecustomize.py): `auto`'s choice with a part of the
 step made free, so the step less theirs is what that part costs in the step (printed under the
-table, or by --costs from a record); `fast-exp` the same with inductor's exponentials as ATen's
-faster, less exact ones. Writes
+table, or by --costs from a record); `fast-exp` and `ftz` the same with other arithmetic
+(inductor's exponentials as ATen's faster ones; denormals flushed to zero). Writes
 results/step-cuts-<model>[-paired]-<date>.{md,json} (never over an earlier file).
 """
 
@@ -346,8 +346,8 @@ AUTO_CUT = "blocked+regional+loss-compiled"
 
 
 def ablated_from(cut: str) -> str | None:
-    """The cut a what-if cut takes one part away from (free-a+b from free-a, free-a and fast-exp
-    from `auto`'s step), or None for a cut that is not a what-if."""
+    """The cut a what-if cut takes one part away from (free-a+b from free-a; free-a, fast-exp
+    and ftz from `auto`'s step), or None for a cut that is not a what-if."""
     if cut in ("fast-exp", "ftz"):
         return AUTO_CUT
     if not cut.startswith("free-"):
