@@ -150,8 +150,10 @@ _cpuinfo = read_cpuinfo  # a module attribute: tests replace it
 
 def cpu_identity() -> str:
     """What sets this CPU's matmul rate, as a cache key: model name, rate-relevant flags, the
-    clock (perf/cpu.py) and torch's kernel ISA."""
-    return f"{hardware_key(_cpuinfo())}|{torch.backends.cpu.get_cpu_capability()}"
+    clock (perf/cpu.py), torch's kernel ISA and oneDNN's, where a variable caps it."""
+    key = f"{hardware_key(_cpuinfo())}|{torch.backends.cpu.get_cpu_capability()}"
+    onednn_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return f"{key}|onednn<={onednn_cap.lower()}" if onednn_cap else key
 
 
 def device_key(device: torch.device) -> str:

@@ -19,9 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from onegpu.config import ConfigError
-from onegpu.perf.devices import cublas_workspace_bytes
+from onegpu.perf.devices import cpu_peak_flops, cublas_workspace_bytes
 
 PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
+CPU_BF16_MARGIN = 1.1
+"""`auto` takes bf16 on a CPU only where its bf16 matmuls run this much faster than fp32 ones
+(the JAX backend's rule): the rest of a bf16 step (casts, fp32 softmax and loss) costs more.
+Native is not enough: with oneDNN capped at AVX512-BF16 (no AMX), an AMX Xeon's bf16 matmuls
+run at 0.58-0.75x its fp32 ones (an Intel CPU with AVX512-BF16 and no AMX, or whose AMX a VM
+hides, runs the same kernels); an AVX512-BF16 EPYC's at ~2x, AMX's at 6x."""
 
 
 @contextlib.contextmanager
@@ -77,15 +83,35 @@ class DeviceCaps:
     tf32: bool
     blas_workspace: int = 0
     """Bytes of each cuBLAS handle's workspace (CUDA): tensor bytes a plan does not see."""
+    bf16_speedup: float | None = None
+    """A CPU's bf16 matmul peak over its fp32 one; None: measured (once per machine, cached)
+    when `auto` needs it. GPUs: unused (native bf16 is the faster there)."""
 
 
 def bf16_native(device: torch.device) -> bool:
-    """Whether bf16 matmuls run natively (fast) here, not emulated."""
+    """Whether bf16 matmuls run natively here, not emulated (on a CPU: oneDNN's bf16 kernels,
+    which are not always faster than fp32 ones: auto_takes_bf16)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return device.type == "mps"
+
+
+def cpu_bf16_speedup() -> float:
+    """This CPU's measured bf16 matmul peak over its fp32 one (perf/devices.py, cached)."""
+    return cpu_peak_flops(torch.bfloat16) / cpu_peak_flops(torch.float32)
+
+
+def auto_takes_bf16(caps: DeviceCaps) -> bool:
+    """Whether `train.precision auto` runs bf16 on the device: where it is native, and on a CPU
+    only where its bf16 matmuls are CPU_BF16_MARGIN faster than fp32 ones."""
+    if not caps.bf16:
+        return False
+    if caps.type != "cpu":
+        return True
+    speedup = caps.bf16_speedup if caps.bf16_speedup is not None else cpu_bf16_speedup()
+    return speedup >= CPU_BF16_MARGIN
 
 
 def tf32_capable(device: torch.device) -> bool:
@@ -104,7 +130,7 @@ def resolve_precision(name: str, caps: DeviceCaps | torch.device) -> PrecisionPo
     if isinstance(caps, torch.device):
         caps = device_caps(caps)
     if name == "auto":
-        name = "bf16" if caps.bf16 else "tf32" if caps.tf32 else "fp32"
+        name = "bf16" if auto_takes_bf16(caps) else "tf32" if caps.tf32 else "fp32"
     if name == "fp32":
         return PrecisionPolicy("fp32", torch.float32, None, False)
     if name == "tf32":

@@ -302,6 +302,7 @@ def resolve_agreed(
         resolved = resolve(cfg, device, caps, ctx=ctx)
         chosen = resolved.config
         overrides = {
+            "train.precision": chosen.train.precision,  # a CPU's: from its timed peaks
             "model.attention": chosen.model.attention,
             "memory.loss_chunk": str(chosen.memory.loss_chunk),
             "train.loss_kernel": chosen.train.loss_kernel,
