@@ -72,6 +72,21 @@ def test_rank_zero_writes_the_run_folder_and_every_rank_is_measured(runs):
         torch.testing.assert_close(whole[name], t, rtol=1e-4, atol=1e-6)
 
 
+def test_auto_precision_is_decided_once_for_every_process(tmp_path):
+    """`auto` precision on a CPU weighs the matmul peaks (cached per machine, measured by
+    whichever process gets there first): rank 0 decides and every process runs its choice."""
+    launch(tmp_path, 2, **{"dist.strategy": "ddp", "train.precision": "auto"})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    chosen = load_config(file=tmp_path / "config.toml").train.precision
+    assert summary["precision"] == chosen
+    if weighed := summary["precision_auto"]:  # a CPU with native bf16
+        pays = weighed["bf16_speedup"] >= weighed["margin"]
+        assert chosen == ("bf16" if pays else "fp32")
+    else:
+        assert chosen == "fp32"
+    assert len(losses(tmp_path)) == STEPS
+
+
 def test_fsdp_shards_parameters_and_states_and_the_plan_predicts_them(runs):
     """Per process: parameter + optimizer bytes about 1/2 of one process's (measured), and
     `onegpu plan --world-size 2` within 5% of the measurement."""
