@@ -49,6 +49,18 @@ def test_refresh_measures_again_and_info_shows_the_source(monkeypatch):
     assert "measured fp32 matmul peak: 4 GFLOP/s" in text
 
 
+def test_info_says_what_auto_precision_takes_on_the_cpu_and_why(monkeypatch):
+    import onegpu.tools.info as info_mod
+
+    monkeypatch.setattr(info_mod, "bf16_native", lambda device: True)
+    amx = info_mod._cpu_auto_precision({"fp32": 373e9, "bf16": 2366e9})
+    assert amx == "bf16 (bf16 matmuls 6.34x fp32's; bf16 needs 1.1x)"
+    capped = info_mod._cpu_auto_precision({"fp32": 370e9, "bf16": 213e9})
+    assert capped.startswith("fp32 (bf16 matmuls 0.58x fp32's")
+    monkeypatch.setattr(info_mod, "bf16_native", lambda device: False)
+    assert info_mod._cpu_auto_precision({"fp32": 1e9, "bf16": 9e9}).startswith("fp32 (bf16 is")
+
+
 def test_a_run_faster_than_the_cached_peak_refreshes_it(monkeypatch):
     rates = iter([1e9, 5e9])
     monkeypatch.setattr(devices, "measure_matmul_flops", lambda *a, **k: next(rates))

@@ -15,7 +15,7 @@ from onegpu.perf.devices import (
     gpu_spec_for,
     measure_matmul_flops,
 )
-from onegpu.techniques.precision import bf16_native, tf32_capable
+from onegpu.techniques.precision import CPU_BF16_MARGIN, bf16_native, tf32_capable
 
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AUTO_CACHES = {
@@ -44,6 +44,15 @@ def _precisions(device: torch.device) -> dict[str, str]:
     }
 
 
+def _cpu_auto_precision(peaks: dict[str, float]) -> str:
+    """What `train.precision auto` takes on this CPU, and why (techniques/precision.py)."""
+    if not bf16_native(torch.device("cpu")):
+        return "fp32 (bf16 is emulated here)"
+    speedup = peaks["bf16"] / peaks["fp32"]
+    chosen = "bf16" if speedup >= CPU_BF16_MARGIN else "fp32"
+    return f"{chosen} (bf16 matmuls {speedup:.2f}x fp32's; bf16 needs {CPU_BF16_MARGIN}x)"
+
+
 def device_info(measure: bool = True, refresh: bool = False) -> dict[str, Any]:
     """This machine's devices; `measure`: the CPU's matmul peaks (cached, measured when absent
     or when `refresh`) and each GPU's measured rate."""
@@ -63,6 +72,7 @@ def device_info(measure: bool = True, refresh: bool = False) -> dict[str, Any]:
         entry["matmul_peak_source"] = {
             k: f"measured {p.measured} (best of 7), cached under {p.key}" for k, p in peaks.items()
         }
+        entry["auto_precision"] = _cpu_auto_precision(entry["matmul_peak_flops"])
     devices.append(entry)
     for i in range(torch.cuda.device_count()):
         dev = torch.device("cuda", i)
@@ -99,7 +109,14 @@ def format_info(info: dict[str, Any]) -> str:
     lines = [f"torch {info['torch']}  cuda={info['cuda_available']}  mps={info['mps_available']}"]
     for d in info["devices"]:
         lines.append(f"\n{d['device']}: {d['name']}")
-        for k in ("threads", "isa", "memory_bytes", "compute_capability", "table_entry"):
+        for k in (
+            "threads",
+            "isa",
+            "memory_bytes",
+            "compute_capability",
+            "table_entry",
+            "auto_precision",
+        ):
             if d.get(k) is not None:
                 lines.append(f"  {k}: {d[k]}")
         lines.append("  precisions: " + ", ".join(f"{k}={v}" for k, v in d["precisions"].items()))
