@@ -34,7 +34,9 @@ from onegpu.perf.allocator import active_allocator
 
 WARM = 3  # rounds left out: first steps allocate states (torchao's compile their step)
 FLUSH_BYTES = 256 * 2**20  # written before each timed step: more than this VM's caches hold
-NORM_AND_CLIP = "gradient norm + clipping"
+NORM = "gradient norm (torch's foreach 2-norm)"
+CLIP = "clipping (the gradients times a factor, in place)"
+READ = "a plain sum of each gradient (one read of them, for scale)"
 
 
 def model_for(name: str) -> GPT:
@@ -54,14 +56,20 @@ def optimizer_for(model: GPT, over: dict[str, str]) -> torch.optim.Optimizer:
     return build_optimizer(model, cfg.optim, torch.device("cpu"))
 
 
-def norm_and_clip(params: list[torch.Tensor]) -> None:
-    """What TrainStep._clip_and_step does before any optimizer's step."""
-    grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
+def gradient_steps(params: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """What TrainStep._clip_and_step does before any optimizer's step, part by part (the same
+    calls), and a plain read of the gradients to compare them with."""
+    grads = lambda: [p.grad for p in params]  # noqa: E731 (fresh each timing)
+    return {
+        NORM: lambda: torch.nn.utils.get_total_norm(grads(), foreach=True),
+        CLIP: lambda: torch.nn.utils.clip_grads_with_norm_(
+            params, 1.0, torch.tensor(2.0), foreach=True
+        ),
+        READ: lambda: [g.sum() for g in grads()],
+    }
 
 
-def timed(step: Callable[[], None], params: list[torch.Tensor], flush: torch.Tensor) -> float:
+def timed(step: Callable[[], object], params: list[torch.Tensor], flush: torch.Tensor) -> float:
     """One step's seconds, on fresh gradients, after the caches were flushed."""
     for p in params:
         p.grad = torch.randn_like(p).mul_(1e-3)
@@ -79,8 +87,7 @@ def main() -> None:
     model = model_for(a.model)
     params = list(model.parameters())
     optimizers = {name: optimizer_for(model, over) for name, over in ROWS.items()}
-    steps = {NORM_AND_CLIP: lambda: norm_and_clip(params)}
-    steps |= {name: opt.step for name, opt in optimizers.items()}
+    steps = gradient_steps(params) | {name: opt.step for name, opt in optimizers.items()}
     flush = torch.zeros(FLUSH_BYTES // 4)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(a.rounds):
@@ -107,8 +114,10 @@ def report(
         f"{active_allocator()}; {time.strftime('%Y-%m-%d')}. Rounds interleaved, the first "
         f"{WARM} left out; fresh gradients and flushed caches before each step. The optimizers "
         "as onegpu builds them (fused AdamW where torch has it), lr and decay at onegpu's "
-        "defaults. `x adamw`: the row's median over AdamW's. Every row but the first is "
-        "stepped after the first row's norm and clipping in a training step.",
+        "defaults. `x adamw`: the row's median over AdamW's. In a training step every optimizer "
+        "is stepped after the norm and the clipping (the first two rows). GaLore's and "
+        "APOLLO's projections are made in the first round (left out) and again every "
+        "update_proj_gap steps (200), which these rounds do not reach.",
         "",
         "| step | median ms (quartiles) | mean ms | x adamw | state bytes | bytes/weight |",
         "|---|---|---|---|---|---|",

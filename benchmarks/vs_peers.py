@@ -105,9 +105,10 @@ glibc, Trainer."""
 
 
 def _precision() -> str:
-    from onegpu.techniques.precision import bf16_native
+    """The precision onegpu's `auto` runs here, which the peers and the floor run too."""
+    from onegpu.techniques.precision import resolve_precision
 
-    return "bf16" if bf16_native(torch.device("cpu")) else "fp32"
+    return resolve_precision("auto", torch.device("cpu")).name
 
 
 def _hf_model(model: str):

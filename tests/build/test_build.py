@@ -71,3 +71,30 @@ def test_a_plan_for_a_gpu_resolves_precision_from_its_capabilities():
     assert plan_memory(cfg, "cuda", t4).precision == "fp32"  # what `train` would run there
     tf32 = plan_memory(_cfg(**{"train.precision": "tf32"}), "cuda", a100)
     assert tf32.precision == "tf32" and tf32.compute_dtype == torch.float32
+
+
+def test_every_process_runs_rank_zeros_auto_precision(monkeypatch):
+    """Each process reads the CPU's matmul peaks (a process measuring them on a busy machine
+    can see another ratio): rank 0's precision binds them all, with the figures it weighed."""
+    import types
+
+    from onegpu.backends.torch.resolve import resolve_agreed
+    from onegpu.distributed import single_process
+    from onegpu.techniques import precision
+
+    cfg = _cfg(**{"train.precision": "auto"})
+    cpu = torch.device("cpu")
+    caps = DeviceCaps(type="cpu", bf16=True, tf32=False)  # native bf16, ratio not yet measured
+
+    def on_main(choose):
+        monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.6)  # rank 0's reading
+        decided = choose()
+        monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 6.0)  # this process's
+        return decided
+
+    ctx = types.SimpleNamespace(enabled=True, on_main=on_main, dp_size=2, strategy="ddp")
+    agreed = resolve_agreed(cfg, cpu, caps, ctx, timed=True)
+    assert agreed.precision.name == "fp32" == agreed.config.train.precision
+    assert agreed.precision_auto == {"bf16_speedup": 0.6, "margin": precision.CPU_BF16_MARGIN}
+    alone = resolve_agreed(cfg, cpu, caps, single_process(), timed=True)
+    assert alone.precision.name == "bf16"  # what this process would have chosen on its own

@@ -1,7 +1,8 @@
 """onegpu trains on each CPU kind it runs on, emulated on the machine at hand.
 
 These machines come as AVX2-only EPYCs (bf16 emulated: every run fp32), AVX512-BF16 EPYCs and
-AMX-BF16 Xeons. ATen's `ATEN_CPU_CAPABILITY` and oneDNN's `ONEDNN_MAX_CPU_ISA` cap the kernels a
+AMX-BF16 Xeons; users' as AVX-512 Xeons without BF16 too (Cascade Lake, Ice Lake), where oneDNN
+runs bf16 far slower than fp32. ATen's `ATEN_CPU_CAPABILITY` and oneDNN's `ONEDNN_MAX_CPU_ISA` cap the kernels a
 process dispatches to, so one machine runs the other kinds' code paths (not at their speed):
 `auto`'s precision (timed: techniques/precision.py), the bias epilogue pass (oneDNN bf16 only),
 blocked attention, the compiled loss and regional compile must work under each. A cap only lowers what the CPU has: where the
@@ -19,6 +20,7 @@ from onegpu.perf.cpu import read_cpuinfo
 
 KINDS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
     "avx512-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
     "as-is": {},
 }
@@ -45,8 +47,8 @@ def _train(tmp_path, kind: str) -> dict:
 @pytest.mark.slow
 def test_each_cpu_kind_trains_with_its_precision(tmp_path):
     """fp32 where the kernels are capped at AVX2 (bf16 emulated); elsewhere bf16 exactly where
-    the run measured its bf16 matmuls the margin faster than fp32 ones (under the AVX512-BF16
-    cap an AMX Xeon's are slower); the same training either way, bf16's rounding apart."""
+    the run measured its bf16 matmuls the margin faster than fp32 ones (under the AVX-512 caps
+    an AMX Xeon's are slower); the same training either way, bf16's rounding apart."""
     flags = set(read_cpuinfo().get("flags", "").split())
     runs = {kind: _train(tmp_path, kind) for kind in KINDS}
     assert runs["avx2"]["precision"] == "fp32"

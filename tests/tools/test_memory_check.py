@@ -48,6 +48,20 @@ def test_the_start_plan_is_cached_by_what_changes_memory(monkeypatch):
         memory_check.planned_need(cfg, "cpu")
 
 
+def test_a_cpus_auto_precision_keys_the_start_plan(monkeypatch):
+    """`auto` precision on a CPU follows its measured peaks: a plan made for bf16 must not be
+    served to a run that will train in fp32 (larger activations)."""
+    from onegpu.techniques import precision
+
+    monkeypatch.setattr(precision, "bf16_native", lambda device: True)
+    cfg = load_config("tiny", overrides={"train.device": "cpu", "model.n_layer": "3"})
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 6.0)
+    as_bf16 = memory_check.planned_need(cfg, "cpu")
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.6)
+    as_fp32 = memory_check.planned_need(cfg, "cpu")
+    assert as_fp32["peak"] > as_bf16["peak"]
+
+
 def test_a_configuration_the_planner_cannot_follow_is_one_line_and_the_run_starts(tmp_path, capsys):
     """Randomized linear layers read a value in their step, which fake tensors lack: the check
     says so in one line and the run trains (it used to end with a traceback)."""

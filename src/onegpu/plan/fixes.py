@@ -152,6 +152,7 @@ def planned(
         plan = plan_memory(share, target, caps, by_segment=strategy != "none")
     mem = rank_memory(cfg.dist, plan, 1, strategy) if strategy != "none" else plan.memory
     # the speed needs this CPU's measured peaks (seconds, once per machine): only when asked
+    # (`auto` precision on a CPU with native bf16 weighed them already, in the build)
     step_s = predicted_speed(cfg, plan, gpu, 1).get("predicted_step_time_s") if speed else None
     ops = plan.dispatched_ops / cfg.grad_accum_steps
     return Planned(

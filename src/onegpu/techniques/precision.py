@@ -14,6 +14,7 @@ the CPU too; code that skips it there silently trains in fp32 (docs/cpu-notes.md
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,10 @@ PRECISIONS = ("fp32", "tf32", "bf16", "bf16-pure", "fp16")
 CPU_BF16_MARGIN = 1.1
 """`auto` takes bf16 on a CPU only where its bf16 matmuls run this much faster than fp32 ones
 (the JAX backend's rule): the rest of a bf16 step (casts, fp32 softmax and loss) costs more.
-Native is not enough: with oneDNN capped at AVX512-BF16 (no AMX), an AMX Xeon's bf16 matmuls
-run at 0.58-0.75x its fp32 ones (an Intel CPU with AVX512-BF16 and no AMX, or whose AMX a VM
-hides, runs the same kernels); an AVX512-BF16 EPYC's at ~2x, AMX's at 6x."""
+oneDNN's "supported" is not enough: it says so from AVX-512 on, BF16 instructions or not. On an
+AMX Xeon with oneDNN capped at AVX512_CORE (what a Cascade Lake or Ice Lake Xeon runs) bf16
+matmuls ran 0.21x its fp32 ones, capped at AVX512_CORE_BF16 (no AMX) 0.58-0.75x; an
+AVX512-BF16 EPYC's run ~2x, AMX's 6x."""
 
 
 @contextlib.contextmanager
@@ -89,8 +91,8 @@ class DeviceCaps:
 
 
 def bf16_native(device: torch.device) -> bool:
-    """Whether bf16 matmuls run natively here, not emulated (on a CPU: oneDNN's bf16 kernels,
-    which are not always faster than fp32 ones: auto_takes_bf16)."""
+    """Whether bf16 matmuls run natively here, not emulated (on a CPU: whether oneDNN runs
+    bf16 kernels, from AVX-512 on; not always faster than fp32 ones: auto_takes_bf16)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
@@ -101,6 +103,22 @@ def bf16_native(device: torch.device) -> bool:
 def cpu_bf16_speedup() -> float:
     """This CPU's measured bf16 matmul peak over its fp32 one (perf/devices.py, cached)."""
     return cpu_peak_flops(torch.bfloat16) / cpu_peak_flops(torch.float32)
+
+
+def with_bf16_speedup(caps: DeviceCaps) -> DeviceCaps:
+    """`caps` with a native-bf16 CPU's speedup measured (read from the cache) where `auto`
+    will weigh it, so that the decision and what reports it use one figure."""
+    if caps.type != "cpu" or not caps.bf16 or caps.bf16_speedup is not None:
+        return caps
+    return dataclasses.replace(caps, bf16_speedup=cpu_bf16_speedup())
+
+
+def precision_weighed(caps: DeviceCaps) -> dict[str, float] | None:
+    """What `auto` weighed on a CPU with native bf16 (`with_bf16_speedup`'s caps), for the
+    run's first line and summary.json; None where it weighed nothing."""
+    if caps.type != "cpu" or caps.bf16_speedup is None:
+        return None
+    return {"bf16_speedup": caps.bf16_speedup, "margin": CPU_BF16_MARGIN}
 
 
 def auto_takes_bf16(caps: DeviceCaps) -> bool:

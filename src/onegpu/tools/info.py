@@ -15,7 +15,13 @@ from onegpu.perf.devices import (
     gpu_spec_for,
     measure_matmul_flops,
 )
-from onegpu.techniques.precision import CPU_BF16_MARGIN, bf16_native, tf32_capable
+from onegpu.techniques.precision import (
+    CPU_BF16_MARGIN,
+    DeviceCaps,
+    auto_takes_bf16,
+    bf16_native,
+    tf32_capable,
+)
 
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 AUTO_CACHES = {
@@ -49,7 +55,8 @@ def _cpu_auto_precision(peaks: dict[str, float]) -> str:
     if not bf16_native(torch.device("cpu")):
         return "fp32 (bf16 is emulated here)"
     speedup = peaks["bf16"] / peaks["fp32"]
-    chosen = "bf16" if speedup >= CPU_BF16_MARGIN else "fp32"
+    caps = DeviceCaps("cpu", bf16=True, tf32=False, bf16_speedup=speedup)
+    chosen = "bf16" if auto_takes_bf16(caps) else "fp32"
     return f"{chosen} (bf16 matmuls {speedup:.2f}x fp32's; bf16 needs {CPU_BF16_MARGIN}x)"
 
 

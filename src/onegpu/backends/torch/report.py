@@ -67,7 +67,7 @@ def describe_auto(built: Built) -> str:
     """What the `auto` attention, loss chunk, loss kernel and compile chose ('' where none was
     auto)."""
     cfg, parts = built.cfg, []
-    if record := precision_auto(built):
+    if record := built.resolved.precision_auto:
         parts.append(
             f"precision {cfg.train.precision} (bf16 matmuls {record['bf16_speedup']:.2f}x fp32's)"
         )
@@ -99,17 +99,6 @@ def describe_auto(built: Built) -> str:
             f"micro-batches (a micro-batch: eager {eager_s * 1e3:,.0f} ms, {timed})"
         )
     return "auto: " + ", ".join(parts) + " | " if parts else ""
-
-
-def precision_auto(built: Built) -> dict[str, float] | None:
-    """What `train.precision auto` weighed on a CPU with native bf16 (None elsewhere): its
-    bf16 matmuls' speed over fp32's, against the margin bf16 must clear."""
-    from onegpu.techniques.precision import CPU_BF16_MARGIN, bf16_native, cpu_bf16_speedup
-
-    asked = built.asked.train.precision if built.asked else None
-    if asked != "auto" or built.device.type != "cpu" or not bf16_native(built.device):
-        return None
-    return {"bf16_speedup": cpu_bf16_speedup(), "margin": CPU_BF16_MARGIN}
 
 
 def describe_attention_timing(timing: dict[str, Any]) -> str:
@@ -194,7 +183,7 @@ def torch_summary(
         "memory": memory or None,
         "offload": built.homes(),
         "precision": built.policy.name,
-        "precision_auto": precision_auto(built),
+        "precision_auto": r.precision_auto,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         **torch_environment(),

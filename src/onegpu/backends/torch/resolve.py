@@ -24,7 +24,14 @@ from onegpu.techniques.chunked_loss import resolve_loss_chunk
 from onegpu.techniques.gelu_kernel import GeluShape, resolve_gelu_kernel
 from onegpu.techniques.kernel_trial import MIN_MICRO_BATCHES
 from onegpu.techniques.loss_kernel_auto import LossShape, resolve_loss_kernel
-from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, device_caps, resolve_precision
+from onegpu.techniques.precision import (
+    DeviceCaps,
+    PrecisionPolicy,
+    device_caps,
+    precision_weighed,
+    resolve_precision,
+    with_bf16_speedup,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +50,9 @@ class Resolved:
     """The kernels' timing `model.attention auto` picked from (None: not timed)."""
     gelu_kernel_timing: dict[str, Any] | None = None
     """The timing (or why none) `train.gelu_kernel auto` decided from (None: not auto)."""
+    precision_auto: dict[str, float] | None = None
+    """What `train.precision auto` weighed on a CPU with native bf16: its bf16 matmuls' speed
+    over fp32's and the margin (None: nothing weighed)."""
     attention_if_eager: str | None = None
     """`model.attention auto` picked from compiled timings for a run that may compile
     (`train.compile auto`): the leaner kernel eager timings pick, for a run that then stays
@@ -111,8 +121,8 @@ def resolve(
     from the device by default, or from the GPU table when planning for a GPU that is not here).
     `timed` False (a plan): choices that time kernels take what a run here cached, if any.
     `ctx`: the run's processes (None: one), which the loss kernel's timing follows."""
-    caps_given, caps = caps, caps or device_caps(device)
-    policy = resolve_precision(cfg.train.precision, caps)
+    timed = timed and caps is None  # a device planned from its table: nothing here to time
+    policy, precision_auto = _precision(cfg.train.precision, caps or device_caps(device))
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
     attention_timing = attention_if_eager = None
     if cfg.model.hf and cfg.model.attention == "auto":
@@ -120,7 +130,7 @@ def resolve(
         attention = default_attention(cfg.model)
     else:
         attention, attention_timing, attention_if_eager = _attention(
-            cfg, model_cfg, policy, device, timed=timed and caps_given is None, ctx=ctx
+            cfg, model_cfg, policy, device, timed=timed, ctx=ctx
         )
     model_cfg = dataclasses.replace(model_cfg, attention=attention)
     loss_chunk = resolve_loss_chunk(
@@ -131,14 +141,12 @@ def resolve(
         device,
         # a pipeline's last stage computes its loss from the logits it outputs
         chunkable=(chunkable_loss(model_cfg) if cfg.model.hf else True) and cfg.dist.pp == 1,
-        timed=timed and caps_given is None,
+        timed=timed,
     )
     loss_kernel, timing = _loss_kernel(
-        cfg, model_cfg, policy, loss_chunk, device, timed=timed and caps_given is None, ctx=ctx
+        cfg, model_cfg, policy, loss_chunk, device, timed=timed, ctx=ctx
     )
-    gelu_kernel, gelu_timing = _gelu_kernel(
-        cfg, model_cfg, policy, device, timed=timed and caps_given is None, ctx=ctx
-    )
+    gelu_kernel, gelu_timing = _gelu_kernel(cfg, model_cfg, policy, device, timed=timed, ctx=ctx)
     train = dataclasses.replace(
         cfg.train, precision=policy.name, loss_kernel=loss_kernel, gelu_kernel=gelu_kernel
     )
@@ -157,8 +165,18 @@ def resolve(
         loss_kernel_timing=timing,
         attention_timing=attention_timing,
         gelu_kernel_timing=gelu_timing,
+        precision_auto=precision_auto,
         attention_if_eager=attention_if_eager,
     )
+
+
+def _precision(name: str, caps: DeviceCaps) -> tuple[PrecisionPolicy, dict[str, float] | None]:
+    """`train.precision`, and what `auto` weighed for it: on a CPU with native bf16, its
+    matmul peaks (measured once per machine, even for a plan), None elsewhere."""
+    if name != "auto":
+        return resolve_precision(name, caps), None
+    caps = with_bf16_speedup(caps)
+    return resolve_precision(name, caps), precision_weighed(caps)
 
 
 def _loss_kernel(
@@ -312,6 +330,7 @@ def resolve_agreed(
             "loss_kernel_timing": resolved.loss_kernel_timing,
             "attention_timing": resolved.attention_timing,
             "gelu_kernel_timing": resolved.gelu_kernel_timing,
+            "precision_auto": resolved.precision_auto,
         }
         return overrides, timings
 
