@@ -25,7 +25,7 @@ from onegpu.config import Config, ConfigError, parse_checkpointing, to_dict
 from onegpu.perf.devices import GiB
 from onegpu.perf.host_memory import available_host_bytes
 from onegpu.plan.budget import plan_budget
-from onegpu.techniques.precision import device_caps, resolve_precision, with_bf16_speedup
+from onegpu.techniques.precision import resolve_precision
 
 # What does not change a step's memory (left out of the cache key).
 _IRRELEVANT_SECTIONS = ("out", "checkpoint", "dist")
@@ -64,8 +64,7 @@ def planned_need(cfg: Config, target: str, world_size: int = 1) -> dict[str, int
         key_cfg["train"].pop(name, None)
     parts = [key_cfg, target, world_size, torch.__version__, source_fingerprint()]
     if target == "cpu" and cfg.train.precision == "auto":  # a CPU's: from its measured peaks
-        caps = with_bf16_speedup(device_caps(torch.device("cpu")))
-        parts.append(resolve_precision("auto", caps).name)
+        parts.append(resolve_precision("auto", torch.device("cpu")).name)
     blob = json.dumps(parts, sort_keys=True, default=str)
     key = hashlib.sha256(blob.encode()).hexdigest()[:24]
     return cached(
