@@ -23,7 +23,7 @@ import torch
 
 from onegpu.backends.torch.build import build
 from onegpu.config import load_config
-from onegpu.techniques import compile as compile_module
+from onegpu.techniques import compile_auto as compile_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 from records import bf16_kind, write_result  # noqa: E402

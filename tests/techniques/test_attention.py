@@ -339,8 +339,7 @@ def test_compile_auto_staying_eager_takes_the_leaner_eager_choice(tiny_cfg, monk
     takes the kernel eager timings pick where it keeps less, and says so in its config."""
     from onegpu.backends.torch.build import build
     from onegpu.models.gpt import Attention
-    from onegpu.techniques import attention
-    from onegpu.techniques import compile as compile_
+    from onegpu.techniques import attention, compile_auto
 
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
 
@@ -348,7 +347,7 @@ def test_compile_auto_staying_eager_takes_the_leaner_eager_choice(tiny_cfg, monk
         return _timed_as("plain" if compiled else "sdpa") | ({"compiled": True} if compiled else {})
 
     monkeypatch.setattr(attention, "measure_cpu_attention", measure)
-    stays_eager = compile_.CompileTrial(1.0, 1.0, 30.0, mode="default")
+    stays_eager = compile_auto.CompileTrial(1.0, 1.0, 30.0, mode="default")
     seen = []
 
     def decide(cfg, model, eager, candidates, autocast, device):
@@ -364,7 +363,7 @@ def test_compile_auto_staying_eager_takes_the_leaner_eager_choice(tiny_cfg, monk
         seen.append(impls())
         return "none", stays_eager
 
-    monkeypatch.setattr(compile_, "decide", decide)
+    monkeypatch.setattr(compile_auto, "decide", decide)
     tiny_cfg.model.attention, tiny_cfg.train.compile = "auto", "auto"
     tiny_cfg.train.max_steps, tiny_cfg.train.gelu_kernel = 500, "eager"
     built = build(tiny_cfg, torch.device("cpu"), with_data=False)
@@ -380,7 +379,7 @@ def test_compile_auto_staying_eager_takes_the_leaner_eager_choice(tiny_cfg, monk
     impls = {m.impl for m in built.model.modules() if isinstance(m, Attention)}
     assert impls == {"sdpa"}
     assert seen == [{"sdpa"}, {"plain"}, {"sdpa"}]
-    monkeypatch.setattr(compile_, "decide", lambda *a, **k: ("default", stays_eager))
+    monkeypatch.setattr(compile_auto, "decide", lambda *a, **k: ("default", stays_eager))
     compiled = build(tiny_cfg, torch.device("cpu"), with_data=False)
     assert compiled.cfg.model.attention == "plain"
     assert {m.impl for m in compiled.model.modules() if isinstance(m, Attention)} == {"plain"}

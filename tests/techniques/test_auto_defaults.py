@@ -13,8 +13,8 @@ from onegpu.config import ConfigError, load_config
 from onegpu.perf import logits
 from onegpu.perf.devices import device_key
 from onegpu.perf.logits import untimed_chunk
-from onegpu.techniques import chunked_loss, compile
-from onegpu.techniques.compile import CompileTrial, choose_compile, time_compile
+from onegpu.techniques import chunked_loss, compile, compile_auto
+from onegpu.techniques.compile_auto import CompileTrial, choose_compile, time_compile
 from onegpu.techniques.loss import token_loss_sum
 
 CPU = torch.device("cpu")
@@ -230,8 +230,8 @@ def test_eager_and_compiled_are_timed_side_by_side(monkeypatch):
     def compiled(*a):
         raise AssertionError
 
-    monkeypatch.setattr(compile, "_timed", timed)
-    monkeypatch.setattr(compile, "PAIRS", len(pairs))
+    monkeypatch.setattr(compile_auto, "_timed", timed)
+    monkeypatch.setattr(compile_auto, "PAIRS", len(pairs))
     moves = []
     candidate = compile.Candidate(
         lambda: moves.append("enter") or compiled, lambda: moves.append("leave")
@@ -263,19 +263,20 @@ def test_regional_entered_again_compiles_nothing():
 
 
 def test_compile_auto_is_not_timed_for_short_or_distributed_runs(monkeypatch):
-    monkeypatch.setattr(compile, "time_compile", _never)
+    monkeypatch.setattr(compile_auto, "time_compile", _never)
     assert build(_cfg(), CPU, with_data=False).cfg.train.compile == "none"  # 20 steps
     long = _cfg(**{"train.max_steps": 1000})
-    assert compile.auto_candidate(long, CPU, distributed=True) == "none"
-    assert compile.auto_candidate(long, CPU, distributed=False) == "default"
+    assert compile_auto.auto_candidate(long, CPU, distributed=True) == "none"
+    assert compile_auto.auto_candidate(long, CPU, distributed=False) == "default"
 
 
 @pytest.mark.parametrize(("compiled_s", "want"), [(0.5, "default"), (2.0, "none")])
-def test_build_follows_the_trial(monkeypatch, compiled_s, want):
+def test_build_follows_the_trial(monkeypatch, tmp_path, compiled_s, want):
     """A long run times eager against compiled once; the build and its config.toml follow."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # its stub trials stay its own
     trial = CompileTrial(1.0, compiled_s, 1.0)
-    monkeypatch.setattr(compile, "time_compile", lambda *a: trial)
-    monkeypatch.setattr(compile, "_eager_s", lambda *a: 1.0)  # a step slow enough to time
+    monkeypatch.setattr(compile_auto, "time_compile", lambda *a: trial)
+    monkeypatch.setattr(compile_auto, "_eager_s", lambda *a: 1.0)  # a step slow enough to time
     # a key per case, and none a real trial of the session could have made (0.02, the
     # default, was one: a tiny run of 100+ steps elsewhere had cached its own timing under it)
     over = {"train.max_steps": "500", "model.init_std": 0.01 + compiled_s / 1000}
@@ -292,7 +293,9 @@ def test_a_complete_cache_decides_without_timing_anything(monkeypatch):
     cfg = _cfg(**{"train.max_steps": "500", "model.init_std": "0.017"})
     from onegpu.backends.torch.resolve import resolve
 
-    key = f"{compile.device_key(CPU)}|{compile.step_fingerprint(resolve(cfg, CPU).config)}"
+    key = (
+        f"{compile_auto.device_key(CPU)}|{compile_auto.step_fingerprint(resolve(cfg, CPU).config)}"
+    )
     _store(
         "compile.json",
         f"{key}|default",
@@ -303,15 +306,16 @@ def test_a_complete_cache_decides_without_timing_anything(monkeypatch):
         f"{key}|regional",
         {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 1.0},
     )
-    monkeypatch.setattr(compile, "_eager_s", _never)
-    monkeypatch.setattr(compile, "time_compile", _never)
+    monkeypatch.setattr(compile_auto, "_eager_s", _never)
+    monkeypatch.setattr(compile_auto, "time_compile", _never)
     built = build(cfg, CPU, with_data=False)
     assert built.cfg.train.compile == "regional" and built.compile_trial.cached
 
 
-def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch):
+def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch, tmp_path):
     """Each AUTO_MODES candidate is timed on the real model and left; the chosen one is then
     applied: regional compiles every block in place and keeps the eager loss function."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # no max-autotune trial seen here
     seen = []
 
     def timing(model, eager, candidate, *a):
@@ -322,8 +326,8 @@ def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch):
         seen.append(regional)
         return CompileTrial(1.0, 0.5 if regional else 0.9, 1.0)
 
-    monkeypatch.setattr(compile, "time_compile", timing)
-    monkeypatch.setattr(compile, "_eager_s", lambda *a: 1.0)
+    monkeypatch.setattr(compile_auto, "time_compile", timing)
+    monkeypatch.setattr(compile_auto, "_eager_s", lambda *a: 1.0)
     built = build(
         _cfg(**{"train.max_steps": "500", "model.init_std": "0.013"}), CPU, with_data=False
     )
@@ -340,23 +344,138 @@ def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch):
     assert "regional 500 ms (+1 s to compile), default 900 ms (+1 s to compile))" in line
 
 
+def _trials_in_turn(monkeypatch, by_mode: dict[str, CompileTrial]) -> list[str]:
+    """time_compile stubbed: each candidate, told apart by what entering it does to the model
+    (regional compiles the blocks; the whole-graph modes wrap the loss function, each its own),
+    gets its trial from `by_mode` in the order auto times them; returns the modes timed."""
+    timed: list[str] = []
+    order = iter(by_mode)
+
+    def timing(model, eager, candidate, *a):
+        candidate.enter()
+        candidate.leave()
+        timed.append(next(order))
+        return by_mode[timed[-1]]
+
+    monkeypatch.setattr(compile_auto, "time_compile", timing)
+    monkeypatch.setattr(compile_auto, "_eager_s", lambda *a: 1.0)
+    return timed
+
+
+def test_a_long_run_times_max_autotune_too_and_takes_it_where_it_saves_the_most(
+    monkeypatch, tmp_path
+):
+    """max-autotune's trial costs minutes, so only a run that could repay its least compile
+    time (60 s on a CPU) at its assumed best gain over the best other mode (1.1x) times it: 250
+    micro-batches of regional's 500 ms could save 11 s, 5,000 could save 227 s. Timed, it is
+    weighed with the others and applied: the whole graph compiled with inductor's autotuning,
+    its table of choices kept out of the run's output."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    trials = {
+        "default": CompileTrial(1.0, 0.9, 10.0),
+        "regional": CompileTrial(1.0, 0.5, 5.0),
+        "max-autotune": CompileTrial(1.0, 0.4, 90.0),
+    }
+    timed = _trials_in_turn(monkeypatch, trials)
+    over = {"train.max_steps": "125", "model.init_std": "0.019"}  # 250 micro-batches
+    assert build(_cfg(**over), CPU, with_data=False).cfg.train.compile == "regional"
+    assert timed == ["default", "regional"]
+    timed.clear()
+    built = build(_cfg(**over | {"train.max_steps": "2500"}), CPU, with_data=False)
+    assert timed == ["max-autotune"]  # the other two read from the cache: the same step
+    assert built.cfg.train.compile == "max-autotune" and built.compile_trial.mode == "max-autotune"
+    assert [t.mode for t in built.compile_trial.others] == ["default", "regional"]
+    assert built.loss_fn is not token_loss_sum  # the whole graph's wrapper
+    assert all(b._compiled_call_impl is None for b in built.model.blocks)  # regional left
+    from onegpu.backends.torch.report import describe_auto
+
+    assert "max-autotune 400 ms (+90 s to compile), default 900 ms" in describe_auto(built)
+    assert compile.autotune_options()["autotune_num_choices_displayed"] == 0
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOTUNE_NUM_CHOICES_DISPLAYED", "5")  # asked for: shown
+    assert "autotune_num_choices_displayed" not in compile.autotune_options()
+
+
+def test_a_cached_max_autotune_trial_is_weighed_whatever_the_runs_length(monkeypatch, tmp_path):
+    """Once timed (cached), max-autotune costs nothing to weigh: a short run reads it too, and
+    keeps the mode that saves the most over its own length, here regional (max-autotune's 90 s
+    of compile is not repaid by 250 micro-batches)."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    trials = {
+        "default": CompileTrial(1.0, 0.9, 10.0),
+        "regional": CompileTrial(1.0, 0.5, 5.0),
+        "max-autotune": CompileTrial(1.0, 0.4, 90.0),
+    }
+    timed = _trials_in_turn(monkeypatch, trials)
+    over = {"train.max_steps": "2500", "model.init_std": "0.021"}
+    assert build(_cfg(**over), CPU, with_data=False).cfg.train.compile == "max-autotune"
+    monkeypatch.setattr(compile_auto, "time_compile", _never)
+    monkeypatch.setattr(compile_auto, "_eager_s", _never)
+    short = build(_cfg(**over | {"train.max_steps": "125"}), CPU, with_data=False)
+    assert short.cfg.train.compile == "regional"
+    assert sorted(t.mode for t in short.compile_trial.others) == ["default", "max-autotune"]
+    assert timed == ["default", "regional", "max-autotune"]
+
+
+def test_the_autotune_bound_learns_from_this_machines_own_trials(monkeypatch, tmp_path):
+    """Before any max-autotune trial: the assumed 1.1x gain and 60 s compile (CPU). After one
+    that ran 1.5x faster than the best other mode of its step (regional, 2x eager; max-autotune
+    3x) and compiled in 40 s, those are the bounds; a trial of another device is not read."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    saves, costs = compile_auto.autotune_bound(CPU, 0.5, 1000)
+    assert (saves, costs) == (pytest.approx(0.5 * (1 - 1 / 1.1) * 1000), 60.0)
+    here = f"{compile_auto.device_key(CPU)}|step"
+    _store("compile.json", f"{here}|regional",
+           {"eager_step_s": 1.0, "compiled_step_s": 0.5, "compile_s": 5.0})  # fmt: skip
+    _store("compile.json", f"{here}|max-autotune",
+           {"eager_step_s": 0.9, "compiled_step_s": 0.3, "compile_s": 40.0})  # fmt: skip
+    _store("compile.json", "another-gpu|step|max-autotune",
+           {"eager_step_s": 1.0, "compiled_step_s": 0.1, "compile_s": 1.0})  # fmt: skip
+    saves, costs = compile_auto.autotune_bound(CPU, 0.5, 1000)
+    assert (saves, costs) == (pytest.approx(0.5 * (1 - 1 / 1.5) * 1000), 40.0)
+
+
+def test_a_failing_max_autotune_trial_is_left_out_with_a_warning(monkeypatch, tmp_path):
+    """max-autotune is an extra the run does not need: where its compile fails (inductor's
+    templates, a GPU's CUDA graphs), the run takes the best other mode and says why in one
+    line. Nothing of the failure is cached, and the model's gradients are left clear."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    trials = {"default": CompileTrial(1.0, 0.9, 10.0), "regional": CompileTrial(1.0, 0.5, 5.0)}
+    timed = _trials_in_turn(monkeypatch, trials)
+    stub = compile_auto.time_compile
+
+    def failing(model, eager, candidate, *a):
+        if len(timed) == 2:
+            next(iter(model.parameters())).grad = torch.ones(1)  # a backward cut short
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no"))
+        return stub(model, eager, candidate, *a)
+
+    monkeypatch.setattr(compile_auto, "time_compile", failing)
+    over = {"train.max_steps": "2500", "model.init_std": "0.023"}
+    with pytest.warns(UserWarning, match="max-autotune failed in its trial and is left out"):
+        built = build(_cfg(**over), CPU, with_data=False)
+    assert built.cfg.train.compile == "regional"
+    assert all(p.grad is None for p in built.model.parameters())
+    assert not any(k.endswith("|max-autotune") for k in json.loads(
+        (cache_root() / "compile.json").read_text()))  # fmt: skip
+
+
 def test_a_run_that_cannot_repay_a_compile_never_times_it(monkeypatch, tmp_path):
     """200 micro-batches of 300 ms could save at most 200 x 0.3 x (1 - 1/1.15) = 7.8 s on a
     CPU, against the 15 s a compile takes at least: compiled is not timed, and the reason is
     reported. Once this machine has shown a 2 s compile, the same run is worth timing."""
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # no compile seen on this machine yet
-    monkeypatch.setattr(compile, "_eager_s", lambda *a: 0.3)
-    monkeypatch.setattr(compile, "time_compile", _never)
+    monkeypatch.setattr(compile_auto, "_eager_s", lambda *a: 0.3)
+    monkeypatch.setattr(compile_auto, "time_compile", _never)
     over = {"train.max_steps": "200", "train.micro_batch_size": "8", "model.init_std": "0.011"}
     built = build(_cfg(**over), CPU, with_data=False)
     assert built.cfg.train.compile == "none" and built.loss_fn is token_loss_sum
     assert "could save at most 8 s against at least 15 s" in built.compile_trial.skipped
-    assert compile.repay_bound(CPU, 0.3, 200) == pytest.approx((7.826, 15.0), abs=1e-3)
-    _store("compile.json", f"{compile.device_key(CPU)}|other-model",
+    assert compile_auto.repay_bound(CPU, 0.3, 200) == pytest.approx((7.826, 15.0), abs=1e-3)
+    _store("compile.json", f"{compile_auto.device_key(CPU)}|other-model",
            {"eager_step_s": 0.4, "compiled_step_s": 0.5, "compile_s": 2.0})  # fmt: skip
-    assert compile.repay_bound(CPU, 0.3, 200)[1] == 2.0
+    assert compile_auto.repay_bound(CPU, 0.3, 200)[1] == 2.0
     timed = CompileTrial(0.3, 0.2, 2.0)
-    monkeypatch.setattr(compile, "time_compile", lambda *a: timed)
+    monkeypatch.setattr(compile_auto, "time_compile", lambda *a: timed)
     trial = build(_cfg(**over), CPU, with_data=False).compile_trial
     assert (trial.eager_s, trial.compiled_s, trial.compile_s, trial.skipped) == (0.3, 0.2, 2.0, "")
 
@@ -371,7 +490,7 @@ def test_time_compile_leaves_no_gradients_and_the_rng_as_it_was():
     trial = time_compile(
         built.model, built.loss_fn, candidate, (x, x), lambda: built.policy.autocast(CPU), CPU
     )
-    assert left == [True] * (compile.PAIRS + 1)  # left before each eager run, and at the end
+    assert left == [True] * (compile_auto.PAIRS + 1)  # left before each eager run, and at the end
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in built.model.parameters())
     assert trial.eager_s > 0 and trial.compiled_s > 0 and trial.compile_s >= 0
@@ -412,4 +531,4 @@ def test_compile_auto_never_times_what_dynamo_cannot_trace():
     keeps such a run eager instead of failing in the timing (it used to, in plan_accuracy)."""
     for policy in ("selective", "dots"):
         long = _cfg(**{"train.max_steps": 1000, "memory.checkpointing": policy})
-        assert compile.auto_candidate(long, CPU, distributed=False) == "none"
+        assert compile_auto.auto_candidate(long, CPU, distributed=False) == "none"

@@ -12,7 +12,10 @@ def _loss_and_grads(cfg, x):
     return loss.item(), {n: p.grad.clone() for n, p in built.model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["default", "regional"])
+@pytest.mark.parametrize(
+    "mode",
+    ["default", "regional", pytest.param("max-autotune", marks=pytest.mark.slow)],  # ~40 s
+)
 def test_compiled_step_equals_eager(mode, tiny_cfg):
     """fp32, dropout off (inductor draws dropout masks from its own RNG stream); inductor
     reorders reductions, hence a tolerance rather than bit equality."""
@@ -26,6 +29,22 @@ def test_compiled_step_equals_eager(mode, tiny_cfg):
     assert loss == pytest.approx(eager_loss, rel=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # an autotuned compile: ~10 s
+def test_max_autotune_keeps_its_table_of_choices_out_of_the_output(capfd, monkeypatch):
+    """Inductor writes a table of the choices it timed for each product to stderr (a step has
+    ~20): onegpu's max-autotune leaves them out. A bf16 batched product, where a CPU with bf16
+    matmuls times oneDNN's kernel against inductor's C++ template (AMX's micro-GEMM here)."""
+    from onegpu.techniques.compile import autotune_options
+
+    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)  # a cached graph times nothing
+    a = torch.randn(8, 512, 64, dtype=torch.bfloat16)
+    b = torch.randn(8, 64, 512, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b: torch.bmm(a, b).relu(), options=autotune_options())
+    torch.testing.assert_close(f(a, b), torch.bmm(a, b).relu())
+    assert "AUTOTUNE" not in capfd.readouterr().err
 
 
 @pytest.mark.slow  # a compile: ~8 s

@@ -46,7 +46,7 @@ from onegpu.perf.flops import flops_per_token
 from onegpu.techniques import causal_softmax_cpu
 from onegpu.techniques.attention import check_attention_backend
 from onegpu.techniques.checkpointing import selective_cache_tensors
-from onegpu.techniques.compile import CompileTrial
+from onegpu.techniques.compile_auto import CompileTrial
 from onegpu.techniques.precision import DeviceCaps, PrecisionPolicy, apply_precision
 
 # Their steps cannot run on fake tensors: a fake build steps a stateless stand-in, and the

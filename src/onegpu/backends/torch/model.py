@@ -44,6 +44,7 @@ from onegpu.models.protocol import LanguageModel, LossFn
 from onegpu.models.qkv import split_fused_qkv
 from onegpu.offload.activations import with_offload
 from onegpu.techniques import compile as compile_
+from onegpu.techniques import compile_auto
 from onegpu.techniques.approx_grads import apply_approx_grads
 from onegpu.techniques.attention import on_attention, use_attention
 from onegpu.techniques.checkpointing import apply_checkpointing
@@ -70,7 +71,7 @@ class Applied:
     """DDP's gradient compression state (PowerSGD's error feedback), saved with checkpoints."""
     compile: str = "none"
     """What `train.compile` ran as ('auto' decided)."""
-    compile_trial: compile_.CompileTrial | None = None
+    compile_trial: compile_auto.CompileTrial | None = None
     """The timing `auto` decided from (None: not 'auto', or nothing to decide)."""
     attention: str | None = None
     """The attention kernel, where `train.compile auto` staying eager changed it (None: as
@@ -100,7 +101,7 @@ def _compile_auto(
             for m, c in candidates.items()
         }
         use_attention(model, eager_pick)
-    mode, trial = compile_.decide(cfg, model, eager, candidates, autocast, device)
+    mode, trial = compile_auto.decide(cfg, model, eager, candidates, autocast, device)
     chosen = candidates[mode].enter() if mode != "none" else eager
     attention = eager_pick if mode == "none" else None
     return Applied(model, chosen, compile=mode, compile_trial=trial, attention=attention)
@@ -137,7 +138,7 @@ def apply_techniques(
     # 4. Compile after every module change (dynamo traces what runs, checkpoints included) and
     #    over the loss, so inductor can fuse the loss with the logits it consumes. 'auto' keeps
     #    the eager loss too, and times both once the weights exist (8.).
-    mode = compile_.auto_candidate(cfg, device, distributed=ctx.enabled)
+    mode = compile_auto.auto_candidate(cfg, device, distributed=ctx.enabled)
     timed = cfg.train.compile == "auto" and mode != "none"  # decided in 8., once materialised
     raw = eager = loss_fn
     loss_fn = compile_.apply_compile(model, loss_fn, "none" if timed else mode, device)

@@ -20,7 +20,7 @@ from onegpu.optim.state_bytes import optimizer_state_bytes
 from onegpu.perf.allocator import active_allocator
 from onegpu.perf.devices import Peak, peak_flops
 from onegpu.runs.folder import environment
-from onegpu.techniques.compile import CompileTrial
+from onegpu.techniques.compile_auto import CompileTrial
 
 
 def run_peak(built: Built) -> Peak | None:

@@ -18,7 +18,7 @@ from onegpu.distributed import DistContext
 from onegpu.distributed.parallelize import fsdp_mixed_precision
 from onegpu.models.hf import chunkable_loss, default_attention, hf_head_bias, resolve_model_config
 from onegpu.perf.logits import vocab_shard
-from onegpu.techniques import compile as compile_
+from onegpu.techniques import compile_auto
 from onegpu.techniques.attention import BY_SAVED_BYTES, AttentionCall, attention_choice
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
 from onegpu.techniques.gelu_kernel import GeluShape, resolve_gelu_kernel
@@ -242,7 +242,7 @@ def _attention(
     Xeon: blocked + compile 1.27x eager, SDPA + compile 1.17x; benchmarks/results/
     step-cuts-B-2026-12-06.md)."""
     distributed = ctx is not None and ctx.enabled
-    mode = compile_.auto_candidate(cfg, device, distributed)
+    mode = compile_auto.auto_candidate(cfg, device, distributed)
     # several processes compile only regionally (a whole graph is refused: check_distributed)
     compiles = mode == "regional" if distributed else mode != "none"
 
