@@ -38,7 +38,8 @@ def test_max_autotune_keeps_its_table_of_choices_out_of_the_output(capfd, monkey
     matmuls times oneDNN's kernel against inductor's C++ template (AMX's micro-GEMM here)."""
     from onegpu.techniques.compile import autotune_options
 
-    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)  # a cached graph times nothing
+    # a graph from inductor's cache times nothing
+    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)
     a = torch.randn(8, 512, 64, dtype=torch.bfloat16)
     b = torch.randn(8, 64, 512, dtype=torch.bfloat16)
     torch._dynamo.reset()
