@@ -86,6 +86,34 @@ def test_compiled_kernels_compute_what_aten_computes(
         torch.testing.assert_close(c.float(), e.float(), rtol=rtol, atol=rtol * e.abs().max())
 
 
+def test_a_graph_compiled_around_the_loss_calls_the_cpu_kernel_without_a_break(monkeypatch):
+    """`train.compile default` (or max-autotune) compiles the chunked loss into its graph: the
+    C++ kernel is an op of its own there (`onegpu::chunk_softmax_grad`), which dynamo calls as
+    it is. Dynamo cannot trace the extension's own call: it broke the graph around it, which
+    `fullgraph=True` turns into an error. The same loss and gradients as eagerly."""
+    calls = []
+    cpp = loss_kernel_cpu.softmax_grad
+    monkeypatch.setattr(loss_kernel_cpu, "softmax_grad", lambda *a: calls.append(1) or cpp(*a))
+    kernels = compiled_kernels()
+
+    def loss_of(h, w, t):
+        return ChunkedLinearCrossEntropy.apply(
+            h, w, None, t, 32, torch.bfloat16, 120, None, kernels
+        )
+
+    torch._dynamo.reset()
+    whole = torch.compile(loss_of, fullgraph=True)
+    h, w, _, t = _inputs(torch.float32)
+    loss = whole(h, w, t)
+    loss.backward()
+    assert len(calls) == 4  # every chunk's softmax gradient by the C++ kernel
+    h_e, w_e, _, _ = _inputs(torch.float32)
+    loss_e = loss_of(h_e, w_e, t)
+    loss_e.backward()
+    torch.testing.assert_close(loss, loss_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, w_e.grad, rtol=1e-2, atol=1e-2 * w_e.grad.abs().max())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("width, n_valid", [(1000, 1000), (1027, 1003)], ids=["", "padded"])
 def test_the_cpu_kernel_computes_the_kernels_math(dtype, width, n_valid):

@@ -48,8 +48,9 @@ the compiled loop ran model A 1.65x faster than onegpu's eager step, and B 1.40x
 earlier bound of 1.6, A's 5,000-step run could repay at most about 20 s of compiling, the
 least assumed, so whether a trial ran turned on a few milliseconds of its eager micro-batch;
 that file does not record which way it went."""
-TRIAL_METHOD = 5
-"""How `time_compile` times (5: as 4, regional compile compiling the block once, not once a
+TRIAL_METHOD = 6
+"""How `time_compile` times (6: as 5, the whole-graph modes calling the C++ loss kernel as an op
+of their graph, where dynamo had broken the graph around it, techniques/loss_kernels.py; 5: as 4, regional compile compiling the block once, not once a
 block: 4's regional trials paid up to 8 compiles, techniques/bias_epilogue.py; 4: as 3, compiled
 CPU linears adding their bias in oneDNN's epilogue; 3: eager and compiled side by side; 2 timed
 eager on both sides of the compile, 1 before it only); part of the cache key, so trials timed

@@ -96,14 +96,21 @@ class LossKernels:
 
 
 _COMPILED: list[LossKernels] = []
+_INDUCTOR: list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = []
+
+
+def _inductors_softmax_grad() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`softmax_grad` compiled (lazily: on its first call), a whole graph or an error."""
+    if not _INDUCTOR:
+        _INDUCTOR.append(torch.compile(softmax_grad, dynamic=False, fullgraph=True))
+    return _INDUCTOR[0]
 
 
 def compiled_kernels() -> LossKernels:
     """The kernels compiled (lazily: on their first call), whole graphs or an error: a graph
     break would run part of them eagerly without a word. The softmax gradient of a chunk on a
-    CPU is the C++ kernel's (loss_kernel_cpu.applies), inductor's elsewhere."""
+    CPU is `onegpu::chunk_softmax_grad` (the C++ kernel), inductor's elsewhere."""
     if not _COMPILED:
-        inductor = torch.compile(softmax_grad, dynamic=False, fullgraph=True)
 
         def compiled_softmax_grad(
             logits_cV: torch.Tensor,
@@ -112,9 +119,9 @@ def compiled_kernels() -> LossKernels:
             n_valid: int,
             out_dtype: torch.dtype,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            if loss_kernel_cpu.applies(logits_cV, out_dtype):
-                return loss_kernel_cpu.softmax_grad(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
-            return inductor(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+            if loss_kernel_cpu.suits(logits_cV, out_dtype):
+                return cpu_softmax_grad(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+            return _inductors_softmax_grad()(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
 
         _COMPILED.append(
             LossKernels(
@@ -123,6 +130,23 @@ def compiled_kernels() -> LossKernels:
             )
         )
     return _COMPILED[0]
+
+
+@torch.library.custom_op("onegpu::chunk_softmax_grad", mutates_args=(), device_types="cpu")
+def cpu_softmax_grad(
+    logits_cV: torch.Tensor,
+    safe_t: torch.Tensor,
+    valid_c1: torch.Tensor,
+    n_valid: int,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CPU chunk's `softmax_grad`: the C++ kernel where it built (loss_kernel_cpu.applies),
+    else inductor's. An op of its own, so that a graph compiled around the loss
+    (`train.compile default` or `max-autotune`) calls it as it is: dynamo cannot trace the C++
+    extension's call, and broke the graph around it (with a warning on stderr at each compile)."""
+    if loss_kernel_cpu.applies(logits_cV, out_dtype):
+        return loss_kernel_cpu.softmax_grad(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+    return _inductors_softmax_grad()(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
 
 
 def footprint_softmax_grad(
@@ -150,6 +174,8 @@ def footprint_softmax_grad(
     del vectors, exps
     return loss, g_cV
 
+
+cpu_softmax_grad.register_fake(footprint_softmax_grad)
 
 FOOTPRINTS = LossKernels(softmax_grad=footprint_softmax_grad, add_product=add_product)
 """The compiled kernels' allocations, for a plan: `add_product`'s graph keeps the 16-bit
