@@ -31,6 +31,26 @@ def test_compiled_step_equals_eager(mode, tiny_cfg):
         torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_max_autotune_on_a_gpu_accumulates_what_eager_does(tiny_cfg):
+    """On a GPU max-autotune records CUDA graphs, whose outputs the next replay overwrites: two
+    micro-batches through the compiled loss (what `train.compile auto` may take for a long run)
+    accumulate the same loss and gradients as eagerly."""
+    tiny_cfg.model.dropout = 0.0
+    tiny_cfg.train.precision, tiny_cfg.train.device = "fp32", "cuda"
+    tiny_cfg.train.micro_batch_size = tiny_cfg.train.batch_size // 2
+    x = torch.randint(0, 256, (tiny_cfg.train.batch_size, 65), device="cuda")
+    eager_loss, eager_grads = _loss_and_grads(tiny_cfg, x)
+    tiny_cfg.train.compile = "max-autotune"
+    torch._dynamo.reset()
+    for _ in range(2):  # the second step replays the graphs the first recorded
+        loss, grads = _loss_and_grads(tiny_cfg, x)
+        assert loss == pytest.approx(eager_loss, rel=1e-4)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
 @pytest.mark.slow  # an autotuned compile: ~10 s
 def test_max_autotune_keeps_its_table_of_choices_out_of_the_output(capfd, monkeypatch):
     """Inductor writes a table of the choices it timed for each product to stderr (a step has
