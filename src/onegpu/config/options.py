@@ -111,9 +111,9 @@ class TrainConfig:
     """torch.compile: 'default' or 'max-autotune' compile the whole forward and loss;
     'regional' compiles one transformer block and reuses it for every layer, so compile time
     stays flat in depth (like JAX's scan over layers). 'auto': a single-process run of at least
-    100 steps times one micro-batch eager and compiled ('default') once per device, model and
-    settings (cached) and compiles if the saving over max_steps outweighs the compile time;
-    otherwise 'none' (docs/auto-defaults.md). Compile time is reported apart."""
+    100 steps times a micro-batch eager and compiled ('default', 'regional'; 'max-autotune' if
+    long enough to repay it) once per device, model and settings (cached) and takes the mode
+    saving the most over max_steps, compile included, else 'none' (docs/auto-defaults.md)."""
     loss_kernel: Literal["auto", "eager", "compiled"] = "auto"
     """The chunked loss's per-chunk math: 'compiled' fuses each chunk's softmax, log-sum-exp
     and gradient into one kernel (a CPU: onegpu's C++; a GPU: inductor's) and adds the head's
