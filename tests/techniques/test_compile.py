@@ -34,21 +34,24 @@ def test_compiled_step_equals_eager(mode, tiny_cfg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_max_autotune_on_a_gpu_accumulates_what_eager_does(tiny_cfg):
-    """On a GPU max-autotune records CUDA graphs, whose outputs the next replay overwrites: two
-    micro-batches through the compiled loss (what `train.compile auto` may take for a long run)
-    accumulate the same loss and gradients as eagerly."""
+    """On a GPU max-autotune records CUDA graphs, whose outputs each replay overwrites: four
+    micro-batches a step through the compiled loss (what `train.compile auto` may take for a
+    long run), three steps on one model (warm-up, recording, replays), accumulate the same loss
+    and gradients as eagerly."""
     tiny_cfg.model.dropout = 0.0
     tiny_cfg.train.precision, tiny_cfg.train.device = "fp32", "cuda"
-    tiny_cfg.train.micro_batch_size = tiny_cfg.train.batch_size // 2
+    tiny_cfg.train.micro_batch_size = tiny_cfg.train.batch_size // 4
     x = torch.randint(0, 256, (tiny_cfg.train.batch_size, 65), device="cuda")
     eager_loss, eager_grads = _loss_and_grads(tiny_cfg, x)
     tiny_cfg.train.compile = "max-autotune"
     torch._dynamo.reset()
-    for _ in range(2):  # the second step replays the graphs the first recorded
-        loss, grads = _loss_and_grads(tiny_cfg, x)
+    built = build(tiny_cfg, with_data=False)
+    for _ in range(3):
+        built.model.zero_grad(set_to_none=True)
+        loss = built.step.forward_backward(x[:, :-1], x[:, 1:], x[:, 1:].numel()).item()
         assert loss == pytest.approx(eager_loss, rel=1e-4)
-        for name, g in grads.items():
-            torch.testing.assert_close(g, eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+        for name, p in built.model.named_parameters():
+            torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow  # an autotuned compile: ~10 s

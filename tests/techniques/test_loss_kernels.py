@@ -86,6 +86,17 @@ def test_compiled_kernels_compute_what_aten_computes(
         torch.testing.assert_close(c.float(), e.float(), rtol=rtol, atol=rtol * e.abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_cpu_kernels_op_passes_torchs_checks(dtype):
+    """`onegpu::chunk_softmax_grad` as torch.library.opcheck sees it: its schema, its fake
+    kernel's shapes and dtypes against the real one, and its calls under AOT dispatch."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 70, generator=g).to(dtype)
+    safe_t = torch.randint(0, 64, (8, 1), generator=g)
+    valid = torch.rand(8, 1, generator=g) > 0.2
+    torch.library.opcheck(loss_kernels.cpu_softmax_grad, (logits, safe_t, valid, 64, dtype))
+
+
 def test_a_graph_compiled_around_the_loss_calls_the_cpu_kernel_without_a_break(monkeypatch):
     """`train.compile default` (or max-autotune) compiles the chunked loss into its graph: the
     C++ kernel is an op of its own there (`onegpu::chunk_softmax_grad`), which dynamo calls as

@@ -44,6 +44,15 @@ def apply_compile(model: nn.Module, loss_fn: LossFn, mode: str, device: torch.de
     return torch.compile(loss_fn, options=autotune_options())
 
 
+def release_cuda_graphs(device: torch.device) -> None:
+    """On a GPU, free the CUDA graphs (and their memory pool) that a max-autotune trial recorded
+    where the run takes another mode: no plan counts them. The other modes record none."""
+    if device.type == "cuda":
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+
+
 def autotune_options() -> dict[str, Any]:
     """torch.compile's 'max-autotune' mode as options, its table of timed choices per product
     left out of the run's output (inductor writes one to stderr for each of the step's ~20

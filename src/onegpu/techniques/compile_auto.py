@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
 
-from onegpu.cache import digest, entries, has, peek
+from onegpu.cache import cached, digest, entries, has, peek
 from onegpu.config import Config, to_dict
 from onegpu.models.protocol import LossFn
 from onegpu.perf.contention import timed_cached
 from onegpu.perf.devices import device_key, sync
-from onegpu.techniques.compile import Candidate
+from onegpu.techniques.compile import Candidate, release_cuda_graphs
 
 AUTO_MODES = ("default", "regional")
 """What `auto` times against eager: the whole forward and loss as one graph (inductor fuses the
@@ -49,9 +50,10 @@ earlier bound of 1.6, A's 5,000-step run could repay at most about 20 s of compi
 least assumed, so whether a trial ran turned on a few milliseconds of its eager micro-batch;
 that file does not record which way it went."""
 TRIAL_METHOD = 6
-"""How `time_compile` times (6: as 5, the whole-graph modes calling the C++ loss kernel as an op
-of their graph, where dynamo had broken the graph around it, techniques/loss_kernels.py; 5: as 4, regional compile compiling the block once, not once a
-block: 4's regional trials paid up to 8 compiles, techniques/bias_epilogue.py; 4: as 3, compiled
+"""How `time_compile` times (6: as 5, whole-graph modes calling the C++ loss kernel as an op of
+their graph, where dynamo had broken the graph around it, techniques/loss_kernels.py; 5: as 4,
+regional compile compiling the block once, not once a block: 4's regional trials paid up to 8
+compiles, techniques/bias_epilogue.py; 4: as 3, compiled
 CPU linears adding their bias in oneDNN's epilogue; 3: eager and compiled side by side; 2 timed
 eager on both sides of the compile, 1 before it only); part of the cache key, so trials timed
 another way are made again rather than read."""
@@ -66,8 +68,8 @@ Xeon it compiled model B's step in 87 s, where default takes 15-40, and ran it n
 default (docs/floor.md)."""
 AUTOTUNE_GAIN = {"cpu": 1.10, "cuda": 1.30}
 """The most max-autotune's micro-batch is assumed faster than the best of AUTO_MODES' (or than
-eager, where none of them pays) before this machine has shown more: the bound that decides
-whether its trial is worth a long run's time. CPU: it gained nothing on model B on the AMX Xeon
+eager, where none of them pays) until this machine's own trials show what it gains, more or
+less: the bound that decides whether its trial is worth a long run's time. CPU: it gained nothing on model B on the AMX Xeon
 (1.20x eager in turns, as default; 1.13x against default's 1.17x in rounds). CUDA: CUDA graphs
 take a small model's kernel launches off the host, what a GPU's small steps wait on."""
 LEAST_AUTOTUNE_S = {"cpu": 60.0, "cuda": 120.0}
@@ -200,8 +202,12 @@ def choose_compile(
     or 'none' where none saves anything; each mode's trial cached under `key|mode` (run now if
     absent): deterministic given the cache and the run's length. Returns the best trial, the
     others beside it."""
-    trials = [_trial(f"{key}|{mode}", mode, measure) for mode, measure in measures.items()]
-    return best_of(trials, micro_steps)
+    return best_of(trials_of(key, measures), micro_steps)
+
+
+def trials_of(key: str, measures: dict[str, Callable[[], CompileTrial]]) -> list[CompileTrial]:
+    """Each mode's trial cached under `key|mode`, run now (and stored) where absent."""
+    return [_trial(f"{key}|{mode}", mode, measure) for mode, measure in measures.items()]
 
 
 def best_of(trials: list[CompileTrial], micro_steps: int) -> tuple[str, CompileTrial]:
@@ -290,23 +296,27 @@ def decide(
     def measure(candidate: Candidate) -> Callable[[], CompileTrial]:
         return lambda: time_compile(model, eager, candidate, batch, autocast, device)
 
-    trials = [_trial(f"{key}|{m}", m, measure(candidates[m])) for m in modes]
+    trials = trials_of(key, {m: measure(candidates[m]) for m in modes})
     mode, best = best_of(trials, micro_steps)
     autotune = candidates.get(AUTOTUNE_MODE)
     if autotune is None or not autotune_worth(key, device, best, mode, micro_steps):
         return mode, best
     try:
-        trials.append(_trial(f"{key}|{AUTOTUNE_MODE}", AUTOTUNE_MODE, measure(autotune)))
-    except RuntimeError as e:  # an extra mode a run never fails for: its choice stands without it
+        trials += trials_of(key, {AUTOTUNE_MODE: measure(autotune)})
+    except BackendCompilerFailed as e:  # inductor could not build it: the run goes on without
         model.zero_grad(set_to_none=True)
-        said = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        failed = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        cached("compile.json", f"{key}|{AUTOTUNE_MODE}", lambda: {"failed": failed}, refresh=True)
         warnings.warn(
-            f"train.compile auto: {AUTOTUNE_MODE} failed in its trial and is left out "
-            f"({type(e).__name__}: {said}); set train.compile to a mode to skip the trials",
+            f"train.compile auto: {AUTOTUNE_MODE} failed to compile in its trial and is left "
+            f"out, here and in later runs of this step ({failed})",
             stacklevel=1,
         )
         return mode, best
-    return best_of(trials, micro_steps)
+    mode, best = best_of(trials, micro_steps)
+    if mode != AUTOTUNE_MODE and not trials[-1].cached:
+        release_cuda_graphs(device)
+    return mode, best
 
 
 def autotune_worth(
@@ -318,6 +328,8 @@ def autotune_worth(
     valid = has("eager_step_s", "compiled_step_s", "compile_s")
     if peek("compile.json", f"{key}|{AUTOTUNE_MODE}", valid=valid) is not None:
         return True
+    if peek("compile.json", f"{key}|{AUTOTUNE_MODE}", valid=has(text=("failed",))) is not None:
+        return False  # failed to compile here before
     if device.type not in AUTOTUNE_GAIN:
         return False
     trials = (best, *best.others)
@@ -329,16 +341,17 @@ def autotune_worth(
 
 def autotune_bound(device: torch.device, run_s: float, micro_steps: int) -> tuple[float, float]:
     """(the most AUTOTUNE_MODE could save over `micro_steps` micro-batches of `run_s`, the
-    least its compile costs) on this device: the assumed AUTOTUNE_GAIN, or the best gain this
-    machine's own trials showed over the other modes of the same step where higher; the
-    quickest max-autotune compile it has shown, else LEAST_AUTOTUNE_S."""
+    least its compile costs) on this device: the best gain this machine's own trials showed over
+    the other modes of the same step (a gain below 1 where it only lost: then it is not timed
+    again for another step), else the assumed AUTOTUNE_GAIN; the quickest max-autotune compile
+    it has shown, else LEAST_AUTOTUNE_S."""
     here, tail = device_key(device) + "|", "|" + AUTOTUNE_MODE
     found = {
         k: t
         for k, t in entries("compile.json").items()
         if k.startswith(here) and has("eager_step_s", "compiled_step_s", "compile_s")(t)
     }
-    gains, compiles = [AUTOTUNE_GAIN[device.type]], []
+    gains, compiles = [], []
     for k, tuned in found.items():
         if not k.endswith(tail) or tuned["compiled_step_s"] <= 0:
             continue
@@ -352,7 +365,8 @@ def autotune_bound(device: torch.device, run_s: float, micro_steps: int) -> tupl
         tuned_speedup = tuned["eager_step_s"] / tuned["compiled_step_s"]
         gains.append(tuned_speedup / max([1.0, *speedups]))
     least = min([c for c in compiles if c > 0], default=LEAST_AUTOTUNE_S[device.type])
-    return run_s * (1 - 1 / max(gains)) * micro_steps, least
+    gain = max(gains, default=AUTOTUNE_GAIN[device.type])
+    return run_s * (1 - 1 / gain) * micro_steps, least
 
 
 def step_fingerprint(cfg: Config) -> str:
