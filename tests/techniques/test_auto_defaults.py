@@ -14,7 +14,7 @@ from onegpu.perf import logits
 from onegpu.perf.devices import device_key
 from onegpu.perf.logits import untimed_chunk
 from onegpu.techniques import chunked_loss, compile, compile_auto
-from onegpu.techniques.compile_auto import CompileTrial, choose_compile, time_compile
+from onegpu.techniques.compile_auto import CompileTrial, best_of, time_compile, trials_of
 from onegpu.techniques.loss import token_loss_sum
 
 CPU = torch.device("cpu")
@@ -35,6 +35,11 @@ def _store(name: str, key: str, value) -> None:
 
 def _never(*_a, **_k):
     raise AssertionError("timed although the cache holds the answer")
+
+
+def choose_compile(key: str, micro_steps: int, measures) -> tuple[str, CompileTrial]:
+    """What `decide` does with the modes' trials: cached under `key|mode`, the best of them."""
+    return best_of(trials_of(key, measures), micro_steps)
 
 
 # ---------------------------------------------------------------------------- config

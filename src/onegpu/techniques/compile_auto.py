@@ -192,28 +192,16 @@ def _trial(key: str, mode: str, measure: Callable[[], CompileTrial]) -> CompileT
     )
 
 
-def choose_compile(
-    key: str,
-    micro_steps: int,
-    measures: dict[str, Callable[[], CompileTrial]],
-) -> tuple[str, CompileTrial]:
-    """The mode of `measures` that saves the most over the run's micro-batches (each mode's
-    speedup over its own eager runs, applied to the fastest eager micro-batch any trial saw),
-    or 'none' where none saves anything; each mode's trial cached under `key|mode` (run now if
-    absent): deterministic given the cache and the run's length. Returns the best trial, the
-    others beside it."""
-    return best_of(trials_of(key, measures), micro_steps)
-
-
 def trials_of(key: str, measures: dict[str, Callable[[], CompileTrial]]) -> list[CompileTrial]:
     """Each mode's trial cached under `key|mode`, run now (and stored) where absent."""
     return [_trial(f"{key}|{mode}", mode, measure) for mode, measure in measures.items()]
 
 
 def best_of(trials: list[CompileTrial], micro_steps: int) -> tuple[str, CompileTrial]:
-    """The trial that saves the most over `micro_steps` (each mode's speedup applied to the
-    fastest eager micro-batch any trial saw), the others beside it; its mode, or 'none' where
-    no mode saves anything."""
+    """The trial that saves the most over `micro_steps` (each mode's speedup over its own eager
+    runs, applied to the fastest eager micro-batch any trial saw), the others beside it; its
+    mode, or 'none' where no mode saves anything: deterministic given the trials (the cache)
+    and the run's length."""
     eager_s = min(t.eager_s for t in trials)  # each mode's speedup, on one eager step
     best = max(trials, key=lambda t: t.saves(micro_steps, eager_s))
     others = tuple(t for t in trials if t is not best)
