@@ -94,7 +94,7 @@ def test_the_cpu_kernels_op_passes_torchs_checks(dtype):
     logits = torch.randn(8, 70, generator=g).to(dtype)
     safe_t = torch.randint(0, 64, (8, 1), generator=g)
     valid = torch.rand(8, 1, generator=g) > 0.2
-    torch.library.opcheck(loss_kernels.cpu_softmax_grad, (logits, safe_t, valid, 64, dtype))
+    torch.library.opcheck(loss_kernels.chunk_softmax_grad_op, (logits, safe_t, valid, 64, dtype))
 
 
 def test_a_graph_compiled_around_the_loss_calls_the_cpu_kernel_without_a_break(monkeypatch):

@@ -109,7 +109,8 @@ def _inductors_softmax_grad() -> Callable[..., tuple[torch.Tensor, torch.Tensor]
 def compiled_kernels() -> LossKernels:
     """The kernels compiled (lazily: on their first call), whole graphs or an error: a graph
     break would run part of them eagerly without a word. The softmax gradient of a chunk on a
-    CPU is `onegpu::chunk_softmax_grad` (the C++ kernel), inductor's elsewhere."""
+    CPU is the C++ kernel's (`cpu_softmax_grad`; inside a compiled graph, its op), inductor's
+    elsewhere."""
     if not _COMPILED:
 
         def compiled_softmax_grad(
@@ -120,7 +121,10 @@ def compiled_kernels() -> LossKernels:
             out_dtype: torch.dtype,
         ) -> tuple[torch.Tensor, torch.Tensor]:
             if loss_kernel_cpu.suits(logits_cV, out_dtype):
-                return cpu_softmax_grad(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+                kernel = (
+                    chunk_softmax_grad_op if torch.compiler.is_compiling() else cpu_softmax_grad
+                )
+                return kernel(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
             return _inductors_softmax_grad()(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
 
         _COMPILED.append(
@@ -132,7 +136,6 @@ def compiled_kernels() -> LossKernels:
     return _COMPILED[0]
 
 
-@torch.library.custom_op("onegpu::chunk_softmax_grad", mutates_args=(), device_types="cpu")
 def cpu_softmax_grad(
     logits_cV: torch.Tensor,
     safe_t: torch.Tensor,
@@ -141,12 +144,19 @@ def cpu_softmax_grad(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A CPU chunk's `softmax_grad`: the C++ kernel where it built (loss_kernel_cpu.applies),
-    else inductor's. An op of its own, so that a graph compiled around the loss
-    (`train.compile default` or `max-autotune`) calls it as it is: dynamo cannot trace the C++
-    extension's call, and broke the graph around it (with a warning on stderr at each compile)."""
+    else inductor's."""
     if loss_kernel_cpu.applies(logits_cV, out_dtype):
         return loss_kernel_cpu.softmax_grad(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
     return _inductors_softmax_grad()(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+
+
+chunk_softmax_grad_op = torch.library.custom_op(
+    "onegpu::chunk_softmax_grad", cpu_softmax_grad, mutates_args=(), device_types="cpu"
+)
+"""`cpu_softmax_grad` as an op of its own, for a graph compiled around the loss
+(`train.compile default` or `max-autotune`) to call as it is: dynamo cannot trace the C++
+extension's call, and broke the graph around it (a warning on stderr at each compile). Eager
+calls skip the dispatcher and call the function."""
 
 
 def footprint_softmax_grad(
@@ -175,7 +185,7 @@ def footprint_softmax_grad(
     return loss, g_cV
 
 
-cpu_softmax_grad.register_fake(footprint_softmax_grad)
+chunk_softmax_grad_op.register_fake(footprint_softmax_grad)
 
 FOOTPRINTS = LossKernels(softmax_grad=footprint_softmax_grad, add_product=add_product)
 """The compiled kernels' allocations, for a plan: `add_product`'s graph keeps the 16-bit
