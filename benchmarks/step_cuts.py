@@ -230,6 +230,9 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
     """Every cut alive at once, timed in turns; each one's figures at its paired step time, and
     `x_base`: how many times faster it ran than `base`, cycle by cycle."""
     check_paired_steps(cycles, turn_steps)
+    # each cut's cached floor, timed (where missing) before any contestant runs beside it: a
+    # product timed while other processes end reads their moment (a floor of B 7.9x too slow)
+    cached_floors = {n: model_floor(model, [*BASE, *CUTS[cut_of(n)][0]])["floor_s"] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         contestants = []
         for n in names:
@@ -249,8 +252,7 @@ def run_paired(model: str, names: list[str], cycles: int, turn_steps: int) -> di
         for c in contestants:
             s = json.loads((c.steps_file.parent / "summary.json").read_text())
             step = step_time(c)
-            floor_s = model_floor(model, [*BASE, *CUTS[cut_of(c.name)][0]])["floor_s"]  # a stopped
-            # run measures no floor of its own (docs/floor.md)
+            floor_s = cached_floors[c.name]  # a stopped run measures no floor of its own
             scale = s["step_time_s"] / step  # its own steady steps against its paired ones
             found[c.name] = {
                 "tokens_per_s": s["tokens_per_s"] * scale, "step_time_s": step,

@@ -523,12 +523,12 @@ def main() -> None:
         sys.exit("the cmeel-mimalloc wheel is missing: pip install -e . brings it")
     for kind in dict.fromkeys(n.partition("+")[0] for n in names if n.startswith("onegpu")):
         run(kind, a.model, WARM + 1)  # fills the per-machine caches (each run length's), uncounted
+    floor = model_floor(a.model)  # timed (where missing) before the contestants run
     if a.paired:
         med = run_paired(names, a.model, a.cycles, a.turn_steps)
         runs = {n: [m] for n, m in med.items()}
     else:
         runs, med = run_rounds(names, a)
-    floor = model_floor(a.model)
     text = table(a.model, med, a, floor)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"vs-peers-{a.model}" + ("-bf16" if _precision() == "bf16" else "")
