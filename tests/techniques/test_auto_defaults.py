@@ -349,6 +349,14 @@ def test_auto_picks_regional_where_it_saves_more_and_applies_it(monkeypatch, tmp
     assert "regional 500 ms (+1 s to compile), default 900 ms (+1 s to compile))" in line
 
 
+AUTOTUNE_WINS = {
+    "default": CompileTrial(1.0, 0.9, 10.0),
+    "regional": CompileTrial(1.0, 0.5, 5.0),
+    "max-autotune": CompileTrial(1.0, 0.4, 90.0),
+}
+"""Trials where max-autotune runs fastest and compiles slowest (90 s)."""
+
+
 def _trials_in_turn(
     monkeypatch, by_mode: dict[str, CompileTrial]
 ) -> tuple[list[str], dict[str, object]]:
@@ -384,11 +392,7 @@ def test_a_long_run_times_max_autotune_too_and_takes_it_where_it_saves_the_most(
     weighed with the others and applied: the whole graph compiled with inductor's autotuning,
     its table of choices kept out of the run's output."""
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
-    trials = {
-        "default": CompileTrial(1.0, 0.9, 10.0),
-        "regional": CompileTrial(1.0, 0.5, 5.0),
-        "max-autotune": CompileTrial(1.0, 0.4, 90.0),
-    }
+    trials = AUTOTUNE_WINS
     timed, made = _trials_in_turn(monkeypatch, trials)
     over = {"train.max_steps": "125", "model.init_std": "0.019"}  # 250 micro-batches
     assert build(_cfg(**over), CPU, with_data=False).cfg.train.compile == "regional"
@@ -413,11 +417,7 @@ def test_a_cached_max_autotune_trial_is_weighed_whatever_the_runs_length(monkeyp
     keeps the mode that saves the most over its own length, here regional (max-autotune's 90 s
     of compile is not repaid by 250 micro-batches)."""
     monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
-    trials = {
-        "default": CompileTrial(1.0, 0.9, 10.0),
-        "regional": CompileTrial(1.0, 0.5, 5.0),
-        "max-autotune": CompileTrial(1.0, 0.4, 90.0),
-    }
+    trials = AUTOTUNE_WINS
     timed, _ = _trials_in_turn(monkeypatch, trials)
     over = {"train.max_steps": "2500", "model.init_std": "0.021"}
     assert build(_cfg(**over), CPU, with_data=False).cfg.train.compile == "max-autotune"

@@ -57,6 +57,8 @@ compiles, techniques/bias_epilogue.py; 4: as 3, compiled
 CPU linears adding their bias in oneDNN's epilogue; 3: eager and compiled side by side; 2 timed
 eager on both sides of the compile, 1 before it only); part of the cache key, so trials timed
 another way are made again rather than read."""
+STORED_TRIAL = has("eager_step_s", "compiled_step_s", "compile_s")
+"""What a trial stored in `compile.json` holds (a recorded failure or another format does not)."""
 LEAST_COMPILE_S = {"cpu": 15.0, "cuda": 20.0}
 """The least a first compile is assumed to take before this machine has shown less."""
 
@@ -183,7 +185,7 @@ def _trial(key: str, mode: str, measure: Callable[[], CompileTrial]) -> CompileT
         key,
         run,
         what=f"compile {mode} (train.compile auto)",
-        valid=has("eager_step_s", "compiled_step_s", "compile_s"),
+        valid=STORED_TRIAL,
     )
     if ran:
         return dataclasses.replace(ran[0], mode=mode)
@@ -227,9 +229,7 @@ def repay_bound(device: torch.device, eager_s: float, micro_steps: int) -> tuple
     where it has any, else BEST_SPEEDUP and LEAST_COMPILE_S."""
     here = device_key(device) + "|"
     trials = [
-        t
-        for k, t in entries("compile.json").items()
-        if k.startswith(here) and has("eager_step_s", "compiled_step_s", "compile_s")(t)
+        t for k, t in entries("compile.json").items() if k.startswith(here) and STORED_TRIAL(t)
     ]
     speedup = max(
         [BEST_SPEEDUP.get(device.type, 1.5)]
@@ -268,9 +268,8 @@ def decide(
     key = f"{device_key(device)}|{step_fingerprint(cfg)}"
     micro_steps = cfg.train.max_steps * cfg.grad_accum_steps
     batch = trial_batch(cfg, model.vocab_size, device)
-    valid = has("eager_step_s", "compiled_step_s", "compile_s")
     modes = [mode for mode in candidates if mode != AUTOTUNE_MODE]
-    if any(peek("compile.json", f"{key}|{mode}", valid=valid) is None for mode in modes):
+    if any(peek("compile.json", f"{key}|{mode}", valid=STORED_TRIAL) is None for mode in modes):
         eager_s = _eager_s(model, eager, batch, autocast, device)
         saves, costs = repay_bound(device, eager_s, micro_steps)
         if saves <= costs:
@@ -313,8 +312,7 @@ def autotune_worth(
     """Whether AUTOTUNE_MODE is timed for this run: where its trial is cached (free to weigh),
     or where its least compile time is below what it could save over the run's micro-batches
     at its best gain over `best` (the mode AUTO_MODES' trials chose, or eager)."""
-    valid = has("eager_step_s", "compiled_step_s", "compile_s")
-    if peek("compile.json", f"{key}|{AUTOTUNE_MODE}", valid=valid) is not None:
+    if peek("compile.json", f"{key}|{AUTOTUNE_MODE}", valid=STORED_TRIAL) is not None:
         return True
     if peek("compile.json", f"{key}|{AUTOTUNE_MODE}", valid=has(text=("failed",))) is not None:
         return False  # failed to compile here before
@@ -335,9 +333,7 @@ def autotune_bound(device: torch.device, run_s: float, micro_steps: int) -> tupl
     it has shown, else LEAST_AUTOTUNE_S."""
     here, tail = device_key(device) + "|", "|" + AUTOTUNE_MODE
     found = {
-        k: t
-        for k, t in entries("compile.json").items()
-        if k.startswith(here) and has("eager_step_s", "compiled_step_s", "compile_s")(t)
+        k: t for k, t in entries("compile.json").items() if k.startswith(here) and STORED_TRIAL(t)
     }
     gains, compiles = [], []
     for k, tuned in found.items():

@@ -112,28 +112,26 @@ def compiled_kernels() -> LossKernels:
     CPU is the C++ kernel's (`cpu_softmax_grad`; inside a compiled graph, its op), inductor's
     elsewhere."""
     if not _COMPILED:
-
-        def compiled_softmax_grad(
-            logits_cV: torch.Tensor,
-            safe_t: torch.Tensor,
-            valid_c1: torch.Tensor,
-            n_valid: int,
-            out_dtype: torch.dtype,
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            if loss_kernel_cpu.suits(logits_cV, out_dtype):
-                kernel = (
-                    chunk_softmax_grad_op if torch.compiler.is_compiling() else cpu_softmax_grad
-                )
-                return kernel(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
-            return _inductors_softmax_grad()(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
-
         _COMPILED.append(
             LossKernels(
-                softmax_grad=compiled_softmax_grad,
+                softmax_grad=_compiled_softmax_grad,
                 add_product=torch.compile(add_product, dynamic=False, fullgraph=True),
             )
         )
     return _COMPILED[0]
+
+
+def _compiled_softmax_grad(
+    logits_cV: torch.Tensor,
+    safe_t: torch.Tensor,
+    valid_c1: torch.Tensor,
+    n_valid: int,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not loss_kernel_cpu.suits(logits_cV, out_dtype):
+        return _inductors_softmax_grad()(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
+    kernel = chunk_softmax_grad_op if torch.compiler.is_compiling() else cpu_softmax_grad
+    return kernel(logits_cV, safe_t, valid_c1, n_valid, out_dtype)
 
 
 def cpu_softmax_grad(
