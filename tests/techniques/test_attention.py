@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from onegpu.config import ConfigError
 from onegpu.models.gpt import GPT
 
 
@@ -393,3 +394,60 @@ def test_the_compiled_timing_runs_each_candidate_compiled():
     found = measure_cpu_attention(call, torch.float32, ("sdpa", "plain"), compiled=True)
     assert found["compiled"] is True and found["choice"] in ("sdpa", "plain")
     assert set(found["ms"]) == {"sdpa", "plain"} and all(t > 0 for t in found["ms"].values())
+
+
+@pytest.mark.parametrize(
+    "checkpointing, recomputes",
+    [("block", True), ("attn", True), ("every:2", True), ("blocks:none,attn+mlp", True),
+     ("budget:auto", True), ("mlp", False), ("selective", False), ("none", False),
+     ("blocks:mlp,selective", False), ("budget-compiled:0.5", False)],
+)  # fmt: skip
+def test_which_checkpointing_runs_attention_again_in_backward(checkpointing, recomputes):
+    from onegpu.config import parse_checkpointing
+
+    assert parse_checkpointing(checkpointing).recomputes_attention() is recomputes
+
+
+def test_sdpa_is_left_out_where_compiled_tensor_parallel_recompute_breaks_it(
+    tiny_cfg, monkeypatch, tmp_path
+):
+    """torch (2.13) cannot recompute SDPA's fused CPU kernel in a compiled checkpoint whose
+    graph holds a DTensor's mesh: with tensor parallelism, compiled blocks and checkpointing
+    that recomputes attention, `auto` times the other kernels only and a setting that asks for
+    the fused kernel is refused with the ways out; change any one of the three and SDPA is
+    back (tests/distributed/test_parallel_layouts.py runs the combination)."""
+    from onegpu.backends.torch.resolve import resolve
+    from onegpu.techniques import attention
+
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))
+    offered = []
+
+    def measure(call, dtype, candidates, compiled=False):
+        offered.append(candidates)
+        return {"choice": candidates[0], "ms": {name: 1.0 for name in candidates}}
+
+    monkeypatch.setattr(attention, "measure_cpu_attention", measure)
+    cfg = tiny_cfg
+    cfg.model.attention = "auto"
+    cfg.dist.tp, cfg.train.compile, cfg.memory.checkpointing = 2, "regional", "block"
+    cpu = torch.device("cpu")
+    assert resolve(cfg, cpu).attention in ("plain", "blocked")
+    assert "sdpa" not in offered[-1]
+    for name in ("sdpa", "flash"):
+        cfg.model.attention = name
+        with pytest.raises(ConfigError, match=r"model\.attention.*memory\.checkpointing mlp"):
+            resolve(cfg, cpu)
+    for name in ("math", "plain", "blocked"):
+        cfg.model.attention = name
+        assert resolve(cfg, cpu).attention == name
+    cfg.model.attention = "sdpa"
+    for field, value in (
+        ("dist.tp", 1),
+        ("train.compile", "none"),
+        ("memory.checkpointing", "mlp"),
+    ):
+        section, key = field.split(".")
+        previous = getattr(getattr(cfg, section), key)
+        setattr(getattr(cfg, section), key, value)
+        assert resolve(cfg, cpu).attention == "sdpa", field
+        setattr(getattr(cfg, section), key, previous)

@@ -76,7 +76,7 @@ def test_the_measured_step_runs_the_kernels_its_plan_followed(monkeypatch):
     plan followed "blocked", the measured step timed "sdpa", and they were 11% apart."""
     from onegpu.backends.torch import resolve as resolve_module
 
-    def by_whether_timed(model_cfg, device, dtype, call, *, keeps_products, timed, compiled):
+    def by_whether_timed(model_cfg, device, dtype, call, *, keeps_products, timed, compiled, sdpa):
         if model_cfg.attention != "auto":
             return model_cfg.attention, None
         return ("sdpa" if timed else "blocked"), None

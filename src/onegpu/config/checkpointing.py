@@ -61,6 +61,14 @@ class Checkpointing:
             return "block" if block % self.every == 0 else "none"
         return self.kind
 
+    def recomputes_attention(self) -> bool:
+        """Whether some block's backward runs its attention kernel again (a budget, planned
+        later, may)."""
+        recomputing = ("attn", "attn+mlp", "block")
+        if self.kind == "blocks":
+            return any(policy in recomputing for policy in self.per_block)
+        return self.kind in (*recomputing, "every", "budget")
+
 
 def parse_checkpointing(mode: str) -> Checkpointing:
     """The typed form of `memory.checkpointing` ('every:K' -> kind 'every', every=K; 'budget:N';

@@ -155,13 +155,15 @@ def cpu_candidates(
     *,
     seq_len: int | None = None,
     keeps_products: bool = False,
+    sdpa: bool = True,
 ) -> tuple[str, ...]:
     """The exact kernels `auto` may pick for this model on a CPU: blocked only in bf16 or fp32,
     without dropout, and where its probabilities (at `seq_len`, the rows' length, default the
     model's) are small beside the block's other saved activations. `keeps_products`: selective
     checkpointing keeps every matmul's output, which for blocked would be its fp32 scores,
-    twice the bytes of the probabilities it recomputes."""
-    names = ["sdpa", "plain"]
+    twice the bytes of the probabilities it recomputes. `sdpa` False: SDPA's kernel cannot run
+    here (sdpa_recompute_fails)."""
+    names = ["sdpa", "plain"] if sdpa else ["plain"]
     if dtype not in (torch.bfloat16, torch.float32) or keeps_products:  # fp16: see validation
         return tuple(names)
     T = seq_len or cfg.seq_len
@@ -180,6 +182,7 @@ def attention_choice(
     keeps_products: bool = False,
     timed: bool = True,
     compiled: bool = False,
+    sdpa: bool = True,
 ) -> tuple[str, dict[str, Any] | None]:
     """(the implementation `model.attention` stands for here, the timing it was picked by:
     `cached` True where it was read, not run; None where nothing was timed; any setting but
@@ -188,12 +191,17 @@ def attention_choice(
     candidates. Plans (`timed` False) time it too, the kernel deciding what a block saves, but
     first take what a run here chose under the allocator `onegpu train` runs with: a plan must
     follow the run's choice. `compiled`: for a run that compiles its blocks, timed as compiled
-    (cached apart): inductor fuses the matmul attentions' softmax, never SDPA's kernel."""
+    (cached apart): inductor fuses the matmul attentions' softmax, never SDPA's kernel.
+    `sdpa` False: SDPA's kernel cannot run here (sdpa_recompute_fails)."""
     if cfg.attention != "auto":
         return cfg.attention, None
     if device.type != "cpu" or cfg.softmax_dtype != "float32":
-        return "sdpa", None
-    candidates = cpu_candidates(cfg, dtype, seq_len=call.seq_len, keeps_products=keeps_products)
+        return ("sdpa" if sdpa else "plain"), None
+    candidates = cpu_candidates(
+        cfg, dtype, seq_len=call.seq_len, keeps_products=keeps_products, sdpa=sdpa
+    )
+    if len(candidates) == 1:
+        return candidates[0], None
     compiled = compiled and len(candidates) > 1 and not missing_compiler(device)
 
     def key(allocator: str) -> str:
@@ -223,6 +231,31 @@ def attention_choice(
         valid=valid,
     )
     return found["choice"], found | {"cached": False}
+
+
+def sdpa_recompute_fails(
+    device: torch.device, *, tensor_parallel: bool, compiles: bool, recomputes_attention: bool
+) -> bool:
+    """Whether SDPA's fused kernel cannot run: on a device without graph-safe RNG (a CPU),
+    torch's partitioner (2.13) wraps a recomputed RNG-tagged op (SDPA's fused CPU kernel, which
+    takes a dropout argument, even at 0) to save its RNG state, and puts that state after the
+    graph's opaque inputs; under tensor parallelism a DTensor's DeviceMesh is one, and the
+    compiled forward fails ("expected all tensors_saved_with_vc_check to be Tensors"). So:
+    tensor parallelism, compiled blocks, and checkpointing that recomputes attention."""
+    return device.type != "cuda" and tensor_parallel and compiles and recomputes_attention
+
+
+def check_sdpa_recompute(name: str, dropout: float) -> None:
+    """Refuse, with the ways out, an SDPA kernel where sdpa_recompute_fails: the fused kernel
+    ('flash', or 'sdpa' without dropout, which picks it on a CPU)."""
+    if name == "flash" or (name == "sdpa" and dropout == 0):
+        raise ConfigError(
+            "model.attention",
+            f"{name!r} cannot be recomputed by compiled checkpointing under tensor "
+            "parallelism on this device (torch saves its RNG state out of order); use "
+            "model.attention auto, plain, blocked or math, memory.checkpointing mlp, or "
+            "train.compile none",
+        )
 
 
 def check_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> None:

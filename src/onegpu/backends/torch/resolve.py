@@ -19,7 +19,13 @@ from onegpu.distributed.parallelize import fsdp_mixed_precision
 from onegpu.models.hf import chunkable_loss, default_attention, hf_head_bias, resolve_model_config
 from onegpu.perf.logits import vocab_shard
 from onegpu.techniques import compile_auto
-from onegpu.techniques.attention import BY_SAVED_BYTES, AttentionCall, attention_choice
+from onegpu.techniques.attention import (
+    BY_SAVED_BYTES,
+    AttentionCall,
+    attention_choice,
+    check_sdpa_recompute,
+    sdpa_recompute_fails,
+)
 from onegpu.techniques.chunked_loss import resolve_loss_chunk
 from onegpu.techniques.gelu_kernel import GeluShape, resolve_gelu_kernel
 from onegpu.techniques.kernel_trial import MIN_MICRO_BATCHES
@@ -124,14 +130,9 @@ def resolve(
     timed = timed and caps is None  # a device planned from its table: nothing here to time
     policy, precision_auto = _precision(cfg.train.precision, caps or device_caps(device))
     model_cfg = resolve_model_config(cfg.model) if cfg.model.hf else cfg.model
-    attention_timing = attention_if_eager = None
-    if cfg.model.hf and cfg.model.attention == "auto":
-        # the CPU timing compares our plain kernel, not the model's eager one
-        attention = default_attention(cfg.model)
-    else:
-        attention, attention_timing, attention_if_eager = _attention(
-            cfg, model_cfg, policy, device, timed=timed, ctx=ctx
-        )
+    attention, attention_timing, attention_if_eager = _attention(
+        cfg, model_cfg, policy, device, timed=timed, ctx=ctx
+    )
     model_cfg = dataclasses.replace(model_cfg, attention=attention)
     loss_chunk = resolve_loss_chunk(
         cfg.memory.loss_chunk,
@@ -235,16 +236,25 @@ def _attention(
     timed: bool,
     ctx: DistContext | None,
 ) -> tuple[str, dict[str, Any] | None, str | None]:
-    """`model.attention` for our GPT, the timing behind it, and the kernel an eager run takes
-    instead (Resolved.attention_if_eager). A run that compiles its blocks (a compile mode set,
-    or `auto` on a run long enough to time one) is decided by the kernels compiled: inductor
+    """`model.attention`, the timing behind it, and the kernel an eager run takes instead
+    (Resolved.attention_if_eager). A run that compiles its blocks (a compile mode set, or
+    `auto` on a run long enough to time one) is decided by the kernels compiled: inductor
     fuses blocked attention's softmax into its graph, never SDPA's kernel (model B on the AMX
     Xeon: blocked + compile 1.27x eager, SDPA + compile 1.17x; benchmarks/results/
-    step-cuts-B-2026-12-06.md)."""
+    step-cuts-B-2026-12-06.md). Where SDPA's fused kernel cannot be recomputed
+    (sdpa_recompute_fails), `auto` leaves it out and a setting that asks for it is refused."""
     distributed = ctx is not None and ctx.enabled
     mode = compile_auto.auto_candidate(cfg, device, distributed)
     # several processes compile only regionally (a whole graph is refused: check_distributed)
     compiles = mode == "regional" if distributed else mode != "none"
+    sdpa = not sdpa_recompute_fails(
+        device,
+        tensor_parallel=cfg.dist.tp > 1,
+        compiles=compiles,
+        recomputes_attention=parse_checkpointing(cfg.memory.checkpointing).recomputes_attention(),
+    )
+    if cfg.model.hf:
+        return _hf_attention(cfg, sdpa), None, None
 
     def choice(compiled: bool) -> tuple[str, dict[str, Any] | None]:
         return attention_choice(
@@ -256,14 +266,29 @@ def _attention(
             keeps_products=any(p in cfg.memory.checkpointing for p in SAVES_PRODUCTS),
             timed=timed,
             compiled=compiled,
+            sdpa=sdpa,
         )
 
+    if not sdpa:
+        check_sdpa_recompute(m.attention, m.dropout)
     attention, timing = choice(compiles)
     if not (compiles and cfg.train.compile == "auto" and timing and timing.get("compiled")):
         return attention, timing, None
     eager, _ = choice(False)
     leaner = BY_SAVED_BYTES.index(eager) < BY_SAVED_BYTES.index(attention)
     return attention, timing, eager if leaner else None
+
+
+def _hf_attention(cfg: Config, sdpa: bool) -> str:
+    """`model.attention` for a Hugging Face folder: `auto` is its class's default (our CPU
+    timing compares our plain kernel, not the model's eager one), transformers' eager
+    attention where SDPA cannot run. transformers runs every SDPA setting as plain SDPA."""
+    name = cfg.model.attention
+    if name == "auto":
+        return default_attention(cfg.model) if sdpa else "plain"
+    if not sdpa and name != "plain":
+        check_sdpa_recompute("sdpa", cfg.model.dropout)
+    return name
 
 
 def _gelu_kernel(
