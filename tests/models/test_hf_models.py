@@ -206,3 +206,46 @@ def test_forward_and_backward_never_read_the_device(hf_folder):
     with CountReads():
         built.loss_fn(built.model, x, y).backward()
     assert CountReads.reads == 0
+
+
+def _sdpa_kernels_run(built, x, y) -> set[str]:
+    with torch.profiler.profile() as prof:
+        _grads(built, x, y)
+    return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_an_sdpa_kernel_asked_for_is_the_one_transformers_runs(arch, hf_folder):
+    """transformers calls SDPA without a kernel choice: `model.attention math` runs SDPA's math
+    kernel in forward and in a checkpoint's recompute, where `sdpa` takes the fused one, and
+    both compute the same gradients."""
+    folder = hf_folder(arch)
+    x, y = _batch()
+    fused = _sdpa_kernels_run(_built(folder, **{"model.attention": "sdpa"}), x, y)
+    assert any("flash" in name for name in fused), fused
+    _, ref = _grads(_built(folder, **{"model.attention": "sdpa"}), x, y)
+    for checkpointing in ("none", "block", "attn"):
+        built = _built(folder, **{"model.attention": "math", "memory.checkpointing": checkpointing})
+        ran = _sdpa_kernels_run(built, x, y)
+        assert ran == {"aten::_scaled_dot_product_attention_math"}, (checkpointing, ran)
+        _, grads = _grads(built, x, y)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_where_sdpas_fused_kernel_cannot_be_recomputed_auto_takes_transformers_eager(hf_folder):
+    """Tensor parallelism, compiled blocks and checkpointing that recomputes attention
+    (techniques.attention.sdpa_recompute_fails): `auto` is transformers' eager attention, `math`
+    runs, `sdpa` is refused in one line."""
+    from onegpu.backends.torch.resolve import resolve
+
+    over = {"dist.tp": 2, "train.compile": "regional", "memory.checkpointing": "block"}
+    cpu = torch.device("cpu")
+    assert resolve(_cfg(hf_folder("llama"), **over), cpu).attention == "plain"
+    assert (
+        resolve(_cfg(hf_folder("llama"), **over, **{"model.attention": "math"}), cpu).attention
+        == "math"
+    )
+    with pytest.raises(ConfigError, match=r"model\.attention"):
+        resolve(_cfg(hf_folder("llama"), **over, **{"model.attention": "sdpa"}), cpu)
+    assert resolve(_cfg(hf_folder("llama"), **{**over, "dist.tp": 1}), cpu).attention == "sdpa"

@@ -14,6 +14,7 @@ that keeps fewer bytes for backward.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import warnings
@@ -31,6 +32,7 @@ from onegpu.config import ConfigError, ModelConfig
 from onegpu.models.blocked_attention import blocked_attention
 from onegpu.models.documents import document_mask, placeholder_positions
 from onegpu.models.gpt import SDPA_BACKENDS, Attention, plain_attention
+from onegpu.models.hf import HFModel
 from onegpu.models.protocol import LossFn
 from onegpu.perf.allocator import active_allocator, run_allocator
 from onegpu.perf.attention_blocks import saved_prob_bytes
@@ -38,6 +40,7 @@ from onegpu.perf.contention import follows_last_run, measured_here, timed_cached
 from onegpu.perf.devices import cpu_name
 from onegpu.perf.logits import block_values_per_token
 from onegpu.techniques import causal_softmax_cpu
+from onegpu.techniques.checkpointing import block_branch
 from onegpu.techniques.compile import Candidate
 from onegpu.techniques.kernel_trial import missing_compiler
 
@@ -280,6 +283,31 @@ def use_attention(model: nn.Module, impl: str) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
             module.impl = impl
+
+
+def restrict_sdpa_kernel(model: nn.Module, impl: str) -> nn.Module:
+    """A Hugging Face model on the SDPA kernel `impl` ('flash', 'efficient' or 'math', else
+    unchanged): transformers calls SDPA without a kernel choice, so each block's attention
+    module runs its forward under `sdpa_kernel`. Set on the module, before checkpointing wraps
+    it, so a checkpoint's recompute runs the same kernel as the forward."""
+    if impl not in SDPA_BACKENDS or not isinstance(model, HFModel):
+        return model
+    for block in model.blocks:
+        try:
+            attention = block_branch(block, "attn")
+        except ConfigError:  # no attention sub-module by a known name: the whole block
+            attention = block
+        attention.forward = _under_sdpa_kernel(attention.forward, SDPA_BACKENDS[impl])
+    return model
+
+
+def _under_sdpa_kernel(forward: Callable[..., Any], kernel) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def restricted(*args, **kwargs):
+        with sdpa_kernel(kernel):
+            return forward(*args, **kwargs)
+
+    return restricted
 
 
 def on_attention(candidate: Candidate, model: nn.Module, compiled: str, eager: str) -> Candidate:

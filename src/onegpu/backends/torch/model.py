@@ -46,7 +46,7 @@ from onegpu.offload.activations import with_offload
 from onegpu.techniques import compile as compile_
 from onegpu.techniques import compile_auto
 from onegpu.techniques.approx_grads import apply_approx_grads
-from onegpu.techniques.attention import on_attention, use_attention
+from onegpu.techniques.attention import on_attention, restrict_sdpa_kernel, use_attention
 from onegpu.techniques.checkpointing import apply_checkpointing
 from onegpu.techniques.chunked_loss import chunked_token_loss_sum, vocab_parallel_chunked_loss
 from onegpu.techniques.gelu_kernel import use_gelu_kernel
@@ -126,6 +126,9 @@ def apply_techniques(
     # 1b. Tensor parallelism splits the layers by their names, before checkpointing wraps them
     #     (torchtitan's order: TP, activation checkpointing, compile, FSDP).
     model = split_tensors(model, ctx)
+    #     A Hugging Face model's attention on the SDPA kernel asked for, before checkpointing
+    #     wraps it (its recompute then runs the same kernel).
+    model = restrict_sdpa_kernel(model, resolved.attention)
     #     Pipeline parallelism keeps this process's stages' modules, under their own names.
     model, ranges, stages = keep_stages(model, cfg, ctx)
     # 2. Activation checkpointing wraps whole sub-modules (with the swapped layers inside).

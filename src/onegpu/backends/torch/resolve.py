@@ -282,12 +282,12 @@ def _attention(
 def _hf_attention(cfg: Config, sdpa: bool) -> str:
     """`model.attention` for a Hugging Face folder: `auto` is its class's default (our CPU
     timing compares our plain kernel, not the model's eager one), transformers' eager
-    attention where SDPA cannot run. transformers runs every SDPA setting as plain SDPA."""
+    attention where SDPA's fused kernel cannot run."""
     name = cfg.model.attention
     if name == "auto":
         return default_attention(cfg.model) if sdpa else "plain"
-    if not sdpa and name != "plain":
-        check_sdpa_recompute("sdpa", cfg.model.dropout)
+    if not sdpa:
+        check_sdpa_recompute(name, cfg.model.dropout)
     return name
 
 

@@ -69,9 +69,10 @@ def default_attention(m: ModelConfig) -> str:
 
 
 def attn_implementation(attention: str) -> str:
-    """onegpu's model.attention -> transformers' attn_implementation. The SDPA kernels are
-    chosen by the step's sdpa_kernel context, as for our GPT; 'plain' is transformers'
-    'eager' (explicit softmax, in fp32 for most architectures)."""
+    """onegpu's model.attention -> transformers' attn_implementation. An SDPA kernel asked
+    for ('flash', 'efficient', 'math') is set around each attention module's forward
+    (techniques.attention.restrict_sdpa_kernel); 'plain' is transformers' 'eager' (explicit
+    softmax, in fp32 for most architectures)."""
     return "eager" if attention == "plain" else "sdpa"
 
 
