@@ -135,3 +135,28 @@ def test_plot_writes_a_png(gpt_run, tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_tensor_parallel_runs_model_loads_in_one_process(gpt_run, tmp_path):
+    """A run folder's training layout (here tensor parallel, compiled and checkpointed, with
+    an SDPA kernel that layout refuses on a CPU) does not bind the one process that loads its
+    model for generate, eval and export: the same weights, the same logits."""
+    import shutil
+
+    from onegpu.config.loading import to_toml, with_overrides
+
+    run = tmp_path / "tp-run"
+    shutil.copytree(gpt_run, run)
+    cfg = load_config(file=run / "config.toml")
+    layout = {
+        "model.attention": "flash",
+        "dist.tp": "2",
+        "train.compile": "regional",
+        "memory.checkpointing": "block",
+    }
+    (run / "config.toml").write_text(to_toml(with_overrides(cfg, layout)))
+    trained, original = load_trained(run), load_trained(gpt_run)
+    assert trained.cfg.model.attention == "flash"
+    idx = torch.randint(0, trained.cfg.model.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(trained.model(idx), original.model(idx))

@@ -45,9 +45,17 @@ def load_trained(path: str | Path, device: torch.device | None = None) -> Traine
 
 
 def _plain(cfg: Config, device: torch.device) -> tuple[Config, LanguageModel]:
+    """The run's model for forwards in this one process: resolved without the training
+    layout (tensor parallelism, compile, checkpointing), which its kernels need not follow."""
     if cfg.model.attention == "auto" and not cfg.model.hf:  # no timing for a few forwards
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="sdpa"))
-    cfg = resolve(cfg, device).config
+    alone = dataclasses.replace(
+        cfg,
+        dist=dataclasses.replace(cfg.dist, tp=1),
+        train=dataclasses.replace(cfg.train, compile="none"),
+        memory=dataclasses.replace(cfg.memory, checkpointing="none"),
+    )
+    cfg = resolve(alone, device).config
     with torch.device("meta"):
         model = make_model(cfg.model)
     model = materialize(model, device, seed=cfg.train.seed, dtype=torch.float32)

@@ -247,14 +247,19 @@ def _attention(
     mode = compile_auto.auto_candidate(cfg, device, distributed)
     # several processes compile only regionally (a whole graph is refused: check_distributed)
     compiles = mode == "regional" if distributed else mode != "none"
-    sdpa = not sdpa_recompute_fails(
+    # tensor parallelism is always several processes, whether or not `ctx` (a start-up check
+    # has none) says so: they compile only regionally
+    fails = sdpa_recompute_fails(
         device,
         tensor_parallel=cfg.dist.tp > 1,
-        compiles=compiles,
+        compiles=compile_auto.auto_candidate(cfg, device, True) == "regional",
         recomputes_attention=parse_checkpointing(cfg.memory.checkpointing).recomputes_attention(),
     )
     if cfg.model.hf:
-        return _hf_attention(cfg, sdpa), None, None
+        return _hf_attention(cfg, fails), None, None
+    if fails:
+        check_sdpa_recompute(m.attention, m.dropout)
+    sdpa = not fails or m.dropout > 0  # with dropout SDPA takes its math path on a CPU
 
     def choice(compiled: bool) -> tuple[str, dict[str, Any] | None]:
         return attention_choice(
@@ -269,8 +274,6 @@ def _attention(
             sdpa=sdpa,
         )
 
-    if not sdpa:
-        check_sdpa_recompute(m.attention, m.dropout)
     attention, timing = choice(compiles)
     if not (compiles and cfg.train.compile == "auto" and timing and timing.get("compiled")):
         return attention, timing, None
@@ -279,15 +282,15 @@ def _attention(
     return attention, timing, eager if leaner else None
 
 
-def _hf_attention(cfg: Config, sdpa: bool) -> str:
+def _hf_attention(cfg: Config, sdpa_fails: bool) -> str:
     """`model.attention` for a Hugging Face folder: `auto` is its class's default (our CPU
     timing compares our plain kernel, not the model's eager one), transformers' eager
-    attention where SDPA's fused kernel cannot run."""
+    attention where SDPA's fused kernel cannot run (sdpa_recompute_fails)."""
     name = cfg.model.attention
     if name == "auto":
-        return default_attention(cfg.model) if sdpa else "plain"
-    if not sdpa:
-        check_sdpa_recompute(name, cfg.model.dropout)
+        return "plain" if sdpa_fails else default_attention(cfg.model)
+    if sdpa_fails:  # its attention dropout is config.json's, not model.dropout: taken as none
+        check_sdpa_recompute(name, 0.0)
     return name
 
 
