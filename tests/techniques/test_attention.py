@@ -428,7 +428,7 @@ def test_sdpa_is_left_out_where_compiled_tensor_parallel_recompute_breaks_it(
 
     monkeypatch.setattr(attention, "measure_cpu_attention", measure)
     cfg = tiny_cfg
-    cfg.model.attention = "auto"
+    cfg.model.attention, cfg.train.precision = "auto", "fp32"  # fp32: no matmuls to time
     cfg.dist.tp, cfg.train.compile, cfg.memory.checkpointing = 2, "regional", "block"
     cpu = torch.device("cpu")
     assert resolve(cfg, cpu).attention in ("plain", "blocked")
@@ -440,7 +440,17 @@ def test_sdpa_is_left_out_where_compiled_tensor_parallel_recompute_breaks_it(
     for name in ("math", "plain", "blocked"):
         cfg.model.attention = name
         assert resolve(cfg, cpu).attention == name
-    cfg.model.attention = "sdpa"
+    cfg.model.attention = "auto"
+    cfg.model.dropout = 0.1  # SDPA then takes its math path on a CPU: offered, and it runs
+    resolve(cfg, cpu)
+    assert "sdpa" in offered[-1]
+    cfg.model.attention, cfg.model.dropout = "sdpa", 0.0
+    # `auto` compile under torchrun stays eager, also where nothing says how many processes
+    # (the start-up check resolves without them)
+    cfg.train.compile, cfg.train.max_steps = "auto", 10_000
+    cfg.train.loss_kernel = cfg.train.gelu_kernel = "eager"  # nothing else to time here
+    assert resolve(cfg, cpu).attention == "sdpa"
+    cfg.train.compile = "regional"
     for field, value in (
         ("dist.tp", 1),
         ("train.compile", "none"),
