@@ -32,6 +32,9 @@ TIED = {
     "train.micro_batch_size": 4,
     "model.pad_vocab_to": 96,  # 256 -> 288 columns: the padding is masked on its shard
     "checkpoint.every": 5,
+    # pinned: a TP run times its attention at 1/tp of the heads, one process at all of them,
+    # and SDPA against plain moves the weights past REL (plain: TP may not recompute SDPA)
+    "model.attention": "plain",
 }
 UNTIED = {**TIED, "model.tie_embeddings": "false", "model.n_layer": 4, "model.bias": "false"}
 

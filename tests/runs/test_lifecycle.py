@@ -240,6 +240,8 @@ def _cli(out, backend, *args):
            "--train.eval_every", "0", "--train.log_every", "1000", "--out", str(out), *args]  # fmt: skip
     if backend == "jax":  # a long run would time XLA's settings first (xla_flags auto)
         cmd += ["--train.xla_flags", "none"]
+    else:  # and torch's compile modes and GELU kernel
+        cmd += ["--train.compile", "none", "--train.gelu_kernel", "eager"]
     env = {**os.environ, "ONEGPU_ALLOCATOR": "system"}
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip

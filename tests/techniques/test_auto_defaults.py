@@ -292,9 +292,10 @@ def test_build_follows_the_trial(monkeypatch, tmp_path, compiled_s, want):
     assert all(b._compiled_call_impl is None for b in built.model.blocks)  # regional left
 
 
-def test_a_complete_cache_decides_without_timing_anything(monkeypatch):
+def test_a_complete_cache_decides_without_timing_anything(monkeypatch, tmp_path):
     """Every mode's trial cached: nothing is timed, eager included (the choice is the cache's
     and the run's length alone)."""
+    monkeypatch.setenv("ONEGPU_CACHE", str(tmp_path))  # its made-up trials stay here
     cfg = _cfg(**{"train.max_steps": "500", "model.init_std": "0.017"})
     from onegpu.backends.torch.resolve import resolve
 

@@ -54,7 +54,9 @@ def test_a_cpus_auto_precision_keys_the_start_plan(monkeypatch):
     from onegpu.techniques import precision
 
     monkeypatch.setattr(precision, "bf16_native", lambda device: True)
-    cfg = load_config("tiny", overrides={"train.device": "cpu", "model.n_layer": "3"})
+    # the kernel pinned: each plan would time its own, and a near-tie can pick a larger one
+    over = {"train.device": "cpu", "model.n_layer": "3", "model.attention": "sdpa"}
+    cfg = load_config("tiny", overrides=over)
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 6.0)
     as_bf16 = memory_check.planned_need(cfg, "cpu")
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.6)

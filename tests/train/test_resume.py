@@ -153,7 +153,9 @@ def _run_cli(args, **kw):
     import sys
 
     cmd = [sys.executable, "-m", "onegpu", "train", "--preset", "tiny", "--train.device", "cpu",
-           "--out.progress", "false", "--train.eval_every", "0", *args]  # fmt: skip
+           "--out.progress", "false", "--train.eval_every", "0",
+           "--train.compile", "none", "--train.gelu_kernel", "eager", *args]  # fmt: skip
+    # compile and the GELU kernel pinned: a long run would time them before its first step
     env = {**os.environ, "ONEGPU_ALLOCATOR": "system"}
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, **kw)
 
