@@ -237,7 +237,7 @@ def _packed_step_grads(tmp_path, hf_folder, arch: str, **over):
     from onegpu.config import load_config
 
     base = {"model.seq_len": str(PACKED_T), "train.device": "cpu", "train.precision": "fp32"}
-    base["model.attention"] = "sdpa"  # pinned: the packed and unpacked plans would each time
+    base["model.attention"] = "sdpa"  # pinned: packed and plain rows would each time theirs
     if arch == "llama":
         base = hf_overrides(hf_folder("llama"), seq_len=PACKED_T)
     base |= {"train.batch_size": "4", "train.micro_batch_size": "4", "train.compile": "none"}
@@ -285,6 +285,7 @@ def test_the_planner_follows_the_packed_step(hf_folder, arch):
     from onegpu.plan.memory import plan_memory
 
     base = {"model.seq_len": str(PACKED_T), "train.device": "cpu", "train.precision": "fp32"}
+    base["model.attention"] = "sdpa"  # pinned: the packed and unpacked plans would each time
     if arch == "llama":
         base = hf_overrides(hf_folder("llama"), seq_len=PACKED_T)
     over = {**base, "data.packing": "bfd", "memory.checkpointing": "selective"}

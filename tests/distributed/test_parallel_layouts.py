@@ -21,6 +21,7 @@ from launching import launch, losses
 from safetensors.torch import load_file
 
 from onegpu.backends.torch import checkpoint as ckpt
+from onegpu.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -143,11 +144,16 @@ def test_a_layout_resumes_bit_for_bit_on_itself(runs, tmp_path, layout):
 
 def test_tensor_parallel_composes_with_regional_compile_bf16_and_checkpointing(tmp_path):
     """TP 2 with each block compiled on its own, bf16 autocast and block checkpointing: the
-    same losses as one process with the same settings, to bf16's rounding."""
+    same losses as one process with the same settings, to bf16's rounding. Its attention is
+    `auto`, which here must leave SDPA's fused kernel out (torch cannot recompute it in this
+    graph: techniques.attention.sdpa_recompute_fails); the one process runs the kernel the TP
+    run took."""
     over = {**TIED, "train.max_steps": 4, "checkpoint.every": 0, "train.compile": "regional",
             "train.precision": "bf16", "memory.checkpointing": "block"}  # fmt: skip
-    launch(tmp_path / "tp", 2, **over, **{"dist.tp": 2})
-    launch(tmp_path / "one", 1, **over)
+    launch(tmp_path / "tp", 2, **{**over, "dist.tp": 2, "model.attention": "auto"})
+    taken = load_config(file=tmp_path / "tp" / "config.toml").model.attention
+    assert taken in ("plain", "blocked")
+    launch(tmp_path / "one", 1, **{**over, "model.attention": taken})
     tp, one = losses(tmp_path / "tp"), losses(tmp_path / "one")
     assert tp.keys() == one.keys() == {1, 2, 3, 4}
     assert max(abs(tp[s] - one[s]) / one[s] for s in one) <= 1e-4

@@ -248,16 +248,17 @@ def sdpa_recompute_fails(
     return device.type != "cuda" and tensor_parallel and compiles and recomputes_attention
 
 
-def check_sdpa_recompute(name: str, dropout: float) -> None:
+def check_sdpa_recompute(name: str, dropout: float, *, hf: bool = False) -> None:
     """Refuse, with the ways out, an SDPA kernel where sdpa_recompute_fails: the fused kernel
-    ('flash', or 'sdpa' without dropout, which picks it on a CPU)."""
+    ('flash', or 'sdpa' without dropout, which picks it on a CPU). `hf`: a Hugging Face
+    model's, which has no blocked attention."""
     if name == "flash" or (name == "sdpa" and dropout == 0):
+        kernels = "auto, plain or math" if hf else "auto, plain, blocked or math"
         raise ConfigError(
             "model.attention",
             f"{name!r} cannot be recomputed by compiled checkpointing under tensor "
             "parallelism on this device (torch saves its RNG state out of order); use "
-            "model.attention auto, plain, blocked or math, memory.checkpointing mlp, or "
-            "train.compile none",
+            f"model.attention {kernels}, memory.checkpointing mlp, or train.compile none",
         )
 
 

@@ -290,7 +290,7 @@ def _hf_attention(cfg: Config, sdpa_fails: bool) -> str:
     if name == "auto":
         return "plain" if sdpa_fails else default_attention(cfg.model)
     if sdpa_fails:  # its attention dropout is config.json's, not model.dropout: taken as none
-        check_sdpa_recompute(name, 0.0)
+        check_sdpa_recompute(name, 0.0, hf=True)
     return name
 
 
